@@ -1,0 +1,97 @@
+"""The GPT architecture record: what defines a model's shape, independent of parallel layout.
+
+It is written into every checkpoint we save (training or conversion), so that
+`pretrained_checkpoint.restore_from_path` can rebuild the model without the user restating it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class GPTArchitecture:
+    """Shape and numerics of a GPT/Llama-family decoder."""
+
+    num_layers: int = 2
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Model width."""
+    ffn_hidden_size: int = 256
+    """MLP inner width (per branch for SwiGLU)."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention; None means num_attention_heads (MHA)."""
+    kv_channels: int | None = None
+    """Per-head dimension; None means hidden_size // num_attention_heads."""
+    encoder_seq_length: int = 512
+    """Maximum sequence length (also the learned-position table size)."""
+    vocab_size: int | None = None
+    """Tokenizer vocabulary size; None means take it from the tokenizer."""
+    make_vocab_size_divisible_by: int = 128
+    """Embedding rows are padded up to a multiple of this times the TP size."""
+    padded_vocab_size: int | None = None
+    """Exact embedding rows (set by conversion to keep an HF checkpoint's rows); overrides padding."""
+    normalization: str = "RMSNorm"
+    """'RMSNorm' or 'LayerNorm'."""
+    layernorm_epsilon: float = 1e-5
+    """Norm epsilon."""
+    activation: str = "swiglu"
+    """MLP activation: 'swiglu', 'gelu' or 'relu'."""
+    position_embedding_type: str = "rope"
+    """'rope' or 'learned_absolute'."""
+    rotary_base: int = 10000
+    """RoPE theta."""
+    rotary_percent: float = 1.0
+    """Fraction of head dims rotated."""
+    rope_scaling: bool = False
+    """Llama-3.1-style RoPE frequency scaling."""
+    rope_scaling_factor: float = 8.0
+    """Scale factor for rope_scaling."""
+    add_bias_linear: bool = False
+    """Biases on all linear layers (GPT-2 style)."""
+    add_qkv_bias: bool = False
+    """Bias on the QKV projection only (Qwen2)."""
+    share_embeddings_and_output_weights: bool = False
+    """Tie the input embedding and the output layer."""
+    init_method_std: float = 0.02
+    """Std of the normal weight initialisation."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention/MLP."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form, for checkpoints and JSON."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GPTArchitecture:
+        """Build from a dict, rejecting unknown keys with a message naming them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown model architecture keys: {unknown}")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """Names of all architecture fields."""
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def padded_vocab(self, tensor_parallel_size: int) -> int:
+        """Embedding rows: `padded_vocab_size` if fixed, else vocab rounded up for TP."""
+        if self.padded_vocab_size is not None:
+            if self.padded_vocab_size % tensor_parallel_size:
+                raise ValueError(
+                    f"padded_vocab_size {self.padded_vocab_size} is not divisible by "
+                    f"tensor_model_parallel_size {tensor_parallel_size}"
+                )
+            return self.padded_vocab_size
+        if self.vocab_size is None:
+            raise ValueError("model.vocab_size is unset (it is normally read from the tokenizer)")
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
+        return -(-self.vocab_size // multiple) * multiple

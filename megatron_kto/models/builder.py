@@ -1,0 +1,170 @@
+"""Build megatron-core `GPTModel` chunks for this rank from a `GPTArchitecture`.
+
+Handles the pipeline split (pre/post-process per stage, virtual pipeline chunks), the layer spec
+(Transformer Engine when importable *and* CUDA is present, megatron-core's local spec otherwise)
+and the Llama-family options (RMSNorm, SwiGLU, RoPE with optional Llama-3 scaling, GQA, QKV bias).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_kto.models.architecture import GPTArchitecture
+
+_ACTIVATIONS = {"swiglu": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+@dataclass
+class ParallelLayout:
+    """How the model is split across ranks, and how it computes."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    sequence_parallel: bool = False
+    precision: str = "32"
+    """'32' (fp32 params and compute) or 'bf16' (bf16 params, fp32 main weights in the optimizer)."""
+    activations_checkpoint_granularity: str | None = None
+    """None, 'full' or 'selective' (recompute core attention)."""
+    activations_checkpoint_num_layers: int = 1
+    """Layers per recompute block for 'full' (uniform method)."""
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine is importable and CUDA is present (TE needs both)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> TransformerConfig:
+    """Translate architecture + layout into megatron-core's `TransformerConfig`.
+
+    Args:
+        arch: model shape.
+        layout: parallel layout and precision.
+
+    Returns:
+        The config every chunk of this model is built with.
+    """
+    if arch.activation not in _ACTIVATIONS:
+        raise ValueError(
+            f"model.activation must be one of {sorted(_ACTIVATIONS)}, got {arch.activation!r}"
+        )
+    if layout.precision not in ("32", "bf16"):
+        raise ValueError(f"trainer.precision must be '32' or 'bf16', got {layout.precision!r}")
+    bf16 = layout.precision == "bf16"
+    on_gpu = torch.cuda.is_available()
+    recompute = layout.activations_checkpoint_granularity
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.kv_channels,
+        hidden_dropout=arch.hidden_dropout,
+        attention_dropout=arch.attention_dropout,
+        layernorm_epsilon=arch.layernorm_epsilon,
+        normalization=arch.normalization,
+        add_bias_linear=arch.add_bias_linear,
+        add_qkv_bias=arch.add_qkv_bias,
+        gated_linear_unit=arch.activation == "swiglu",
+        activation_func=_ACTIVATIONS[arch.activation],
+        init_method_std=arch.init_method_std,
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+        sequence_parallel=layout.sequence_parallel,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=bf16,
+        # CPU init builds the full master weight and slices it, so TP=1 and TP=2 start identical.
+        use_cpu_initialization=not on_gpu,
+        # Fused kernels need CUDA (and Apex/TE); the unfused paths are numerically the same op.
+        bias_activation_fusion=on_gpu and arch.activation == "swiglu" and not arch.add_bias_linear,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        recompute_granularity=recompute,
+        recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=layout.activations_checkpoint_num_layers
+        if recompute == "full"
+        else None,
+        # Megatron frees pipeline outputs after sending them; needs CUDA-style storage handling.
+        deallocate_pipeline_outputs=on_gpu,
+    )
+
+
+def layer_spec(arch: GPTArchitecture):
+    """Transformer-layer `ModuleSpec`: TE when usable, megatron-core's local modules otherwise."""
+    if transformer_engine_available():
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization=arch.normalization)
+
+
+def build_gpt_chunks(
+    arch: GPTArchitecture, layout: ParallelLayout, device: torch.device
+) -> list[torch.nn.Module]:
+    """Build this rank's model chunks (one per virtual pipeline stage).
+
+    Args:
+        arch: model shape (its vocab_size must be set).
+        layout: parallel layout; must match the initialised megatron parallel state.
+        device: where parameters live.
+
+    Returns:
+        A list of `GPTModel` chunks (wrapped in `Float16Module` for bf16), each with
+        `pre_process`/`post_process` set for its pipeline position.
+    """
+    config = make_transformer_config(arch, layout)
+    spec = layer_spec(arch)
+    vocab = arch.padded_vocab(layout.tensor_model_parallel_size)
+    vpp = layout.virtual_pipeline_model_parallel_size
+    chunks: list[torch.nn.Module] = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab,
+            max_sequence_length=arch.encoder_seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(
+                ignore_virtual=False, vp_stage=stage
+            ),
+            post_process=parallel_state.is_pipeline_last_stage(
+                ignore_virtual=False, vp_stage=stage
+            ),
+            parallel_output=True,
+            share_embeddings_and_output_weights=arch.share_embeddings_and_output_weights,
+            position_embedding_type=arch.position_embedding_type,
+            rotary_percent=arch.rotary_percent,
+            rotary_base=arch.rotary_base,
+            rope_scaling=arch.rope_scaling,
+            rope_scaling_factor=arch.rope_scaling_factor,
+            vp_stage=stage,
+        )
+        model.to(device)
+        if config.bf16:
+            model = Float16Module(config, model)
+        chunks.append(model)
+    return chunks
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """Strip DDP / Float16Module wrappers down to the `GPTModel`."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module

@@ -1,0 +1,119 @@
+"""Drive megatron-core's pipeline schedules over a list of micro-batches.
+
+We follow megatron-core's forward-step contract: `forward_step(data_iterator, model) ->
+(output_tensor, loss_func)`, where `loss_func(output_tensor)` returns `(loss, reported)` for
+training and `loss_func(output_tensor, non_loss_data=True)` returns collected data for
+forward-only passes. Results exist only on the last pipeline stage; `broadcast_from_last_stage`
+hands fixed-size tensors to the other stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+Batch = dict[str, torch.Tensor]
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """Move every tensor of a batch to `device` (non-blocking on CUDA)."""
+    return {
+        k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
+    }
+
+
+def split_micro_batches(
+    batch: Batch, micro_batch_size: int, keys: Sequence[str] | None = None
+) -> list[Batch]:
+    """Split a batch of B rows into B / micro_batch_size micro-batches along dim 0.
+
+    Args:
+        batch: tensors whose first dimension is the row index.
+        micro_batch_size: rows per micro-batch; must divide B.
+        keys: the keys to keep (all tensors by default).
+
+    Returns:
+        The micro-batches, in order.
+    """
+    keys = list(keys) if keys is not None else [k for k, v in batch.items() if torch.is_tensor(v)]
+    rows = batch[keys[0]].shape[0]
+    if rows % micro_batch_size:
+        raise ValueError(f"{rows} rows cannot be split into micro-batches of {micro_batch_size}")
+    return [
+        {k: batch[k][i : i + micro_batch_size] for k in keys}
+        for i in range(0, rows, micro_batch_size)
+    ]
+
+
+def run_schedule(
+    model_chunks: list[torch.nn.Module],
+    micro_batches: list[Batch],
+    forward_step: Callable[[Any, torch.nn.Module], tuple[torch.Tensor, Callable]],
+    *,
+    forward_only: bool,
+    collect_non_loss_data: bool = False,
+) -> list[Any]:
+    """Run one megatron-core forward(-backward) schedule over `micro_batches`.
+
+    Args:
+        model_chunks: this rank's model chunks (DDP-wrapped for training).
+        micro_batches: equally shaped micro-batches ([mbs, T] tensors), already on the device.
+        forward_step: megatron-core forward step function.
+        forward_only: no backward pass.
+        collect_non_loss_data: collect `loss_func(output, non_loss_data=True)` results.
+
+    Returns:
+        Per micro-batch results of the loss function on the last pipeline stage; [] elsewhere.
+    """
+    if not micro_batches:
+        return []
+    seq_length = micro_batches[0]["position_ids"].shape[1]
+    micro_batch_size = micro_batches[0]["position_ids"].shape[0]
+    # Interleaved schedules take one iterator per model chunk over the same micro-batches.
+    iterators: Any = [iter(micro_batches) for _ in model_chunks]
+    if len(model_chunks) == 1:
+        iterators = iterators[0]
+    fb = get_forward_backward_func()
+    return fb(
+        forward_step_func=forward_step,
+        data_iterator=iterators,
+        model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+    )
+
+
+def broadcast_from_last_stage(
+    tensor: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Give every pipeline stage the last stage's fixed-size tensor.
+
+    Args:
+        tensor: the value on the last stage (ignored elsewhere).
+        shape, dtype, device: of the tensor, known on every stage.
+
+    Returns:
+        The last stage's tensor, on every rank of the pipeline group.
+    """
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        assert tensor is not None
+        return tensor
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        assert tensor is not None
+        buf = tensor.detach().to(device=device, dtype=dtype).contiguous()
+    else:
+        buf = torch.empty(tuple(shape), dtype=dtype, device=device)
+    dist.broadcast(
+        buf,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return buf

@@ -1,0 +1,167 @@
+"""Let the real megatron-core run on CPU (gloo) — the only module that patches megatron-core.
+
+megatron-core 0.16 assumes CUDA in a handful of places that are otherwise device-agnostic
+(see shared/MEGATRON_CPU_NOTES.md for the measurements). On a machine without CUDA we
+redirect exactly those assumptions to the CPU, so our TP/PP/DP tests exercise megatron-core's
+own parallel layers, schedules, DDP, optimizer and dist_checkpointing in CI.
+
+Every patch below names the megatron-core code it serves. Nothing here runs when CUDA is
+present: `apply()` is a no-op on GPU machines.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+#: megatron-core versions these patches were written and measured against.
+SUPPORTED_MEGATRON_PREFIX = "0.16."
+
+_APPLIED = False
+
+
+class CPUCompatError(RuntimeError):
+    """megatron-core cannot be run on CPU with this version of the compatibility layer."""
+
+
+def megatron_core_version() -> str:
+    """Return the installed megatron-core version string."""
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def check_version(version: str | None = None) -> None:
+    """Refuse megatron-core versions the patches were not written for.
+
+    Args:
+        version: version to check; defaults to the installed megatron-core.
+
+    Raises:
+        CPUCompatError: if the version is outside ``SUPPORTED_MEGATRON_PREFIX``.
+    """
+    version = version if version is not None else megatron_core_version()
+    if not version.startswith(SUPPORTED_MEGATRON_PREFIX):
+        raise CPUCompatError(
+            f"megatron_kto's CPU compatibility layer supports megatron-core "
+            f"{SUPPORTED_MEGATRON_PREFIX}x, found {version}. Install 'megatron-core>=0.16.1,<0.17' "
+            f"or run on a CUDA machine (where no patching is needed)."
+        )
+
+
+def _is_cuda_device(device: Any) -> bool:
+    # megatron passes "cuda", torch.device("cuda"), or torch.cuda.current_device() (an int).
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _cpu_device_factory(fn: Callable) -> Callable:
+    """Wrap a torch factory so that a CUDA ``device=`` argument means the CPU."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    wrapper._mkto_original = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+# Factories called with device="cuda" / device=torch.cuda.current_device() in megatron-core 0.16.1:
+# pipeline_parallel/schedules.py (total_num_tokens), p2p_communication.py (shape/recv buffers),
+# transformer/utils.py::get_default_causal_mask, optimizer/optimizer.py & clip_grads.py (scalars),
+# tensor_parallel/layers.py & mappings.py (gather buffers), dist_checkpointing/exchange_utils.py.
+_FACTORIES = ("zeros", "ones", "empty", "tensor", "empty_like", "zeros_like", "full", "arange")
+
+
+def _cpu_tensor_type(original: Callable) -> Callable:
+    # optimizer/optimizer.py ~671/690, distrib_optimizer.py ~361/420 and clip_grads.py ~167 branch on
+    # `param.type() == 'torch.cuda.FloatTensor'`; report CPU tensors under their CUDA names there.
+    @functools.wraps(original)
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original(self)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    return type_
+
+
+def _patch_rng() -> None:
+    """Route megatron's CUDA RNG tracker to the CPU generator.
+
+    `tensor_parallel.random.CudaRNGStatesTracker` stores per-stream states taken with
+    `torch.cuda.get_rng_state()` after `torch.cuda.manual_seed(seed)`. Seeding must reach the
+    CPU generator (a no-op would give every TP rank the same "tensor-model-parallel" stream,
+    i.e. identical dropout masks), and `_set_cuda_rng_state` must really restore the state
+    (otherwise `fork()` and activation-recompute RNG replay silently do nothing).
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+
+    def get_state(device=None, clone=False, graph_safe=False):
+        state = torch.get_rng_state()
+        return state.clone() if clone else state
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
+    # The tracker's fork() warns whenever the CPU RNG moved inside a CUDA-RNG context; on CPU the
+    # two generators are the same object, so that warning fires on every dropout call.
+    logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
+
+
+def apply(force: bool = False) -> bool:
+    """Apply the CPU redirections once per process, when CUDA is unavailable.
+
+    Args:
+        force: apply even if CUDA is available (tests only).
+
+    Returns:
+        True if the patches are (now) active.
+    """
+    global _APPLIED
+    if _APPLIED:
+        return True
+    if torch.cuda.is_available() and not force:
+        return False
+    check_version()
+
+    for name in _FACTORIES:
+        setattr(torch, name, _cpu_device_factory(getattr(torch, name)))
+    # p2p_communication.py ~190-321, layers.py, mappings.py, distrib_optimizer.py ~791 etc. pass
+    # torch.cuda.current_device() as a device, and rotary_pos_embedding.py ~162 moves inv_freq
+    # `.to(device=torch.cuda.current_device())`: answer with the CPU device itself.
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    # p2p_communication.py ~242/398 (batch_p2p_sync) and filesystem_async.py ~230.
+    torch.cuda.synchronize = lambda device=None: None
+    # language_module.py ~244 (tied embeddings with PP>1), distrib_optimizer.py ~1089,
+    # optimizer.py ~375/380 (state reload): `.cuda()` on a CPU tensor means "stay on the CPU".
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.Tensor.type = _cpu_tensor_type(torch.Tensor.type)
+    _patch_rng()
+    # megatron.core.jit.jit_fuser is torch.compile: ~17 s of C++ compilation per process on CPU
+    # for a few fused elementwise ops. Run them eagerly.
+    from torch import _dynamo
+
+    _dynamo.config.disable = True
+    _APPLIED = True
+    return True
+
+
+def is_applied() -> bool:
+    """Whether `apply()` has patched this process."""
+    return _APPLIED

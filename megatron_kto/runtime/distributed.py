@@ -1,0 +1,164 @@
+"""Process-level runtime: torch.distributed, megatron parallel state, seeds and the device.
+
+`init_runtime()` is the one call every entry point makes; library code receives the returned
+`Runtime` (or reads megatron's `parallel_state`) instead of asking CUDA for a device.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_kto.runtime import cpu_compat
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What a rank needs to know about where it runs."""
+
+    device: torch.device
+    rank: int
+    world_size: int
+    local_rank: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    virtual_pipeline_parallel_size: int | None
+    data_parallel_size: int
+    data_parallel_rank: int
+    pipeline_parallel_rank: int
+    tensor_parallel_rank: int
+
+    @property
+    def is_rank0(self) -> bool:
+        """True on global rank 0 (the rank that writes logs)."""
+        return self.rank == 0
+
+    @property
+    def is_cpu(self) -> bool:
+        """True when running on the CPU (gloo)."""
+        return self.device.type == "cpu"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ensure_env() -> None:
+    # A plain `python script.py` (no torchrun) runs as a world of one.
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python, NumPy, torch and megatron's model-parallel RNG tracker.
+
+    Pipeline stages get different base seeds (as in Megatron-LM) so that dropout differs per stage;
+    tensor-parallel ranks share the base seed (identical CPU-initialised master weights) and get
+    distinct tensor-parallel streams from `model_parallel_cuda_manual_seed`.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def init_runtime(
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    virtual_pipeline_parallel_size: int | None = None,
+    seed: int = 1234,
+    device: str = "auto",
+    timeout_minutes: int = 30,
+) -> Runtime:
+    """Initialise torch.distributed and megatron-core's parallel state for this process.
+
+    Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); without it the
+    process runs alone. Uses NCCL on GPU and gloo on CPU (where the CPU compatibility layer is
+    applied first).
+
+    Args:
+        tensor_parallel_size: TP degree.
+        pipeline_parallel_size: PP degree.
+        virtual_pipeline_parallel_size: model chunks per pipeline rank (interleaved 1F1B), or None.
+        seed: base random seed.
+        device: "auto" (CUDA if available), "cuda" or "cpu".
+        timeout_minutes: collective timeout.
+
+    Returns:
+        The `Runtime` of this rank.
+    """
+    from megatron.core import parallel_state
+
+    _ensure_env()
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        cpu_compat.apply(force=torch.cuda.is_available())
+        dev = torch.device("cpu")
+        backend = "gloo"
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+            **({"device_id": dev} if use_cuda else {}),
+        )
+    world_size = dist.get_world_size()
+    model_parallel = tensor_parallel_size * pipeline_parallel_size
+    if world_size % model_parallel != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size "
+            f"({tensor_parallel_size}) x pipeline_model_parallel_size ({pipeline_parallel_size})"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel_size,
+        pipeline_model_parallel_size=pipeline_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_parallel_size,
+    )
+    set_seed(seed)
+    return Runtime(
+        device=dev,
+        rank=dist.get_rank(),
+        world_size=world_size,
+        local_rank=local_rank,
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        virtual_pipeline_parallel_size=virtual_pipeline_parallel_size,
+        data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        data_parallel_rank=parallel_state.get_data_parallel_rank(),
+        pipeline_parallel_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
+    )
+
+
+def teardown() -> None:
+    """Destroy megatron's groups and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
