@@ -1,0 +1,98 @@
+"""Model weights in megatron-core's dist_checkpointing (torch_dist) format, plus the architecture.
+
+Layout of a checkpoint directory (written by training and by the conversion tool alike)::
+
+    <dir>/architecture.json     GPTArchitecture.to_dict() — restore needs no model config
+    <dir>/<dist_checkpointing files>   sharded tensors under the "model." namespace
+                                       (training checkpoints add "optimizer.")
+
+Tensors are keyed by their global (layout-independent) names, so a checkpoint saved under one
+TP/PP/VPP layout loads under any other.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import dist_checkpointing
+
+from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.models.builder import unwrap
+
+ARCH_FILE = "architecture.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory is missing, partial or does not match the model."""
+
+
+def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    """Sharded state dict of this rank's model chunks: {"model": ...} or {"model0": ..., ...}.
+
+    Interleaved pipelines have several chunks; each chunk's tensors carry global keys, so the
+    nesting only organises the returned dict.
+    """
+    if len(chunks) == 1:
+        return {"model": unwrap(chunks[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def write_architecture(ckpt_dir: str | Path, arch: GPTArchitecture) -> None:
+    """Write `architecture.json` (rank 0 only is enough; idempotent)."""
+    path = Path(ckpt_dir) / ARCH_FILE
+    path.write_text(json.dumps(arch.to_dict(), indent=2, sort_keys=True))
+
+
+def read_architecture(ckpt_dir: str | Path) -> GPTArchitecture:
+    """Read the architecture stored with a checkpoint.
+
+    Raises:
+        CheckpointError: if the file is absent or unreadable.
+    """
+    path = Path(ckpt_dir) / ARCH_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not found — is {ckpt_dir} a megatron_kto checkpoint?")
+    try:
+        return GPTArchitecture.from_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: invalid architecture record: {e}") from e
+
+
+def save_model(ckpt_dir: str | Path, chunks: list[torch.nn.Module], arch: GPTArchitecture) -> None:
+    """Collectively save model weights (every rank calls this) and the architecture.
+
+    Args:
+        ckpt_dir: an existing, empty directory visible to all ranks.
+        chunks: this rank's model chunks.
+        arch: the model's architecture record.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    dist_checkpointing.save(model_sharded_state_dict(chunks), str(ckpt_dir))
+    if torch.distributed.get_rank() == 0:
+        write_architecture(ckpt_dir, arch)
+    torch.distributed.barrier()
+
+
+def load_model(ckpt_dir: str | Path, chunks: list[torch.nn.Module]) -> None:
+    """Collectively load model weights saved under any layout into this rank's chunks.
+
+    Raises:
+        CheckpointError: if the directory is not a complete dist checkpoint or a tensor is
+            missing/mis-shaped.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / "metadata.json").is_file():
+        raise CheckpointError(f"{ckpt_dir}: not a complete dist checkpoint (no metadata.json)")
+    sharded = model_sharded_state_dict(chunks)
+    try:
+        loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
+    except Exception as e:  # megatron raises several types; surface one clear line
+        raise CheckpointError(
+            f"{ckpt_dir}: cannot load model weights: {type(e).__name__}: {e}"
+        ) from e
+    for i, chunk in enumerate(chunks):
+        state = loaded["model"] if len(chunks) == 1 else loaded[f"model{i}"]
+        unwrap(chunk).load_state_dict(state, strict=True)
