@@ -1,0 +1,281 @@
+"""DPOTrainer: the training loop shared by DPO and KTO (`KTOTrainer` subclasses it).
+
+`fit()` owns epochs, `max_steps`, validation cadence, gradient clipping (inside the megatron
+optimizer), LR scheduling, logging, checkpoint hooks, the run-time limit and preemption.
+What differs between algorithms is only `augment_dataloader` (which reference log-probs a batch
+needs) and the model's `get_loss_and_metrics`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import torch
+
+from megatron_kto.models.dpo_model import REF_CHOSEN, REF_REJECTED
+from megatron_kto.models.forward import data_parallel_all_reduce, eval_mode
+from megatron_kto.models.schedule import Batch, to_device
+from megatron_kto.models.training_setup import zero_grads
+
+
+class PreferenceModel(Protocol):
+    """What the trainer needs from MegatronGPTKTOModel / MegatronGPTDPOModel."""
+
+    chunks: list[torch.nn.Module]
+
+    def get_ref_policy_logprobs(self, batch: Batch) -> torch.Tensor: ...
+
+    def get_loss_and_metrics(
+        self, batch: Batch, forward_only: bool
+    ) -> tuple[float, dict[str, float]]: ...
+
+
+@dataclass
+class TrainerState:
+    """Progress of a run; saved in checkpoints."""
+
+    step: int = 0
+    """Optimizer steps taken."""
+    epoch: int = 0
+    """Current epoch (0-based)."""
+    consumed_samples: int = 0
+    """Training examples consumed across all DP ranks."""
+
+
+@dataclass
+class LoopSettings:
+    """Resolved loop limits (from `trainer.kto` / `trainer.dpo`)."""
+
+    max_steps: int
+    steps_per_epoch: int
+    val_check_interval: int
+    limit_val_batches: int
+    save_interval: int
+    log_every_n_steps: int
+    global_batch_size: int
+    max_time_seconds: float | None = None
+
+
+def resolve_loop(
+    loop: Any,
+    train_batches: int,
+    val_batches: int,
+    global_batch_size: int,
+    log_every_n_steps: int,
+    max_time_seconds: float | None,
+) -> LoopSettings:
+    """Turn NeMo-style loop config (fractions or counts) into step counts.
+
+    Args:
+        loop: `trainer.kto`/`trainer.dpo` config node.
+        train_batches: full global batches per epoch in the training data.
+        val_batches: full global batches in the validation data.
+    """
+
+    def limit(value: float, total: int) -> int:
+        return min(total, int(value)) if value > 1 else int(total * value)
+
+    steps_per_epoch = limit(loop.limit_train_batches, train_batches)
+    if steps_per_epoch < 1:
+        raise ValueError(
+            f"model.data.data_prefix.train: fewer examples than one global batch "
+            f"({global_batch_size}); lower model.global_batch_size or add data"
+        )
+    max_steps = loop.max_steps if loop.max_steps > 0 else loop.max_epochs * steps_per_epoch
+    v = loop.val_check_interval
+    val_every = int(v) if v >= 1 else max(1, int(v * steps_per_epoch))
+    return LoopSettings(
+        max_steps=max_steps,
+        steps_per_epoch=steps_per_epoch,
+        val_check_interval=val_every,
+        limit_val_batches=limit(loop.limit_val_batches, val_batches),
+        save_interval=loop.save_interval,
+        log_every_n_steps=log_every_n_steps,
+        global_batch_size=global_batch_size,
+        max_time_seconds=max_time_seconds,
+    )
+
+
+class DPOTrainer:
+    """Runs `fit()` for a preference model (DPO here; KTO via `KTOTrainer`)."""
+
+    def __init__(
+        self,
+        model: PreferenceModel,
+        optimizer,
+        scheduler,
+        train_loader: Callable[[int, int], Iterable[Batch]],
+        val_loader: Callable[[], Iterable[Batch]] | None,
+        loop: LoopSettings,
+        device: torch.device,
+        logger,
+        progress,
+        flops_per_token: float = 0.0,
+        peak_flops: float | None = None,
+        world_size: int = 1,
+        checkpoint_hook: Callable[[TrainerState, bool], None] | None = None,
+        stop_requested: Callable[[], bool] | None = None,
+        state: TrainerState | None = None,
+    ):
+        """
+        Args:
+            model: policy + reference + loss.
+            optimizer, scheduler: megatron-core optimizer and OptimizerParamScheduler.
+            train_loader: (epoch, batches already consumed in that epoch) -> this rank's batches.
+            val_loader: () -> this rank's validation batches, or None.
+            loop: resolved limits.
+            device: where batches go.
+            logger: `.log(split, step, consumed_samples, metrics)`.
+            progress: `.update(step, metrics)` / `.close()`.
+            flops_per_token: forward FLOPs per token of the model (for MFU).
+            peak_flops: peak FLOP/s of one device (for MFU), or None.
+            world_size: number of devices in the job.
+            checkpoint_hook: `(state, final)` called when a checkpoint is due.
+            stop_requested: returns True when preemption was signalled.
+            state: progress to resume from.
+        """
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.train_loader = train_loader
+        self.val_loader = val_loader
+        self.loop = loop
+        self.device = device
+        self.logger = logger
+        self.progress = progress
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.world_size = world_size
+        self.checkpoint_hook = checkpoint_hook
+        self.stop_requested = stop_requested or (lambda: False)
+        self.state = state or TrainerState()
+        self._start_time = time.monotonic()
+
+    # --- per-algorithm -------------------------------------------------------------------------
+    def augment_dataloader(self, dataloader: Iterable[Batch]) -> Iterator[Batch]:
+        """Move each batch to the device and attach reference log-probs, split into the chosen
+        and rejected halves (`ref_policy_log_probs_chosen` / `_rejected`, [B] each)."""
+        for batch in dataloader:
+            batch = to_device(batch, self.device)
+            ref = self.model.get_ref_policy_logprobs(batch)
+            batch[REF_CHOSEN], batch[REF_REJECTED] = ref.chunk(2)
+            yield batch
+
+    def step_cost_tokens(self, batch: Batch) -> tuple[float, float]:
+        """(real tokens in this rank's batch, forward-equivalent token passes for MFU).
+
+        DPO: reference forward over chosen+rejected (1x) and policy forward+backward (3x).
+        """
+        tokens = float(batch["chosen_lengths"].sum() + batch["rejected_lengths"].sum())
+        return tokens, 4.0 * tokens
+
+    # --- loop ----------------------------------------------------------------------------------
+    def train_single_step(self, batch: Batch, started: float) -> dict[str, float]:
+        """One optimizer step on a batch that already carries its reference log-probs."""
+        for chunk in self.model.chunks:
+            chunk.train()
+        zero_grads(self.model.chunks, self.optimizer)
+        loss, metrics = self.model.get_loss_and_metrics(batch, forward_only=False)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        elapsed = time.monotonic() - started
+        tokens, passes = self.step_cost_tokens(batch)
+        totals = data_parallel_all_reduce(
+            torch.tensor([tokens, passes], dtype=torch.float64, device=self.device)
+        )
+        metrics.update(
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
+            skipped_step=float(not update_ok),
+            step_time=elapsed,
+            tokens_per_sec=float(totals[0]) / elapsed,
+        )
+        if self.peak_flops and self.flops_per_token:
+            metrics["mfu"] = (
+                float(totals[1])
+                * self.flops_per_token
+                / elapsed
+                / (self.peak_flops * self.world_size)
+            )
+        return metrics
+
+    def run_validation(self) -> dict[str, float] | None:
+        """Mean validation metrics over `limit_val_batches` global batches (None if no data)."""
+        if self.val_loader is None or self.loop.limit_val_batches == 0:
+            return None
+        totals: dict[str, float] = {}
+        count = 0
+        with eval_mode(self.model.chunks):
+            for batch in self.augment_dataloader(self.val_loader()):
+                _, metrics = self.model.get_loss_and_metrics(batch, forward_only=True)
+                for k, v in metrics.items():
+                    totals[k] = totals.get(k, 0.0) + v
+                count += 1
+                if count >= self.loop.limit_val_batches:
+                    break
+        return {k: v / count for k, v in totals.items()} if count else None
+
+    def _time_is_up(self) -> bool:
+        limit = self.loop.max_time_seconds
+        return limit is not None and time.monotonic() - self._start_time >= limit
+
+    def _should_stop(self) -> bool:
+        # Every rank must agree, or one would save/exit while the others wait in a collective.
+        flag = torch.tensor(
+            [float(self.stop_requested() or self._time_is_up())], device=self.device
+        )
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def fit(self) -> TrainerState:
+        """Train until `max_steps`, the time limit, or a preemption signal; returns the final state."""
+        s, loop = self.state, self.loop
+        stopped_early = False
+        while s.step < loop.max_steps and not stopped_early:
+            s.epoch = s.step // loop.steps_per_epoch
+            done_in_epoch = s.step % loop.steps_per_epoch
+            batches = self.augment_dataloader(self.train_loader(s.epoch, done_in_epoch))
+            started = time.monotonic()
+            for batch in batches:
+                metrics = self.train_single_step(batch, started)
+                s.step += 1
+                s.consumed_samples += loop.global_batch_size
+                if s.step % loop.log_every_n_steps == 0 or s.step == loop.max_steps:
+                    self.logger.log("train", s.step, s.consumed_samples, metrics)
+                self.progress.update(s.step, metrics)
+                if s.step % loop.val_check_interval == 0 or s.step == loop.max_steps:
+                    val = self.run_validation()
+                    if val is not None:
+                        self.logger.log("val", s.step, s.consumed_samples, val)
+                if (
+                    self.checkpoint_hook
+                    and loop.save_interval > 0
+                    and s.step % loop.save_interval == 0
+                    and s.step < loop.max_steps
+                ):
+                    self.checkpoint_hook(s, False)
+                if s.step >= loop.max_steps or s.step % loop.steps_per_epoch == 0:
+                    break
+                if self._should_stop():
+                    stopped_early = True
+                    break
+                started = time.monotonic()
+            else:
+                if s.step % loop.steps_per_epoch != 0:  # loader ran dry before the epoch's end
+                    raise RuntimeError(
+                        f"training data ended after step {s.step}, before epoch {s.epoch} was complete"
+                    )
+            if not stopped_early and self._should_stop() and s.step < loop.max_steps:
+                stopped_early = True
+        s.epoch = s.step // loop.steps_per_epoch
+        if self.checkpoint_hook:
+            self.checkpoint_hook(s, True)
+        self.progress.close()
+        return s
+
+    def state_dict(self) -> dict[str, int]:
+        """Trainer progress as plain numbers."""
+        return asdict(self.state)

@@ -1,0 +1,148 @@
+"""MegatronGPTDPOModel: DPO on megatron-core GPT chunks (same machinery as the KTO model).
+
+A training micro-batch holds `micro_batch_size` pairs: their chosen rows followed by their
+rejected rows, so each pair's loss is computed inside one micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_kto.losses.dpo import dpo_total_loss
+from megatron_kto.losses.metrics import DPO_METRICS, dpo_metric_sums, finalize_dpo_metrics
+from megatron_kto.models.forward import (
+    LOGIT_SUM,
+    LOGP_SUM,
+    NUM_TOKENS,
+    data_parallel_all_reduce,
+    forward_sequence_stats,
+    gpt_forward_step,
+    sequence_stats,
+)
+from megatron_kto.models.reference import ReferencePolicy
+from megatron_kto.models.schedule import Batch, broadcast_from_last_stage, run_schedule
+
+REF_CHOSEN = "ref_policy_log_probs_chosen"
+REF_REJECTED = "ref_policy_log_probs_rejected"
+
+
+@dataclass(frozen=True)
+class DPOSettings:
+    """Loss and batching settings of a DPO run."""
+
+    beta: float
+    loss_type: str
+    label_smoothing: float
+    average_log_probs: bool
+    sft_loss_weight: float
+    micro_batch_size: int
+    forward_micro_batch_size: int
+    padded_vocab_size: int
+
+
+def _logps(stats: torch.Tensor, average: bool) -> torch.Tensor:
+    logps = stats[:, LOGP_SUM]
+    return logps / stats[:, NUM_TOKENS].clamp(min=1) if average else logps
+
+
+class MegatronGPTDPOModel:
+    """Policy chunks + a reference policy + the DPO loss, driven by megatron-core schedules."""
+
+    def __init__(
+        self, chunks: list[torch.nn.Module], reference: ReferencePolicy, settings: DPOSettings
+    ):
+        self.chunks = chunks
+        self.reference = reference
+        self.settings = settings
+
+    def get_ref_policy_logprobs(self, batch: Batch) -> torch.Tensor:
+        """Reference log-probs of chosen rows then rejected rows ([2B]; per-token means if
+        length-normalised), identical on every pipeline stage."""
+        tokens = torch.cat([batch["chosen"], batch["rejected"]])
+        labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
+        positions = torch.cat([batch["position_ids"], batch["position_ids"]])
+        s = self.settings
+        with self.reference.chunks() as ref_chunks:
+            stats = forward_sequence_stats(
+                ref_chunks,
+                tokens,
+                labels,
+                positions,
+                s.forward_micro_batch_size,
+                s.padded_vocab_size,
+            )
+        return _logps(stats, s.average_log_probs)
+
+    def _loss_fn(self, batch: Batch, output: torch.Tensor):
+        s = self.settings
+        stats = sequence_stats(output, batch["labels"], s.padded_vocab_size)
+        n = stats.shape[0] // 2
+        logps = _logps(stats, s.average_log_probs)
+        chosen_tokens = stats[:n, NUM_TOKENS]
+        out = dpo_total_loss(
+            logps[:n],
+            logps[n:],
+            batch["ref_chosen"],
+            batch["ref_rejected"],
+            s.beta,
+            loss_type=s.loss_type,
+            label_smoothing=s.label_smoothing,
+            sft_loss_weight=s.sft_loss_weight,
+            chosen_num_tokens=torch.ones_like(chosen_tokens)
+            if s.average_log_probs
+            else chosen_tokens,
+        )
+        sums = dpo_metric_sums(
+            out.chosen_rewards,
+            out.rejected_rewards,
+            logps[:n],
+            logps[n:],
+            stats[:n, LOGIT_SUM],
+            chosen_tokens,
+            stats[n:, LOGIT_SUM],
+            stats[n:, NUM_TOKENS],
+            out.per_example,
+        )
+        return out.loss, {"sums": sums}
+
+    def _micro_batches(self, batch: Batch) -> list[Batch]:
+        mbs = self.settings.micro_batch_size
+        pairs = batch["chosen"].shape[0]
+        if pairs % mbs:
+            raise ValueError(f"{pairs} pairs cannot be split into micro-batches of {mbs}")
+        micro = []
+        for i in range(0, pairs, mbs):
+            sl = slice(i, i + mbs)
+            micro.append(
+                {
+                    "tokens": torch.cat([batch["chosen"][sl], batch["rejected"][sl]]),
+                    "labels": torch.cat([batch["chosen_labels"][sl], batch["rejected_labels"][sl]]),
+                    "position_ids": torch.cat(
+                        [batch["position_ids"][sl], batch["position_ids"][sl]]
+                    ),
+                    "ref_chosen": batch[REF_CHOSEN][sl],
+                    "ref_rejected": batch[REF_REJECTED][sl],
+                }
+            )
+        return micro
+
+    def get_loss_and_metrics(
+        self, batch: Batch, forward_only: bool
+    ) -> tuple[float, dict[str, float]]:
+        """DPO loss and metrics over this global batch (training step body or validation)."""
+        step = gpt_forward_step(self._loss_fn)
+        micro = self._micro_batches(batch)
+        if forward_only:
+            with torch.no_grad():
+                reported = run_schedule(self.chunks, micro, step, forward_only=True)
+        else:
+            reported = run_schedule(self.chunks, micro, step, forward_only=False)
+        local = torch.stack([r["sums"] for r in reported]).sum(0) if reported else None
+        sums = broadcast_from_last_stage(
+            local, (DPO_METRICS.size,), torch.float64, batch["chosen"].device
+        )
+        data_parallel_all_reduce(sums)
+        metrics = finalize_dpo_metrics(sums)
+        return metrics["loss"], metrics

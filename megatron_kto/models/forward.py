@@ -1,0 +1,94 @@
+"""Forward steps and the forward-only log-prob pass shared by the KTO and DPO models."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_kto.models.logprobs import masked_sum, mean_logit_sums, token_logprobs
+from megatron_kto.models.schedule import (
+    Batch,
+    broadcast_from_last_stage,
+    run_schedule,
+    split_micro_batches,
+)
+
+#: Columns of the per-row statistics returned by `forward_sequence_stats`.
+LOGP_SUM, NUM_TOKENS, LOGIT_SUM = 0, 1, 2
+
+
+def sequence_stats(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Per-row [logp_sum, num_tokens, logit_sum] from this TP rank's logits ([N, 3] float32).
+
+    `logit_sum` is read before `token_logprobs`, which normalises fp32 logits in place.
+    """
+    logit_sum = mean_logit_sums(logits, labels, vocab_size)
+    logp_sum, count = masked_sum(token_logprobs(logits, labels), labels)
+    return torch.stack([logp_sum, count.to(logp_sum.dtype), logit_sum], dim=-1)
+
+
+def gpt_forward_step(loss_fn: Callable[[Batch, torch.Tensor], object]) -> Callable:
+    """A megatron-core forward step: run the chunk on `tokens`/`position_ids` of the next
+    micro-batch and bind `loss_fn(batch, output)` for the last stage."""
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], None)
+
+        def loss_func(output_tensor, non_loss_data: bool = False):
+            return loss_fn(batch, output_tensor)
+
+        return output, loss_func
+
+    return forward_step
+
+
+@contextlib.contextmanager
+def eval_mode(chunks: list[torch.nn.Module]) -> Iterator[None]:
+    """Disable dropout for forward-only passes; restore the previous modes afterwards."""
+    modes = [c.training for c in chunks]
+    for c in chunks:
+        c.eval()
+    try:
+        yield
+    finally:
+        for c, mode in zip(chunks, modes, strict=True):
+            c.train(mode)
+
+
+def forward_sequence_stats(
+    chunks: list[torch.nn.Module],
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor,
+    micro_batch_size: int,
+    vocab_size: int,
+) -> torch.Tensor:
+    """Forward-only pass over N rows through the pipeline schedule, without an autograd graph.
+
+    Args:
+        chunks: model chunks (policy or reference weights).
+        tokens, labels, position_ids: [N, T] on the device.
+        micro_batch_size: rows per micro-batch (must divide N).
+        vocab_size: padded vocabulary size (for the mean-logit metric).
+
+    Returns:
+        [N, 3] float32 (`LOGP_SUM`, `NUM_TOKENS`, `LOGIT_SUM` columns) on every pipeline stage.
+    """
+    batch = {"tokens": tokens, "labels": labels, "position_ids": position_ids}
+    micro = split_micro_batches(batch, micro_batch_size)
+    step = gpt_forward_step(lambda b, out: sequence_stats(out, b["labels"], vocab_size))
+    with torch.no_grad(), eval_mode(chunks):
+        results = run_schedule(chunks, micro, step, forward_only=True, collect_non_loss_data=True)
+    local = torch.cat(results, dim=0) if results else None
+    return broadcast_from_last_stage(local, (tokens.shape[0], 3), torch.float32, tokens.device)
+
+
+def data_parallel_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a fixed-size tensor over the data-parallel group (in place; returned for chaining)."""
+    if parallel_state.get_data_parallel_world_size() > 1:
+        torch.distributed.all_reduce(tensor, group=parallel_state.get_data_parallel_group())
+    return tensor

@@ -1,0 +1,174 @@
+"""MegatronGPTKTOModel: KTO on megatron-core GPT chunks, through megatron-core's pipeline schedules.
+
+Per global batch (DESIGN.md §1, "Efficiency"):
+
+1. `get_ref_policy_logprobs`: one forward-only pass of the reference over samples + KL rows (2B).
+2. `get_loss_and_metrics`: one forward-only pass of the *policy* over the KL rows (B), giving
+   z₀ = max(0, mean r_KL) with the mean sample-weighted across DP ranks — z₀ carries no gradient,
+   so these rows never enter autograd — then forward+backward over the B sample rows only.
+
+Micro-batch size 1 therefore works: the KL estimate always uses the whole global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_kto.losses.kto import kl_reference_point, kto_total_loss
+from megatron_kto.losses.metrics import KTO_METRICS, finalize_kto_metrics, kto_metric_sums
+from megatron_kto.models.forward import (
+    LOGIT_SUM,
+    LOGP_SUM,
+    NUM_TOKENS,
+    data_parallel_all_reduce,
+    forward_sequence_stats,
+    gpt_forward_step,
+    sequence_stats,
+)
+from megatron_kto.models.reference import ReferencePolicy
+from megatron_kto.models.schedule import (
+    Batch,
+    broadcast_from_last_stage,
+    run_schedule,
+    split_micro_batches,
+)
+
+REF_SAMPLES = "ref_policy_log_probs_samples"
+REF_KL = "ref_policy_log_probs_kl"
+
+
+@dataclass(frozen=True)
+class KTOSettings:
+    """Loss and batching settings of a KTO run."""
+
+    beta: float
+    desirable_weight: float
+    undesirable_weight: float
+    loss_type: str
+    sft_loss_weight: float
+    micro_batch_size: int
+    forward_micro_batch_size: int
+    padded_vocab_size: int
+
+
+class MegatronGPTKTOModel:
+    """Policy chunks + a reference policy + the KTO loss, driven by megatron-core schedules."""
+
+    def __init__(
+        self, chunks: list[torch.nn.Module], reference: ReferencePolicy, settings: KTOSettings
+    ):
+        """
+        Args:
+            chunks: this rank's policy chunks, DDP-wrapped for training.
+            reference: where the reference weights come from.
+            settings: loss and batching settings.
+        """
+        self.chunks = chunks
+        self.reference = reference
+        self.settings = settings
+
+    def _stats(self, chunks: list[torch.nn.Module], tokens, labels, position_ids) -> torch.Tensor:
+        return forward_sequence_stats(
+            chunks,
+            tokens,
+            labels,
+            position_ids,
+            self.settings.forward_micro_batch_size,
+            self.settings.padded_vocab_size,
+        )
+
+    def get_ref_policy_logprobs(self, batch: Batch) -> torch.Tensor:
+        """Reference log-probs of the samples and the KL rows (one forward-only pass over both).
+
+        Args:
+            batch: a collated KTO batch on the device (`kto_custom_collate` keys).
+
+        Returns:
+            [2B] float32 summed completion log-probs: rows 0..B-1 are the samples, rows B..2B-1
+            the KL rows; identical on every pipeline stage.
+        """
+        tokens = torch.cat([batch["samples"], batch["kl_samples"]])
+        labels = torch.cat([batch["sample_labels"], batch["kl_sample_labels"]])
+        positions = torch.cat([batch["position_ids"], batch["position_ids"]])
+        with self.reference.chunks() as ref_chunks:
+            return self._stats(ref_chunks, tokens, labels, positions)[:, LOGP_SUM]
+
+    def kl_reference_point(self, batch: Batch) -> torch.Tensor:
+        """z₀ for this global batch: policy forward-only over the KL rows, reduced over DP."""
+        policy_kl = self._stats(
+            self.chunks, batch["kl_samples"], batch["kl_sample_labels"], batch["position_ids"]
+        )
+        r_kl = policy_kl[:, LOGP_SUM] - batch[REF_KL]
+        totals = torch.stack(
+            [
+                r_kl.sum().double(),
+                torch.tensor(float(r_kl.numel()), dtype=torch.float64, device=r_kl.device),
+            ]
+        )
+        data_parallel_all_reduce(totals)
+        return kl_reference_point(totals[0], totals[1]).float()
+
+    def _loss_fn(self, batch: Batch, output: torch.Tensor, z0: torch.Tensor):
+        s = self.settings
+        stats = sequence_stats(output, batch["labels"], s.padded_vocab_size)
+        policy_logps, num_tokens = stats[:, LOGP_SUM], stats[:, NUM_TOKENS]
+        out = kto_total_loss(
+            policy_logps,
+            batch["ref_logps"],
+            batch["preference"].bool(),
+            z0,
+            s.beta,
+            desirable_weight=s.desirable_weight,
+            undesirable_weight=s.undesirable_weight,
+            loss_type=s.loss_type,
+            sft_loss_weight=s.sft_loss_weight,
+            num_tokens=num_tokens,
+        )
+        sums = kto_metric_sums(
+            out.rewards,
+            policy_logps,
+            batch["preference"].bool(),
+            stats[:, LOGIT_SUM],
+            num_tokens,
+            out.per_example,
+        )
+        return out.loss, {"sums": sums}
+
+    def get_loss_and_metrics(
+        self, batch: Batch, forward_only: bool
+    ) -> tuple[float, dict[str, float]]:
+        """KTO loss and metrics over this global batch (training step body or validation).
+
+        For training (`forward_only=False`) gradients are accumulated in the DDP buffers (and
+        reduced over DP by megatron's finalize hook); the caller steps the optimizer.
+
+        Args:
+            batch: collated KTO batch on the device, with `REF_SAMPLES`/`REF_KL` attached.
+            forward_only: validation (no backward).
+
+        Returns:
+            (mean loss over the global batch, metrics dict with TRL names), same on all ranks.
+        """
+        z0 = self.kl_reference_point(batch)
+        rows = {
+            "tokens": batch["samples"],
+            "labels": batch["sample_labels"],
+            "position_ids": batch["position_ids"],
+            "preference": batch["preference"],
+            "ref_logps": batch[REF_SAMPLES],
+        }
+        micro = split_micro_batches(rows, self.settings.micro_batch_size)
+        step = gpt_forward_step(lambda b, out: self._loss_fn(b, out, z0))
+        if forward_only:
+            with torch.no_grad():
+                reported = run_schedule(self.chunks, micro, step, forward_only=True)
+        else:
+            reported = run_schedule(self.chunks, micro, step, forward_only=False)
+        local = torch.stack([r["sums"] for r in reported]).sum(0) if reported else None
+        device = batch["samples"].device
+        sums = broadcast_from_last_stage(local, (KTO_METRICS.size,), torch.float64, device)
+        data_parallel_all_reduce(sums)
+        metrics = finalize_kto_metrics(sums, z0)
+        return metrics["loss"], metrics

@@ -1,0 +1,87 @@
+"""Reference-policy strategies: where the frozen reference weights live during training.
+
+Memory cost per rank (P = this rank's parameter bytes):
+
+- `cpu_swap` (NeMo-Aligner's approach): +2P host memory (the reference copy and a backup of the
+  policy while the reference is swapped in), +0 device memory; costs two host<->device copies of
+  P per global batch.
+- `separate`: +P device memory for a frozen second model; no copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+
+from megatron_kto.models.builder import unwrap
+
+
+class ReferencePolicy(Protocol):
+    """Yields model chunks that compute the reference policy."""
+
+    def chunks(self) -> contextlib.AbstractContextManager[list[torch.nn.Module]]:
+        """Context in which the yielded chunks hold the reference weights."""
+        ...
+
+
+def _tensors(chunks: list[torch.nn.Module]) -> list[torch.Tensor]:
+    # Parameters and floating buffers (e.g. rotary inv_freq is recomputed, but norms' buffers
+    # would not be): the exact set that defines the forward function.
+    out: list[torch.Tensor] = []
+    for chunk in chunks:
+        module = unwrap(chunk)
+        out.extend(p.data for p in module.parameters())
+    return out
+
+
+class CPUSwapReference:
+    """Keeps a host copy of the initial weights and swaps it into the policy chunks on demand."""
+
+    def __init__(self, policy_chunks: list[torch.nn.Module]):
+        self._policy = policy_chunks
+        pin = torch.cuda.is_available()
+        self._ref = [t.detach().to("cpu", copy=True) for t in _tensors(policy_chunks)]
+        if pin:
+            self._ref = [t.pin_memory() for t in self._ref]
+        self._backup = [torch.empty_like(t, pin_memory=pin) for t in self._ref]
+
+    @contextlib.contextmanager
+    def chunks(self) -> Iterator[list[torch.nn.Module]]:
+        """Swap reference weights in (in place, so DDP buffer views stay valid), then back."""
+        live = _tensors(self._policy)
+        for t, ref, backup in zip(live, self._ref, self._backup, strict=True):
+            backup.copy_(t, non_blocking=True)
+            t.copy_(ref, non_blocking=True)
+        try:
+            yield self._policy
+        finally:
+            for t, backup in zip(live, self._backup, strict=True):
+                t.copy_(backup, non_blocking=True)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
+
+class SeparateReference:
+    """A frozen second set of chunks on the device."""
+
+    def __init__(self, ref_chunks: list[torch.nn.Module]):
+        for chunk in ref_chunks:
+            chunk.eval()
+            for p in chunk.parameters():
+                p.requires_grad_(False)
+        self._ref = ref_chunks
+
+    @contextlib.contextmanager
+    def chunks(self) -> Iterator[list[torch.nn.Module]]:
+        """Yield the frozen chunks."""
+        yield self._ref
+
+
+def copy_weights(src: list[torch.nn.Module], dst: list[torch.nn.Module]) -> None:
+    """Copy parameters chunk by chunk (same layout) — used to initialise `separate`."""
+    with torch.no_grad():
+        for s, d in zip(_tensors(src), _tensors(dst), strict=True):
+            d.copy_(s)

@@ -1,0 +1,114 @@
+"""Wire model chunks into megatron-core's training machinery: DDP, optimizer, LR schedule.
+
+Nothing here re-implements megatron-core: it configures `DistributedDataParallel`,
+`get_megatron_optimizer` and `OptimizerParamScheduler`, and installs the hooks the pipeline
+schedules expect on the `TransformerConfig` (no_sync, finalize_model_grads).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+_DECAY_STYLE = {"CosineAnnealing": "cosine", "Constant": "constant", "Linear": "linear"}
+
+
+def wrap_ddp(
+    chunks: list[torch.nn.Module], use_distributed_optimizer: bool
+) -> list[DistributedDataParallel]:
+    """Wrap each chunk in megatron-core DDP (contiguous fp32 grad buffers) and set schedule hooks.
+
+    Args:
+        chunks: this rank's model chunks.
+        use_distributed_optimizer: shard optimizer state over DP (ZeRO-1).
+
+    Returns:
+        The DDP-wrapped chunks.
+    """
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    config = chunks[0].config
+    wrapped = [
+        DistributedDataParallel(
+            config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0
+        )
+        for i, chunk in enumerate(chunks)
+    ]
+    # The schedules call these: without finalize_model_grads no DP all-reduce (or tied-embedding
+    # sync across pipeline stages) would happen.
+    config.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def build_optimizer(
+    ddp_chunks: list[DistributedDataParallel],
+    *,
+    lr: float,
+    min_lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    clip_grad: float,
+    bf16: bool,
+    use_distributed_optimizer: bool,
+):
+    """megatron-core Adam(W) over the DDP chunks (fp32 main weights when params are bf16)."""
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        min_lr=min_lr,
+        weight_decay=weight_decay,
+        adam_beta1=betas[0],
+        adam_beta2=betas[1],
+        adam_eps=eps,
+        clip_grad=clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(config, ddp_chunks)
+
+
+def build_scheduler(
+    optimizer,
+    *,
+    name: str,
+    lr: float,
+    min_lr: float,
+    warmup_steps: int,
+    constant_steps: int,
+    max_steps: int,
+    weight_decay: float,
+) -> OptimizerParamScheduler:
+    """Warm-up + cosine/linear/constant LR schedule, stepped once per optimizer step."""
+    decay_steps = max(1, max_steps - constant_steps)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup_steps > 0 else lr,
+        max_lr=lr,
+        min_lr=min_lr if name != "Constant" else lr,
+        lr_warmup_steps=warmup_steps,
+        lr_decay_steps=max(decay_steps, warmup_steps + 1),
+        lr_decay_style=_DECAY_STYLE[name],
+        start_wd=weight_decay,
+        end_wd=weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+
+
+def zero_grads(ddp_chunks: list[DistributedDataParallel], optimizer) -> None:
+    """Clear DDP grad buffers and the optimizer's grads before a step."""
+    for chunk in ddp_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
