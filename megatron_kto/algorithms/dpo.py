@@ -8,6 +8,7 @@ needs) and the model's `get_loss_and_metrics`.
 
 from __future__ import annotations
 
+import resource
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -19,6 +20,13 @@ from megatron_kto.models.dpo_model import REF_CHOSEN, REF_REJECTED
 from megatron_kto.models.forward import data_parallel_all_reduce, eval_mode
 from megatron_kto.models.schedule import Batch, to_device
 from megatron_kto.models.training_setup import zero_grads
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this process so far: device allocations on CUDA, max RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB
 
 
 class PreferenceModel(Protocol):
@@ -192,6 +200,8 @@ class DPOTrainer:
             skipped_step=float(not update_ok),
             step_time=elapsed,
             tokens_per_sec=float(totals[0]) / elapsed,
+            samples_per_sec=self.loop.global_batch_size / elapsed,
+            peak_memory_gb=peak_memory_gb(self.device),
         )
         if self.peak_flops and self.flops_per_token:
             metrics["mfu"] = (

@@ -92,8 +92,9 @@ class MegatronGPTKTOModel:
         tokens = torch.cat([batch["samples"], batch["kl_samples"]])
         labels = torch.cat([batch["sample_labels"], batch["kl_sample_labels"]])
         positions = torch.cat([batch["position_ids"], batch["position_ids"]])
-        with self.reference.chunks() as ref_chunks:
-            return self._stats(ref_chunks, tokens, labels, positions)[:, LOGP_SUM]
+        return self.reference.log_probs(
+            batch, lambda chunks: self._stats(chunks, tokens, labels, positions)[:, LOGP_SUM]
+        )
 
     def kl_reference_point(self, batch: Batch) -> torch.Tensor:
         """z₀ for this global batch: policy forward-only over the KL rows, reduced over DP."""

@@ -6,24 +6,30 @@ Memory cost per rank (P = this rank's parameter bytes):
   policy while the reference is swapped in), +0 device memory; costs two host<->device copies of
   P per global batch.
 - `separate`: +P device memory for a frozen second model; no copies.
+- `precomputed`: +0 parameters anywhere; one reference forward pass over the dataset before
+  training, then 2 floats per example (host memory and a file in the run directory). Needs KL
+  pairs fixed by dataset index rather than by batch order (see `data.kl_pairs`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
 
 from megatron_kto.models.builder import unwrap
 
+ForwardFn = Callable[[list[torch.nn.Module]], torch.Tensor]
+
 
 class ReferencePolicy(Protocol):
-    """Yields model chunks that compute the reference policy."""
+    """Supplies reference log-probs for a batch."""
 
-    def chunks(self) -> contextlib.AbstractContextManager[list[torch.nn.Module]]:
-        """Context in which the yielded chunks hold the reference weights."""
+    def log_probs(self, batch: dict[str, torch.Tensor], forward: ForwardFn) -> torch.Tensor:
+        """Reference log-probs of the batch's rows; `forward(chunks)` computes them with chunks
+        that hold reference weights (strategies that keep weights call it)."""
         ...
 
 
@@ -48,8 +54,13 @@ class CPUSwapReference:
             self._ref = [t.pin_memory() for t in self._ref]
         self._backup = [torch.empty_like(t, pin_memory=pin) for t in self._ref]
 
+    def log_probs(self, batch: dict[str, torch.Tensor], forward: ForwardFn) -> torch.Tensor:
+        """Run `forward` with the reference weights swapped into the policy chunks."""
+        with self.swapped() as chunks:
+            return forward(chunks)
+
     @contextlib.contextmanager
-    def chunks(self) -> Iterator[list[torch.nn.Module]]:
+    def swapped(self) -> Iterator[list[torch.nn.Module]]:
         """Swap reference weights in (in place, so DDP buffer views stay valid), then back."""
         live = _tensors(self._policy)
         for t, ref, backup in zip(live, self._ref, self._backup, strict=True):
@@ -74,10 +85,28 @@ class SeparateReference:
                 p.requires_grad_(False)
         self._ref = ref_chunks
 
-    @contextlib.contextmanager
-    def chunks(self) -> Iterator[list[torch.nn.Module]]:
-        """Yield the frozen chunks."""
-        yield self._ref
+    def log_probs(self, batch: dict[str, torch.Tensor], forward: ForwardFn) -> torch.Tensor:
+        """Run `forward` on the frozen chunks."""
+        return forward(self._ref)
+
+
+class PrecomputedReference:
+    """Looks reference log-probs up by dataset index (`batch["index"]`) in precomputed tables.
+
+    Args:
+        tables: split name -> [N, R] float32 table (R = rows per example: sample and KL row for
+            KTO, chosen and rejected for DPO), indexed by dataset index.
+    """
+
+    def __init__(self, tables: dict[str, torch.Tensor]):
+        self._tables = tables
+        self.split = "train"
+
+    def log_probs(self, batch: dict[str, torch.Tensor], forward: ForwardFn) -> torch.Tensor:
+        """[R * B] log-probs: all first rows of the batch, then all second rows, ..."""
+        index = batch["index"].to(torch.long).cpu()
+        table = self._tables[self.split][index]  # [B, R]
+        return table.t().reshape(-1).to(batch["index"].device)
 
 
 def copy_weights(src: list[torch.nn.Module], dst: list[torch.nn.Module]) -> None:

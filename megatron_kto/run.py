@@ -1,0 +1,271 @@
+"""Compose a run from a validated config: runtime → data → model → trainer → fit → teardown.
+
+The example scripts are thin Hydra mains around `run_alignment`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from megatron_kto.algorithms.dpo import DPOTrainer, TrainerState, resolve_loop
+from megatron_kto.algorithms.kto import KTOTrainer
+from megatron_kto.checkpointing.model_io import CheckpointError, read_architecture
+from megatron_kto.config.schema import architecture_of
+from megatron_kto.config.validate import ConfigError, validate
+from megatron_kto.data.pipeline import build_split, resolve_path
+from megatron_kto.data.tokenizers import load_tokenizer
+from megatron_kto.logging.metrics_logger import MetricsLogger
+from megatron_kto.logging.progress import ProgressReporter
+from megatron_kto.logging.throughput import gpt_flops_per_token, measure_peak_flops
+from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
+from megatron_kto.models.dpo_model import DPOSettings, MegatronGPTDPOModel
+from megatron_kto.models.kto_model import KTOSettings, MegatronGPTKTOModel
+from megatron_kto.models.reference import CPUSwapReference, SeparateReference, copy_weights
+from megatron_kto.models.training_setup import build_optimizer, build_scheduler, wrap_ddp
+from megatron_kto.runtime import init_runtime, teardown
+
+
+def _say(rank0: bool, message: str) -> None:
+    if rank0:
+        print(message, flush=True)
+
+
+def _architecture(cfg: Any, vocab_size: int):
+    """Architecture from the pretrained checkpoint if given (its shape wins), else from cfg.model."""
+    path = cfg.pretrained_checkpoint.restore_from_path
+    if path:
+        from megatron_kto.checkpointing.manager import resolve_pretrained_dir
+
+        arch = read_architecture(resolve_pretrained_dir(path))
+    else:
+        arch = architecture_of(cfg.model)
+    if arch.vocab_size is None:
+        arch.vocab_size = vocab_size
+    elif arch.vocab_size < vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: {arch.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size})"
+        )
+    return arch
+
+
+def _layout(cfg: Any) -> ParallelLayout:
+    m = cfg.model
+    return ParallelLayout(
+        tensor_model_parallel_size=m.tensor_model_parallel_size,
+        pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
+        sequence_parallel=m.sequence_parallel,
+        precision=str(cfg.trainer.precision),
+        activations_checkpoint_granularity=m.activations_checkpoint_granularity,
+        activations_checkpoint_num_layers=m.activations_checkpoint_num_layers,
+    )
+
+
+def _parse_max_time(value: str | None) -> float | None:
+    if not value:
+        return None
+    from megatron_kto.checkpointing.preemption import parse_max_time
+
+    try:
+        return parse_max_time(value)
+    except ValueError as e:
+        raise ConfigError(f"trainer.max_time: {e}") from e
+
+
+def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
+    """Train with KTO or DPO as configured; returns the final trainer state.
+
+    Args:
+        cfg: composed config (`AlignmentConfig` schema).
+        algorithm: 'kto' or 'dpo'.
+    """
+    from megatron_kto.checkpointing.manager import CheckpointManager, restore_pretrained
+    from megatron_kto.checkpointing.preemption import PreemptionHandler
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(cfg, world_size, algorithm)  # before any process group or model exists
+    max_time = _parse_max_time(cfg.trainer.max_time)
+    m = cfg.model
+    runtime = init_runtime(
+        m.tensor_model_parallel_size,
+        m.pipeline_model_parallel_size,
+        m.virtual_pipeline_model_parallel_size,
+        seed=m.seed,
+    )
+    rank0 = runtime.is_rank0
+    try:
+        tokenizer = load_tokenizer(m.tokenizer.library, str(resolve_path(m.tokenizer.model)), m.tokenizer.chat_template)
+        arch = _architecture(cfg, tokenizer.vocab_size)
+        max_length = m.data.max_length or arch.encoder_seq_length
+        train = build_split(cfg, "train", algorithm, tokenizer, runtime, max_length)
+        val = build_split(cfg, "validation", algorithm, tokenizer, runtime, max_length)
+        for split in (train, val):
+            if split is not None:
+                _say(rank0, split.describe())
+
+        layout = _layout(cfg)
+        chunks = build_gpt_chunks(arch, layout, runtime.device)
+        if cfg.pretrained_checkpoint.restore_from_path:
+            restore_pretrained(cfg.pretrained_checkpoint.restore_from_path, chunks)
+            _say(rank0, f"restored weights from {cfg.pretrained_checkpoint.restore_from_path}")
+        loss_cfg = m.kto if algorithm == "kto" else m.dpo
+        if loss_cfg.reference_policy == "separate":
+            ref_chunks = build_gpt_chunks(arch, layout, runtime.device)
+            copy_weights(chunks, ref_chunks)
+            reference = SeparateReference(ref_chunks)
+        use_dist_opt = m.optim.name == "distributed_fused_adam"
+        chunks = wrap_ddp(chunks, use_dist_opt)
+        if loss_cfg.reference_policy == "cpu_swap":
+            reference = CPUSwapReference(chunks)
+
+        loop = resolve_loop(
+            cfg.trainer.kto if algorithm == "kto" else cfg.trainer.dpo,
+            train.num_global_batches,
+            val.num_global_batches if val is not None else 0,
+            m.global_batch_size,
+            cfg.trainer.log_every_n_steps,
+            max_time,
+        )
+        o = m.optim
+        optimizer = build_optimizer(
+            chunks,
+            lr=o.lr,
+            min_lr=o.sched.min_lr,
+            weight_decay=o.weight_decay,
+            betas=(o.betas[0], o.betas[1]),
+            eps=o.eps,
+            clip_grad=(cfg.trainer.kto if algorithm == "kto" else cfg.trainer.dpo).gradient_clip_val,
+            bf16=layout.precision == "bf16",
+            use_distributed_optimizer=use_dist_opt,
+        )
+        scheduler = build_scheduler(
+            optimizer,
+            name=o.sched.name,
+            lr=o.lr,
+            min_lr=o.sched.min_lr,
+            warmup_steps=o.sched.warmup_steps,
+            constant_steps=o.sched.constant_steps,
+            max_steps=loop.max_steps,
+            weight_decay=o.weight_decay,
+        )
+        padded_vocab = arch.padded_vocab(m.tensor_model_parallel_size)
+        fwd_mbs = loss_cfg.log_prob_forward_micro_batch_size or m.micro_batch_size
+        if algorithm == "kto":
+            k = m.kto
+            settings = KTOSettings(
+                beta=k.ref_policy_kl_penalty,
+                desirable_weight=k.desirable_loss_weight,
+                undesirable_weight=k.undesirable_loss_weight,
+                loss_type=k.loss_type,
+                sft_loss_weight=k.sft_loss_weight,
+                micro_batch_size=m.micro_batch_size,
+                forward_micro_batch_size=fwd_mbs,
+                padded_vocab_size=padded_vocab,
+            )
+            model, trainer_cls = MegatronGPTKTOModel(chunks, reference, settings), KTOTrainer
+        else:
+            d = m.dpo
+            settings = DPOSettings(
+                beta=d.ref_policy_kl_penalty,
+                loss_type=d.loss_type,
+                label_smoothing=d.label_smoothing,
+                average_log_probs=d.preference_average_log_probs,
+                sft_loss_weight=d.sft_loss_weight,
+                micro_batch_size=m.micro_batch_size,
+                forward_micro_batch_size=fwd_mbs,
+                padded_vocab_size=padded_vocab,
+            )
+            model, trainer_cls = MegatronGPTDPOModel(chunks, reference, settings), DPOTrainer
+
+        log_dir = Path(cfg.exp_manager.explicit_log_dir)
+        e = cfg.exp_manager
+        manager = None
+        state = TrainerState()
+        if e.create_checkpoint_callback:
+            manager = CheckpointManager(log_dir / "checkpoints", keep_last=e.checkpoint_callback_params.save_top_k)
+            if e.resume_if_exists:
+                restored = manager.load_latest(chunks, optimizer, scheduler)
+                if restored is not None:
+                    state = TrainerState(
+                        step=restored["step"], epoch=restored["epoch"], consumed_samples=restored["consumed_samples"]
+                    )
+                    _say(rank0, f"resumed from step {state.step} ({state.consumed_samples} samples)")
+        logger = MetricsLogger(
+            log_dir,
+            rank0=rank0,
+            tensorboard=e.create_tensorboard_logger,
+            wandb=dict(e.wandb_logger_kwargs) if e.create_wandb_logger else None,
+        )
+        if rank0:
+            logger.truncate_after(state.step)
+        progress = ProgressReporter(loop.max_steps, rank0=rank0, initial_step=state.step)
+        peak = cfg.trainer.peak_flops_per_device or measure_peak_flops(
+            runtime.device, torch.bfloat16 if layout.precision == "bf16" else torch.float32
+        )
+        config_yaml = OmegaConf.to_yaml(cfg)
+
+        def checkpoint_hook(s: TrainerState, final: bool) -> None:
+            if manager is not None:
+                manager.save(s.step, chunks, optimizer, scheduler, trainer.state_dict(), config_yaml, arch)
+
+        with PreemptionHandler() as preemption:
+            trainer = trainer_cls(
+                model,
+                optimizer,
+                scheduler,
+                train_loader=train.loader,
+                val_loader=val.loader if val is not None else None,
+                loop=loop,
+                device=runtime.device,
+                logger=logger,
+                progress=progress,
+                flops_per_token=_flops_per_token(arch, max_length, padded_vocab),
+                peak_flops=peak,
+                world_size=runtime.world_size,
+                checkpoint_hook=checkpoint_hook,
+                stop_requested=lambda: preemption.requested,
+                state=state,
+            )
+            final = trainer.fit()
+        logger.close()
+        _say(rank0, f"done: step {final.step}, consumed {final.consumed_samples} samples; outputs in {log_dir}")
+        return final
+    finally:
+        teardown()
+
+
+def _flops_per_token(arch, seq_len: int, padded_vocab: int) -> float:
+    heads = arch.num_attention_heads
+    return float(
+        gpt_flops_per_token(
+            num_layers=arch.num_layers,
+            hidden=arch.hidden_size,
+            ffn_hidden=arch.ffn_hidden_size,
+            num_heads=heads,
+            num_query_groups=arch.num_query_groups or heads,
+            kv_channels=arch.kv_channels or arch.hidden_size // heads,
+            vocab=padded_vocab,
+            seq_len=seq_len,
+            swiglu=arch.activation == "swiglu",
+        )
+    )
+
+
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, CheckpointError)
+
+
+def main(cfg: Any, algorithm: str) -> None:
+    """Entry-script body: run, and turn known user errors into one line + exit code 2."""
+    from megatron_kto.data.errors import DataFormatError
+
+    try:
+        run_alignment(cfg, algorithm)
+    except (*USER_ERRORS, DataFormatError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
