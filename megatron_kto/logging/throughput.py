@@ -1,0 +1,195 @@
+"""Tokens/s and model FLOPs utilisation (MFU) for KTO / DPO steps.
+
+Conventions (those of the PaLM paper, appendix B, and of Megatron-LM's MFU):
+
+* Model FLOPs count the matmuls of the model only (2 FLOPs per multiply-add); layer norms,
+  softmax, activations, biases and the embedding lookup are ignored.
+* Attention scores are counted for the full s × s score matrix, not the causal half.
+* A backward pass costs twice its forward, so forward+backward ≈ 3× forward. Activation
+  recomputation is *not* counted (that would be hardware FLOPs utilisation, HFU).
+* MFU = achieved model FLOP/s ÷ (peak FLOP/s per device × number of devices).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+FWD_BWD_MULTIPLIER = 3.0  # forward (1×) + backward (2×)
+
+
+def gpt_flops_per_token(
+    num_layers: int,
+    hidden: int,
+    ffn_hidden: int,
+    num_heads: int,
+    num_query_groups: int,
+    kv_channels: int,
+    vocab: int,
+    seq_len: int,
+    swiglu: bool,
+) -> int:
+    """Forward-pass model FLOPs per token of a GPT / Llama decoder.
+
+    With h = hidden, f = ffn_hidden, n = num_heads, g = num_query_groups (GQA; g = n for plain
+    multi-head attention), d = kv_channels (head dim), s = seq_len, V = vocab, per layer:
+
+    * QKV projection   h → (n + 2g)·d        2·h·(n + 2g)·d
+    * output projection n·d → h              2·n·d·h
+    * attention scores QKᵀ, then A·V          2·n·d·s + 2·n·d·s = 4·n·d·s
+    * MLP h → f → h (SwiGLU: two h → f)      2·2·h·f, or 3·2·h·f with SwiGLU
+
+    plus the output layer (logits) 2·h·V once. That is 2 × (matmul parameters) + attention.
+
+    Returns:
+        FLOPs for one token's forward pass (an int; multiply by 3 for forward+backward).
+    """
+    qkv = 2 * hidden * (num_heads + 2 * num_query_groups) * kv_channels
+    out_proj = 2 * num_heads * kv_channels * hidden
+    attention = 4 * num_heads * kv_channels * seq_len
+    mlp = (3 if swiglu else 2) * 2 * hidden * ffn_hidden
+    logits = 2 * hidden * vocab
+    return num_layers * (qkv + out_proj + attention + mlp) + logits
+
+
+def kto_pass_tokens(
+    sample_tokens: int, kl_tokens: int, reference_forward: bool = True
+) -> tuple[int, int]:
+    """(forward-only tokens, forward+backward tokens) of one KTO step.
+
+    A step runs the reference model forward on the sample and KL rows (unless the reference
+    log-probs were precomputed), the policy forward-only on the KL rows, and the policy
+    forward+backward on the sample rows (DESIGN.md section 1, "Efficiency").
+    """
+    forward_only = kl_tokens + (sample_tokens + kl_tokens if reference_forward else 0)
+    return forward_only, sample_tokens
+
+
+def dpo_pass_tokens(pair_tokens: int, reference_forward: bool = True) -> tuple[int, int]:
+    """(forward-only tokens, forward+backward tokens) of one DPO step: reference forward on the
+    chosen and rejected rows (unless precomputed), policy forward+backward on the same rows."""
+    return (pair_tokens if reference_forward else 0), pair_tokens
+
+
+@dataclass(frozen=True)
+class ThroughputStats:
+    """One step's throughput.
+
+    Attributes:
+        tokens_per_sec: forward+backward (training) tokens per second, all devices together.
+        model_flops_per_sec: achieved model FLOP/s, all devices together.
+        mfu: model FLOPs utilisation in [0, 1] (can exceed 1 only if the peak is understated).
+    """
+
+    tokens_per_sec: float
+    model_flops_per_sec: float
+    mfu: float
+
+
+class ThroughputMeter:
+    """Turns a step's token counts and wall time into tokens/s and MFU.
+
+    Token counts are global (summed over data-parallel ranks) and should be the positions the
+    model actually ran (padded sequence lengths included) for the MFU to reflect the work done.
+
+    Args:
+        flops_per_token: forward FLOPs per token, e.g. from :func:`gpt_flops_per_token`.
+        peak_flops_per_device: peak FLOP/s of one device in the training dtype (from config,
+            or :func:`measure_peak_flops`).
+        world_size: number of devices (TP × PP × DP).
+    """
+
+    def __init__(
+        self, flops_per_token: float, peak_flops_per_device: float, world_size: int
+    ) -> None:
+        if peak_flops_per_device <= 0 or world_size < 1:
+            raise ValueError(
+                f"need peak_flops_per_device > 0 and world_size >= 1, got "
+                f"{peak_flops_per_device} and {world_size}"
+            )
+        self.flops_per_token = float(flops_per_token)
+        self.peak_flops_per_device = float(peak_flops_per_device)
+        self.world_size = world_size
+
+    def step_flops(self, forward_only_tokens: int, train_tokens: int) -> float:
+        """Model FLOPs of one step: fwd-only tokens × 1 + fwd+bwd tokens × 3, × FLOPs/token."""
+        passes = forward_only_tokens + FWD_BWD_MULTIPLIER * train_tokens
+        return self.flops_per_token * passes
+
+    def measure(
+        self, train_tokens: int, step_time_s: float, forward_only_tokens: int = 0
+    ) -> ThroughputStats:
+        """Throughput of a step that took ``step_time_s`` seconds of wall time.
+
+        Raises:
+            ValueError: if ``step_time_s`` is not positive.
+        """
+        if not step_time_s > 0:
+            raise ValueError(f"step_time_s must be > 0, got {step_time_s}")
+        flops_per_sec = self.step_flops(forward_only_tokens, train_tokens) / step_time_s
+        return ThroughputStats(
+            tokens_per_sec=train_tokens / step_time_s,
+            model_flops_per_sec=flops_per_sec,
+            mfu=flops_per_sec / (self.peak_flops_per_device * self.world_size),
+        )
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu" and hasattr(torch, "accelerator"):
+        torch.accelerator.synchronize()
+
+
+def measure_peak_flops(
+    device: torch.device | str,
+    dtype: torch.dtype = torch.bfloat16,
+    size: int | None = None,
+    min_time_s: float = 0.2,
+) -> float:
+    """Measured dense-matmul FLOP/s of one device: a one-off timed square matmul loop.
+
+    This is the *achievable* peak (below the vendor's datasheet number), so MFU against it
+    reads higher; pass the datasheet peak in the config when comparing with published MFU.
+
+    Args:
+        device: the device to measure (the caller's; nothing is picked here).
+        dtype: matmul dtype (the training dtype).
+        size: matrix side; default 256 on CPU (fast, small), 8192 on accelerators.
+        min_time_s: approximate duration of the timed loop (plus a short warm-up).
+
+    Returns:
+        FLOP/s (2·size³ per matmul).
+    """
+    device = torch.device(device)
+    if size is None:
+        size = 256 if device.type == "cpu" else 8192
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=g)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=g)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+
+    def run(iters: int) -> float:
+        _synchronize(device)
+        start = time.perf_counter()
+        for _ in range(iters):
+            torch.matmul(a, b, out=out)
+        _synchronize(device)
+        return time.perf_counter() - start
+
+    # Warm-up (kernel selection, allocator, thread pools), then calibrate a chunk of ~1/8 of
+    # the budget and keep the fastest chunk: a peak is a best case, and on a shared machine
+    # the average is dragged down by whatever else runs.
+    run(2)
+    per_iter = max(run(2) / 2, 1e-9)
+    chunk = max(1, math.ceil(min_time_s / 8 / per_iter))
+    best = math.inf
+    spent = 0.0
+    while spent < min_time_s:
+        elapsed = run(chunk)
+        spent += elapsed
+        best = min(best, elapsed / chunk)
+    return 2.0 * size**3 / max(best, 1e-12)

@@ -1,0 +1,97 @@
+"""FLOPs-per-token formula, MFU arithmetic and the peak-FLOPs probe."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from megatron_kto.logging import (
+    ThroughputMeter,
+    dpo_pass_tokens,
+    gpt_flops_per_token,
+    kto_pass_tokens,
+    measure_peak_flops,
+)
+
+TINY = dict(
+    num_layers=2,
+    hidden=8,
+    ffn_hidden=16,
+    num_heads=2,
+    num_query_groups=1,
+    kv_channels=4,
+    vocab=10,
+    seq_len=5,
+)
+
+
+def test_flops_hand_count_gelu() -> None:
+    """L = 2, h = 8, f = 16, n = 2 heads, g = 1 group, d = 4, V = 10, s = 5, plain MLP.
+
+    per layer: QKV 2·8·(2 + 2·1)·4 = 256; out proj 2·(2·4)·8 = 128;
+               scores + A·V 4·2·4·5 = 160; MLP 2·2·8·16 = 512  → 1056
+    2 layers → 2112; logits 2·8·10 = 160 → 2272
+    """
+    assert gpt_flops_per_token(**TINY, swiglu=False) == 2272
+
+
+def test_flops_hand_count_swiglu() -> None:
+    """Same shape with SwiGLU: MLP 3·2·8·16 = 768 → per layer 1312, ×2 = 2624, + 160 = 2784."""
+    assert gpt_flops_per_token(**TINY, swiglu=True) == 2784
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_flops_equal_two_per_matmul_parameter_plus_attention(swiglu: bool) -> None:
+    """Independent count: 2 × the weights of the model's Linear layers + 4·n·d·s per layer."""
+    h, f, n, g, d, v, s = 8, 16, 2, 1, 4, 10, 5
+    layer = nn.ModuleList(
+        [
+            nn.Linear(h, (n + 2 * g) * d, bias=False),  # fused QKV
+            nn.Linear(n * d, h, bias=False),  # attention output
+            nn.Linear(h, (2 if swiglu else 1) * f, bias=False),  # fc1 (gate + up for SwiGLU)
+            nn.Linear(f, h, bias=False),  # fc2
+        ]
+    )
+    per_layer_params = sum(p.numel() for p in layer.parameters())
+    head_params = nn.Linear(h, v, bias=False).weight.numel()
+    expected = 2 * (2 * per_layer_params + head_params) + 2 * (4 * n * d * s)
+    assert gpt_flops_per_token(**TINY, swiglu=swiglu) == expected
+
+
+def test_mfu_arithmetic() -> None:
+    """1e9 FLOPs/token; 3000 forward-only tokens, 1000 fwd+bwd tokens, 2 s step, 4 devices
+    at 1e12 FLOP/s each:
+    step FLOPs = 1e9 · (3000 + 3·1000) = 6e12 → 3e12 FLOP/s → MFU = 3e12 / 4e12 = 0.75;
+    tokens/s = 1000 / 2 = 500.
+    """
+    meter = ThroughputMeter(flops_per_token=1e9, peak_flops_per_device=1e12, world_size=4)
+    stats = meter.measure(train_tokens=1000, step_time_s=2.0, forward_only_tokens=3000)
+    assert stats.tokens_per_sec == pytest.approx(500.0)
+    assert stats.model_flops_per_sec == pytest.approx(3e12)
+    assert stats.mfu == pytest.approx(0.75)
+
+
+def test_step_token_structure() -> None:
+    """KTO, 100 sample tokens, 120 KL tokens: ref fwd 220 + policy KL fwd 120 = 340 forward-only,
+    100 fwd+bwd; without a reference forward: 120. DPO: 300 pair tokens → (300, 300)."""
+    assert kto_pass_tokens(100, 120) == (340, 100)
+    assert kto_pass_tokens(100, 120, reference_forward=False) == (120, 100)
+    assert dpo_pass_tokens(300) == (300, 300)
+    assert dpo_pass_tokens(300, reference_forward=False) == (0, 300)
+
+
+def test_meter_validation() -> None:
+    with pytest.raises(ValueError, match="peak_flops_per_device"):
+        ThroughputMeter(1.0, 0.0, 1)
+    with pytest.raises(ValueError, match="step_time_s"):
+        ThroughputMeter(1.0, 1.0, 1).measure(train_tokens=1, step_time_s=0.0)
+
+
+def test_measure_peak_flops_cpu_is_quick_and_positive() -> None:
+    start = time.perf_counter()
+    peak = measure_peak_flops("cpu", torch.float32, min_time_s=0.1)
+    assert time.perf_counter() - start < 5.0
+    assert peak > 1e6  # any CPU does far more than a megaflop per second
