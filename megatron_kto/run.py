@@ -5,6 +5,7 @@ The example scripts are thin Hydra mains around `run_alignment`.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -88,6 +89,8 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
     from megatron_kto.checkpointing.manager import CheckpointManager, restore_pretrained
     from megatron_kto.checkpointing.preemption import PreemptionHandler
 
+    # megatron-core logs its DDP/optimizer configs at INFO on every rank; keep warnings and up.
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world_size, algorithm)  # before any process group or model exists
     max_time = _parse_max_time(cfg.trainer.max_time)
@@ -100,7 +103,9 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
     )
     rank0 = runtime.is_rank0
     try:
-        tokenizer = load_tokenizer(m.tokenizer.library, str(resolve_path(m.tokenizer.model)), m.tokenizer.chat_template)
+        tokenizer = load_tokenizer(
+            m.tokenizer.library, str(resolve_path(m.tokenizer.model)), m.tokenizer.chat_template
+        )
         arch = _architecture(cfg, tokenizer.vocab_size)
         max_length = m.data.max_length or arch.encoder_seq_length
         train = build_split(cfg, "train", algorithm, tokenizer, runtime, max_length)
@@ -140,7 +145,9 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
             weight_decay=o.weight_decay,
             betas=(o.betas[0], o.betas[1]),
             eps=o.eps,
-            clip_grad=(cfg.trainer.kto if algorithm == "kto" else cfg.trainer.dpo).gradient_clip_val,
+            clip_grad=(
+                cfg.trainer.kto if algorithm == "kto" else cfg.trainer.dpo
+            ).gradient_clip_val,
             bf16=layout.precision == "bf16",
             use_distributed_optimizer=use_dist_opt,
         )
@@ -188,14 +195,20 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
         manager = None
         state = TrainerState()
         if e.create_checkpoint_callback:
-            manager = CheckpointManager(log_dir / "checkpoints", keep_last=e.checkpoint_callback_params.save_top_k)
+            manager = CheckpointManager(
+                log_dir / "checkpoints", keep_last=e.checkpoint_callback_params.save_top_k
+            )
             if e.resume_if_exists:
                 restored = manager.load_latest(chunks, optimizer, scheduler)
                 if restored is not None:
                     state = TrainerState(
-                        step=restored["step"], epoch=restored["epoch"], consumed_samples=restored["consumed_samples"]
+                        step=restored["step"],
+                        epoch=restored["epoch"],
+                        consumed_samples=restored["consumed_samples"],
                     )
-                    _say(rank0, f"resumed from step {state.step} ({state.consumed_samples} samples)")
+                    _say(
+                        rank0, f"resumed from step {state.step} ({state.consumed_samples} samples)"
+                    )
         logger = MetricsLogger(
             log_dir,
             rank0=rank0,
@@ -212,7 +225,9 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
 
         def checkpoint_hook(s: TrainerState, final: bool) -> None:
             if manager is not None:
-                manager.save(s.step, chunks, optimizer, scheduler, trainer.state_dict(), config_yaml, arch)
+                manager.save(
+                    s.step, chunks, optimizer, scheduler, trainer.state_dict(), config_yaml, arch
+                )
 
         with PreemptionHandler() as preemption:
             trainer = trainer_cls(
@@ -234,7 +249,10 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
             )
             final = trainer.fit()
         logger.close()
-        _say(rank0, f"done: step {final.step}, consumed {final.consumed_samples} samples; outputs in {log_dir}")
+        _say(
+            rank0,
+            f"done: step {final.step}, consumed {final.consumed_samples} samples; outputs in {log_dir}",
+        )
         return final
     finally:
         teardown()

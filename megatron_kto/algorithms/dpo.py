@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron_kto.logging.throughput import FWD_BWD_MULTIPLIER, dpo_pass_tokens
 from megatron_kto.models.dpo_model import REF_CHOSEN, REF_REJECTED
 from megatron_kto.models.forward import data_parallel_all_reduce, eval_mode
 from megatron_kto.models.schedule import Batch, to_device
@@ -177,8 +178,9 @@ class DPOTrainer:
 
         DPO: reference forward over chosen+rejected (1x) and policy forward+backward (3x).
         """
-        tokens = float(batch["chosen_lengths"].sum() + batch["rejected_lengths"].sum())
-        return tokens, 4.0 * tokens
+        tokens = int(batch["chosen_lengths"].sum() + batch["rejected_lengths"].sum())
+        forward_only, forward_backward = dpo_pass_tokens(tokens)
+        return float(tokens), forward_only + FWD_BWD_MULTIPLIER * forward_backward
 
     # --- loop ----------------------------------------------------------------------------------
     def train_single_step(self, batch: Batch, started: float) -> dict[str, float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from megatron_kto.algorithms.dpo import DPOTrainer
+from megatron_kto.logging.throughput import FWD_BWD_MULTIPLIER, kto_pass_tokens
 from megatron_kto.models.kto_model import REF_KL, REF_SAMPLES
 from megatron_kto.models.schedule import Batch, to_device
 
@@ -27,6 +28,7 @@ class KTOTrainer(DPOTrainer):
     def step_cost_tokens(self, batch: Batch) -> tuple[float, float]:
         """KTO step cost: reference fwd over samples+KL (1x each), policy fwd over KL (1x),
         policy fwd+bwd over samples (3x) — in real (unpadded) tokens."""
-        samples = float(batch["sample_lengths"].sum())
-        kl = float(batch["kl_sample_lengths"].sum())
-        return samples + kl, (samples + kl) + kl + 3.0 * samples
+        samples = int(batch["sample_lengths"].sum())
+        kl = int(batch["kl_sample_lengths"].sum())
+        forward_only, forward_backward = kto_pass_tokens(samples, kl)
+        return float(samples + kl), forward_only + FWD_BWD_MULTIPLIER * forward_backward

@@ -19,14 +19,21 @@ from typing import Any
 import torch
 from megatron.core import dist_checkpointing
 
+from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.builder import unwrap
 
+__all__ = [
+    "ARCH_FILE",
+    "CheckpointError",
+    "load_model",
+    "model_sharded_state_dict",
+    "read_architecture",
+    "save_model",
+    "write_architecture",
+]
+
 ARCH_FILE = "architecture.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint directory is missing, partial or does not match the model."""
 
 
 def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
