@@ -27,7 +27,12 @@ from megatron_kto.logging.throughput import gpt_flops_per_token, measure_peak_fl
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
 from megatron_kto.models.dpo_model import DPOSettings, MegatronGPTDPOModel
 from megatron_kto.models.kto_model import KTOSettings, MegatronGPTKTOModel
-from megatron_kto.models.reference import CPUSwapReference, SeparateReference, copy_weights
+from megatron_kto.models.reference import (
+    CPUSwapReference,
+    PrecomputedReference,
+    SeparateReference,
+    copy_weights,
+)
 from megatron_kto.models.training_setup import build_optimizer, build_scheduler, wrap_ddp
 from megatron_kto.runtime import init_runtime, teardown
 
@@ -79,6 +84,119 @@ def _parse_max_time(value: str | None) -> float | None:
         raise ConfigError(f"trainer.max_time: {e}") from e
 
 
+def _loss_settings(cfg: Any, algorithm: str, padded_vocab: int):
+    m = cfg.model
+    loss_cfg = m.kto if algorithm == "kto" else m.dpo
+    common = {
+        "micro_batch_size": m.micro_batch_size,
+        "forward_micro_batch_size": loss_cfg.log_prob_forward_micro_batch_size
+        or m.micro_batch_size,
+        "padded_vocab_size": padded_vocab,
+        "beta": loss_cfg.ref_policy_kl_penalty,
+        "loss_type": loss_cfg.loss_type,
+        "sft_loss_weight": loss_cfg.sft_loss_weight,
+    }
+    if algorithm == "kto":
+        return KTOSettings(
+            desirable_weight=m.kto.desirable_loss_weight,
+            undesirable_weight=m.kto.undesirable_loss_weight,
+            **common,
+        )
+    return DPOSettings(
+        label_smoothing=m.dpo.label_smoothing,
+        average_log_probs=m.dpo.preference_average_log_probs,
+        **common,
+    )
+
+
+def _build_policy(cfg: Any, algorithm: str, arch, layout: ParallelLayout, runtime):
+    """Policy chunks (restored if configured, DDP-wrapped) and the preference model around them.
+
+    A `precomputed` reference is attached later (its table needs the model to compute it).
+    """
+    from megatron_kto.checkpointing.manager import restore_pretrained
+
+    m = cfg.model
+    strategy = (m.kto if algorithm == "kto" else m.dpo).reference_policy
+    chunks = build_gpt_chunks(arch, layout, runtime.device)
+    if cfg.pretrained_checkpoint.restore_from_path:
+        restore_pretrained(cfg.pretrained_checkpoint.restore_from_path, chunks)
+        _say(
+            runtime.is_rank0, f"restored weights from {cfg.pretrained_checkpoint.restore_from_path}"
+        )
+    reference = None
+    if strategy == "separate":
+        ref_chunks = build_gpt_chunks(arch, layout, runtime.device)
+        copy_weights(chunks, ref_chunks)
+        reference = SeparateReference(ref_chunks)
+    chunks = wrap_ddp(chunks, use_distributed_optimizer=m.optim.name == "distributed_fused_adam")
+    if strategy == "cpu_swap":
+        reference = CPUSwapReference(chunks)
+    settings = _loss_settings(cfg, algorithm, arch.padded_vocab(m.tensor_model_parallel_size))
+    model_cls = MegatronGPTKTOModel if algorithm == "kto" else MegatronGPTDPOModel
+    return model_cls(chunks, reference, settings)
+
+
+def _attach_precomputed_reference(
+    cfg, algorithm, model, splits, arch, runtime, log_dir: Path
+) -> None:
+    from megatron_kto.algorithms.precompute import load_or_compute
+    from megatron_kto.data.cache import content_hash
+
+    fingerprint = {
+        "algorithm": algorithm,
+        "files": [[str(p) for p in s.stats.files] for s in splits],
+        "content": [[content_hash(p) for p in s.stats.files] for s in splits],
+        "examples": [len(s.dataset) for s in splits],
+        "restore_from_path": cfg.pretrained_checkpoint.restore_from_path,
+        "seed": cfg.model.seed,
+        "architecture": arch.to_dict(),
+        "settings": repr(model.settings),
+    }
+    resuming = cfg.exp_manager.resume_if_exists and (log_dir / "checkpoints" / "latest").exists()
+    _say(
+        runtime.is_rank0,
+        "precomputing reference log-probs over the data (reference_policy=precomputed)",
+    )
+    table = load_or_compute(
+        model,
+        splits,
+        runtime,
+        model.settings.forward_micro_batch_size,
+        log_dir / "reference_logps",
+        fingerprint,
+        resuming,
+    )
+    model.reference = PrecomputedReference(table)
+
+
+def _build_optimization(cfg: Any, algorithm: str, chunks, loop, bf16: bool):
+    o = cfg.model.optim
+    loop_cfg = cfg.trainer.kto if algorithm == "kto" else cfg.trainer.dpo
+    optimizer = build_optimizer(
+        chunks,
+        lr=o.lr,
+        min_lr=o.sched.min_lr,
+        weight_decay=o.weight_decay,
+        betas=(o.betas[0], o.betas[1]),
+        eps=o.eps,
+        clip_grad=loop_cfg.gradient_clip_val,
+        bf16=bf16,
+        use_distributed_optimizer=o.name == "distributed_fused_adam",
+    )
+    scheduler = build_scheduler(
+        optimizer,
+        name=o.sched.name,
+        lr=o.lr,
+        min_lr=o.sched.min_lr,
+        warmup_steps=o.sched.warmup_steps,
+        constant_steps=o.sched.constant_steps,
+        max_steps=loop.max_steps,
+        weight_decay=o.weight_decay,
+    )
+    return optimizer, scheduler
+
+
 def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
     """Train with KTO or DPO as configured; returns the final trainer state.
 
@@ -86,7 +204,7 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
         cfg: composed config (`AlignmentConfig` schema).
         algorithm: 'kto' or 'dpo'.
     """
-    from megatron_kto.checkpointing.manager import CheckpointManager, restore_pretrained
+    from megatron_kto.checkpointing.manager import CheckpointManager
     from megatron_kto.checkpointing.preemption import PreemptionHandler
 
     # megatron-core logs its DDP/optimizer configs at INFO on every rank; keep warnings and up.
@@ -94,7 +212,8 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world_size, algorithm)  # before any process group or model exists
     max_time = _parse_max_time(cfg.trainer.max_time)
-    m = cfg.model
+    m, e = cfg.model, cfg.exp_manager
+    log_dir = Path(e.explicit_log_dir)
     runtime = init_runtime(
         m.tensor_model_parallel_size,
         m.pipeline_model_parallel_size,
@@ -108,107 +227,64 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
         )
         arch = _architecture(cfg, tokenizer.vocab_size)
         max_length = m.data.max_length or arch.encoder_seq_length
-        train = build_split(cfg, "train", algorithm, tokenizer, runtime, max_length)
-        val = build_split(cfg, "validation", algorithm, tokenizer, runtime, max_length)
-        for split in (train, val):
-            if split is not None:
-                _say(rank0, split.describe())
+        precomputed = (m.kto if algorithm == "kto" else m.dpo).reference_policy == "precomputed"
+        train = build_split(
+            cfg,
+            "train",
+            algorithm,
+            tokenizer,
+            runtime,
+            max_length,
+            index_offset=0 if precomputed else None,
+        )
+        val = build_split(
+            cfg,
+            "validation",
+            algorithm,
+            tokenizer,
+            runtime,
+            max_length,
+            index_offset=len(train.dataset) if precomputed else None,
+        )
+        splits = [s for s in (train, val) if s is not None]
+        for split in splits:
+            _say(rank0, split.describe())
 
         layout = _layout(cfg)
-        chunks = build_gpt_chunks(arch, layout, runtime.device)
-        if cfg.pretrained_checkpoint.restore_from_path:
-            restore_pretrained(cfg.pretrained_checkpoint.restore_from_path, chunks)
-            _say(rank0, f"restored weights from {cfg.pretrained_checkpoint.restore_from_path}")
-        loss_cfg = m.kto if algorithm == "kto" else m.dpo
-        if loss_cfg.reference_policy == "separate":
-            ref_chunks = build_gpt_chunks(arch, layout, runtime.device)
-            copy_weights(chunks, ref_chunks)
-            reference = SeparateReference(ref_chunks)
-        use_dist_opt = m.optim.name == "distributed_fused_adam"
-        chunks = wrap_ddp(chunks, use_dist_opt)
-        if loss_cfg.reference_policy == "cpu_swap":
-            reference = CPUSwapReference(chunks)
-
+        model = _build_policy(cfg, algorithm, arch, layout, runtime)
+        if precomputed:
+            _attach_precomputed_reference(cfg, algorithm, model, splits, arch, runtime, log_dir)
+        loop_cfg = cfg.trainer.kto if algorithm == "kto" else cfg.trainer.dpo
         loop = resolve_loop(
-            cfg.trainer.kto if algorithm == "kto" else cfg.trainer.dpo,
+            loop_cfg,
             train.num_global_batches,
             val.num_global_batches if val is not None else 0,
             m.global_batch_size,
             cfg.trainer.log_every_n_steps,
             max_time,
         )
-        o = m.optim
-        optimizer = build_optimizer(
-            chunks,
-            lr=o.lr,
-            min_lr=o.sched.min_lr,
-            weight_decay=o.weight_decay,
-            betas=(o.betas[0], o.betas[1]),
-            eps=o.eps,
-            clip_grad=(
-                cfg.trainer.kto if algorithm == "kto" else cfg.trainer.dpo
-            ).gradient_clip_val,
-            bf16=layout.precision == "bf16",
-            use_distributed_optimizer=use_dist_opt,
+        optimizer, scheduler = _build_optimization(
+            cfg, algorithm, model.chunks, loop, layout.precision == "bf16"
         )
-        scheduler = build_scheduler(
-            optimizer,
-            name=o.sched.name,
-            lr=o.lr,
-            min_lr=o.sched.min_lr,
-            warmup_steps=o.sched.warmup_steps,
-            constant_steps=o.sched.constant_steps,
-            max_steps=loop.max_steps,
-            weight_decay=o.weight_decay,
-        )
-        padded_vocab = arch.padded_vocab(m.tensor_model_parallel_size)
-        fwd_mbs = loss_cfg.log_prob_forward_micro_batch_size or m.micro_batch_size
-        if algorithm == "kto":
-            k = m.kto
-            settings = KTOSettings(
-                beta=k.ref_policy_kl_penalty,
-                desirable_weight=k.desirable_loss_weight,
-                undesirable_weight=k.undesirable_loss_weight,
-                loss_type=k.loss_type,
-                sft_loss_weight=k.sft_loss_weight,
-                micro_batch_size=m.micro_batch_size,
-                forward_micro_batch_size=fwd_mbs,
-                padded_vocab_size=padded_vocab,
-            )
-            model, trainer_cls = MegatronGPTKTOModel(chunks, reference, settings), KTOTrainer
-        else:
-            d = m.dpo
-            settings = DPOSettings(
-                beta=d.ref_policy_kl_penalty,
-                loss_type=d.loss_type,
-                label_smoothing=d.label_smoothing,
-                average_log_probs=d.preference_average_log_probs,
-                sft_loss_weight=d.sft_loss_weight,
-                micro_batch_size=m.micro_batch_size,
-                forward_micro_batch_size=fwd_mbs,
-                padded_vocab_size=padded_vocab,
-            )
-            model, trainer_cls = MegatronGPTDPOModel(chunks, reference, settings), DPOTrainer
 
-        log_dir = Path(cfg.exp_manager.explicit_log_dir)
-        e = cfg.exp_manager
         manager = None
         state = TrainerState()
         if e.create_checkpoint_callback:
             manager = CheckpointManager(
                 log_dir / "checkpoints", keep_last=e.checkpoint_callback_params.save_top_k
             )
-            if e.resume_if_exists:
-                restored = manager.load_latest(chunks, optimizer, scheduler)
-                if restored is not None:
-                    state = TrainerState(
-                        step=restored["step"],
-                        epoch=restored["epoch"],
-                        consumed_samples=restored["consumed_samples"],
-                    )
-                    _say(
-                        rank0, f"resumed from step {state.step} ({state.consumed_samples} samples)"
-                    )
+            restored = (
+                manager.load_latest(model.chunks, optimizer, scheduler)
+                if e.resume_if_exists
+                else None
+            )
+            if restored is not None:
+                state = TrainerState(
+                    step=restored["step"],
+                    epoch=restored["epoch"],
+                    consumed_samples=restored["consumed_samples"],
+                )
+                _say(rank0, f"resumed from step {state.step} ({state.consumed_samples} samples)")
         logger = MetricsLogger(
             log_dir,
             rank0=rank0,
@@ -217,7 +293,6 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
         )
         if rank0:
             logger.truncate_after(state.step)
-        progress = ProgressReporter(loop.max_steps, rank0=rank0, initial_step=state.step)
         peak = cfg.trainer.peak_flops_per_device or measure_peak_flops(
             runtime.device, torch.bfloat16 if layout.precision == "bf16" else torch.float32
         )
@@ -226,11 +301,17 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
         def checkpoint_hook(s: TrainerState, final: bool) -> None:
             if manager is not None:
                 manager.save(
-                    s.step, chunks, optimizer, scheduler, trainer.state_dict(), config_yaml, arch
+                    s.step,
+                    model.chunks,
+                    optimizer,
+                    scheduler,
+                    trainer.state_dict(),
+                    config_yaml,
+                    arch,
                 )
 
         with PreemptionHandler() as preemption:
-            trainer = trainer_cls(
+            trainer = (KTOTrainer if algorithm == "kto" else DPOTrainer)(
                 model,
                 optimizer,
                 scheduler,
@@ -239,8 +320,10 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
                 loop=loop,
                 device=runtime.device,
                 logger=logger,
-                progress=progress,
-                flops_per_token=_flops_per_token(arch, max_length, padded_vocab),
+                progress=ProgressReporter(loop.max_steps, rank0=rank0, initial_step=state.step),
+                flops_per_token=_flops_per_token(
+                    arch, max_length, arch.padded_vocab(m.tensor_model_parallel_size)
+                ),
                 peak_flops=peak,
                 world_size=runtime.world_size,
                 checkpoint_hook=checkpoint_hook,

@@ -117,7 +117,8 @@ class KTOLossConfig:
     sft_loss_weight: float = 0.0
     """Weight of the NLL of desirable completions added to the loss."""
     reference_policy: str = "cpu_swap"
-    """'cpu_swap' (host copy swapped in), 'separate' (second model on the device)."""
+    """'cpu_swap' (host copy swapped in), 'separate' (second model on the device), or
+    'precomputed' (one pass over the data before training; KL partners fixed by dataset index)."""
     log_prob_forward_micro_batch_size: int | None = None
     """Rows per micro-batch in forward-only passes; None means model.micro_batch_size."""
 
@@ -137,7 +138,7 @@ class DPOLossConfig:
     sft_loss_weight: float = 0.0
     """Weight of the chosen completions' NLL added to the loss."""
     reference_policy: str = "cpu_swap"
-    """'cpu_swap' or 'separate'."""
+    """'cpu_swap', 'separate' or 'precomputed'."""
     log_prob_forward_micro_batch_size: int | None = None
     """Pairs per micro-batch in forward-only passes; None means model.micro_batch_size."""
 

@@ -78,6 +78,14 @@ def kl_completion(
     return list(completion_ids[:room])
 
 
+def _with_index(examples: Sequence[dict[str, Any]], batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    # Examples from `data.kl_pairs.IndexedExamples` carry their dataset index, which precomputed
+    # reference log-probs are looked up by.
+    if "index" in examples[0]:
+        batch["index"] = torch.tensor([int(e["index"]) for e in examples], dtype=torch.long)
+    return batch
+
+
 def kto_custom_collate(
     examples: Sequence[dict[str, Any]],
     pad_id: int,
@@ -92,7 +100,10 @@ def kto_custom_collate(
     KL rows are padded together to one length T.
 
     Args:
-        examples: ``{"prompt_ids", "completion_ids", "label"}`` dicts (B >= 2).
+        examples: ``{"prompt_ids", "completion_ids", "label"}`` dicts (B >= 2). Examples that
+            also carry ``kl_completion_ids`` (fixed, order-independent KL partners, see
+            ``data.kl_pairs``) use those instead of the circular shift, and B = 1 is allowed;
+            an ``index`` key is passed through as ``index`` [B].
         pad_id: token id used for padding.
         pad_to_multiple_of: T is rounded up to a multiple of this.
         max_length: most tokens of a KL row's prompt + completion; its completion is cut from
@@ -107,7 +118,10 @@ def kto_custom_collate(
         ValueError: B < 2 (no KL pair exists).
     """
     batch = len(examples)
-    if batch < 2:
+    # Precomputed-reference runs fix each row's KL partner by dataset index (`data.kl_pairs`),
+    # so the pairing cannot depend on batch order; then a batch of one is fine.
+    fixed_pairs = batch > 0 and "kl_completion_ids" in examples[0]
+    if batch < 2 and not fixed_pairs:
         raise ValueError(
             f"kto_custom_collate got {batch} example(s), but KL rows pair each prompt with "
             "another example's completion, so a batch needs at least 2; increase "
@@ -116,23 +130,30 @@ def kto_custom_collate(
     prompts = [list(e["prompt_ids"]) for e in examples]
     completions = [list(e["completion_ids"]) for e in examples]
     sample_rows = [inputs_and_labels(p, c) for p, c in zip(prompts, completions)]
+    if fixed_pairs:
+        kl_sources = [list(e["kl_completion_ids"]) for e in examples]
+    else:
+        kl_sources = [completions[(i + 1) % batch] for i in range(batch)]
     kl_rows = [
-        inputs_and_labels(p, kl_completion(p, completions[(i + 1) % batch], max_length))
+        inputs_and_labels(p, kl_completion(p, kl_sources[i], max_length))
         for i, p in enumerate(prompts)
     ]
     sample_lengths = [len(inputs) for inputs, _ in sample_rows]
     kl_lengths = [len(inputs) for inputs, _ in kl_rows]
     length = _padded_length(sample_lengths + kl_lengths, pad_to_multiple_of)
-    return {
-        "samples": _padded([r[0] for r in sample_rows], length, pad_id),
-        "kl_samples": _padded([r[0] for r in kl_rows], length, pad_id),
-        "sample_labels": _padded([r[1] for r in sample_rows], length, IGNORE_INDEX),
-        "kl_sample_labels": _padded([r[1] for r in kl_rows], length, IGNORE_INDEX),
-        "position_ids": torch.arange(length, dtype=torch.long).repeat(batch, 1),
-        "preference": torch.tensor([int(bool(e["label"])) for e in examples], dtype=torch.long),
-        "sample_lengths": torch.tensor(sample_lengths, dtype=torch.long),
-        "kl_sample_lengths": torch.tensor(kl_lengths, dtype=torch.long),
-    }
+    return _with_index(
+        examples,
+        {
+            "samples": _padded([r[0] for r in sample_rows], length, pad_id),
+            "kl_samples": _padded([r[0] for r in kl_rows], length, pad_id),
+            "sample_labels": _padded([r[1] for r in sample_rows], length, IGNORE_INDEX),
+            "kl_sample_labels": _padded([r[1] for r in kl_rows], length, IGNORE_INDEX),
+            "position_ids": torch.arange(length, dtype=torch.long).repeat(batch, 1),
+            "preference": torch.tensor([int(bool(e["label"])) for e in examples], dtype=torch.long),
+            "sample_lengths": torch.tensor(sample_lengths, dtype=torch.long),
+            "kl_sample_lengths": torch.tensor(kl_lengths, dtype=torch.long),
+        },
+    )
 
 
 def dpo_custom_collate(
@@ -156,12 +177,15 @@ def dpo_custom_collate(
     chosen_lengths = [len(r[0]) for r in chosen]
     rejected_lengths = [len(r[0]) for r in rejected]
     length = _padded_length(chosen_lengths + rejected_lengths, pad_to_multiple_of)
-    return {
-        "chosen": _padded([r[0] for r in chosen], length, pad_id),
-        "rejected": _padded([r[0] for r in rejected], length, pad_id),
-        "chosen_labels": _padded([r[1] for r in chosen], length, IGNORE_INDEX),
-        "rejected_labels": _padded([r[1] for r in rejected], length, IGNORE_INDEX),
-        "position_ids": torch.arange(length, dtype=torch.long).repeat(len(examples), 1),
-        "chosen_lengths": torch.tensor(chosen_lengths, dtype=torch.long),
-        "rejected_lengths": torch.tensor(rejected_lengths, dtype=torch.long),
-    }
+    return _with_index(
+        examples,
+        {
+            "chosen": _padded([r[0] for r in chosen], length, pad_id),
+            "rejected": _padded([r[0] for r in rejected], length, pad_id),
+            "chosen_labels": _padded([r[1] for r in chosen], length, IGNORE_INDEX),
+            "rejected_labels": _padded([r[1] for r in rejected], length, IGNORE_INDEX),
+            "position_ids": torch.arange(length, dtype=torch.long).repeat(len(examples), 1),
+            "chosen_lengths": torch.tensor(chosen_lengths, dtype=torch.long),
+            "rejected_lengths": torch.tensor(rejected_lengths, dtype=torch.long),
+        },
+    )

@@ -13,6 +13,7 @@ import torch
 from megatron_kto.config.validate import ConfigError
 from megatron_kto.data.collate import dpo_custom_collate, kto_custom_collate
 from megatron_kto.data.dataset import build_dpo_dataset, build_kto_dataset
+from megatron_kto.data.kl_pairs import IndexedExamples
 from megatron_kto.data.samplers import (
     TrainingBatchSampler,
     ValidationBatchSampler,
@@ -87,9 +88,18 @@ class Split:
 
 
 def build_split(
-    cfg: Any, split: str, algorithm: str, tokenizer: Tokenizer, runtime: Any, max_length: int
+    cfg: Any,
+    split: str,
+    algorithm: str,
+    tokenizer: Tokenizer,
+    runtime: Any,
+    max_length: int,
+    index_offset: int | None = None,
 ) -> Split | None:
     """Build the `split` ("train" or "validation") of a run, or None if it has no files.
+
+    With `index_offset` set (precomputed reference), items carry `index` = offset + dataset index
+    and KTO rows get dataset-level KL partners (`data.kl_pairs`).
 
     Tokenisation is cached beside the data; local rank 0 of each node writes the cache while the
     other ranks wait at a barrier.
@@ -114,6 +124,8 @@ def build_split(
         barrier=torch.distributed.barrier if torch.distributed.is_initialized() else None,
         use_cache=d.use_cache,
     )
+    if index_offset is not None:
+        dataset = IndexedExamples(dataset, index_offset, fixed_kl_pairs=algorithm == "kto")
     if algorithm == "kto":
         collate = partial(
             kto_custom_collate,

@@ -105,6 +105,16 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         else None,
         # Megatron frees pipeline outputs after sending them; needs CUDA-style storage handling.
         deallocate_pipeline_outputs=on_gpu,
+        # The interleaved schedule's steady state exchanges an activation (send_next) and a
+        # gradient (send_prev) of the same shape with the same peer when PP=2 (prev == next).
+        # megatron's batched path posts them as [send_prev, recv_prev, send_next, recv_next] on
+        # both ranks, so the sender's order (grad, act) is not the receiver's (act, grad), and a
+        # FIFO-matching backend silently swaps them: measured on gloo, PP2xVPP2 training gave
+        # wrong losses from the 3rd micro-batch on (grad norm 420 vs 99). megatron's unbatched
+        # path orders ops by even/odd rank and uses separate groups for the two directions, as
+        # Megatron-LM does for interleaving (overlap_p2p_comm). Non-interleaved 1F1B sends at
+        # most one message per direction, so it keeps the batched path.
+        batch_p2p_comm=layout.virtual_pipeline_model_parallel_size is None,
     )
 
 

@@ -57,23 +57,22 @@ class MegatronGPTDPOModel:
         self.reference = reference
         self.settings = settings
 
-    def get_ref_policy_logprobs(self, batch: Batch) -> torch.Tensor:
-        """Reference log-probs of chosen rows then rejected rows ([2B]; per-token means if
-        length-normalised), identical on every pipeline stage."""
+    def forward_logprobs(
+        self, batch: Batch, chunks: list[torch.nn.Module], micro_batch_size: int | None = None
+    ) -> torch.Tensor:
+        """Log-probs of chosen rows then rejected rows ([2B]; per-token means if
+        length-normalised) under `chunks`, forward-only, identical on every pipeline stage."""
         tokens = torch.cat([batch["chosen"], batch["rejected"]])
         labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])
         positions = torch.cat([batch["position_ids"], batch["position_ids"]])
         s = self.settings
-        with self.reference.chunks() as ref_chunks:
-            stats = forward_sequence_stats(
-                ref_chunks,
-                tokens,
-                labels,
-                positions,
-                s.forward_micro_batch_size,
-                s.padded_vocab_size,
-            )
+        mbs = micro_batch_size or s.forward_micro_batch_size
+        stats = forward_sequence_stats(chunks, tokens, labels, positions, mbs, s.padded_vocab_size)
         return _logps(stats, s.average_log_probs)
+
+    def get_ref_policy_logprobs(self, batch: Batch) -> torch.Tensor:
+        """Reference log-probs of chosen rows then rejected rows ([2B])."""
+        return self.reference.log_probs(batch, lambda chunks: self.forward_logprobs(batch, chunks))
 
     def _loss_fn(self, batch: Batch, output: torch.Tensor):
         s = self.settings

@@ -79,6 +79,20 @@ class MegatronGPTKTOModel:
             self.settings.padded_vocab_size,
         )
 
+    def forward_logprobs(
+        self, batch: Batch, chunks: list[torch.nn.Module], micro_batch_size: int | None = None
+    ) -> torch.Tensor:
+        """Summed completion log-probs of the samples then the KL rows ([2B]) under `chunks`,
+        forward-only, identical on every pipeline stage."""
+        tokens = torch.cat([batch["samples"], batch["kl_samples"]])
+        labels = torch.cat([batch["sample_labels"], batch["kl_sample_labels"]])
+        positions = torch.cat([batch["position_ids"], batch["position_ids"]])
+        mbs = micro_batch_size or self.settings.forward_micro_batch_size
+        stats = forward_sequence_stats(
+            chunks, tokens, labels, positions, mbs, self.settings.padded_vocab_size
+        )
+        return stats[:, LOGP_SUM]
+
     def get_ref_policy_logprobs(self, batch: Batch) -> torch.Tensor:
         """Reference log-probs of the samples and the KL rows (one forward-only pass over both).
 
@@ -89,12 +103,7 @@ class MegatronGPTKTOModel:
             [2B] float32 summed completion log-probs: rows 0..B-1 are the samples, rows B..2B-1
             the KL rows; identical on every pipeline stage.
         """
-        tokens = torch.cat([batch["samples"], batch["kl_samples"]])
-        labels = torch.cat([batch["sample_labels"], batch["kl_sample_labels"]])
-        positions = torch.cat([batch["position_ids"], batch["position_ids"]])
-        return self.reference.log_probs(
-            batch, lambda chunks: self._stats(chunks, tokens, labels, positions)[:, LOGP_SUM]
-        )
+        return self.reference.log_probs(batch, lambda chunks: self.forward_logprobs(batch, chunks))
 
     def kl_reference_point(self, batch: Batch) -> torch.Tensor:
         """z₀ for this global batch: policy forward-only over the KL rows, reduced over DP."""

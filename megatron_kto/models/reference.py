@@ -91,22 +91,22 @@ class SeparateReference:
 
 
 class PrecomputedReference:
-    """Looks reference log-probs up by dataset index (`batch["index"]`) in precomputed tables.
+    """Looks reference log-probs up by dataset index (`batch["index"]`) in a precomputed table.
 
     Args:
-        tables: split name -> [N, R] float32 table (R = rows per example: sample and KL row for
-            KTO, chosen and rejected for DPO), indexed by dataset index.
+        table: [N, R] float32, indexed by (offset) dataset index; R = rows per example (sample
+            and KL row for KTO, chosen and rejected for DPO).
     """
 
-    def __init__(self, tables: dict[str, torch.Tensor]):
-        self._tables = tables
-        self.split = "train"
+    def __init__(self, table: torch.Tensor):
+        self.table = table
 
     def log_probs(self, batch: dict[str, torch.Tensor], forward: ForwardFn) -> torch.Tensor:
-        """[R * B] log-probs: all first rows of the batch, then all second rows, ..."""
+        """[R * B] log-probs: the batch's first rows, then its second rows (as `forward` would)."""
+        if "index" not in batch:
+            raise KeyError("reference_policy=precomputed needs batches with an `index` key")
         index = batch["index"].to(torch.long).cpu()
-        table = self._tables[self.split][index]  # [B, R]
-        return table.t().reshape(-1).to(batch["index"].device)
+        return self.table[index].t().reshape(-1).to(batch["index"].device)
 
 
 def copy_weights(src: list[torch.nn.Module], dst: list[torch.nn.Module]) -> None:
