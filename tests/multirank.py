@@ -56,9 +56,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(
-    rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple
-) -> None:
+def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
     # Own process group, so a timeout kill also reaches helpers a rank started (e.g. a
     # dist_checkpointing writer process).
     with contextlib.suppress(OSError):

@@ -32,10 +32,10 @@ BATCH = 4
 MICRO_BATCH = 2
 
 
-def tiny_arch(dropout: float = 0.0) -> GPTArchitecture:
-    """2 layers (PP=2 gives one per stage), 64 embedding rows at TP=1 and TP=2 alike."""
+def tiny_arch(dropout: float = 0.0, num_layers: int = 2) -> GPTArchitecture:
+    """2 layers by default (PP=2 gives one per stage), 64 embedding rows at TP=1 and TP=2 alike."""
     return GPTArchitecture(
-        num_layers=2,
+        num_layers=num_layers,
         hidden_size=32,
         ffn_hidden_size=64,
         num_attention_heads=4,
@@ -109,14 +109,20 @@ def build_run(
     seed: int = 1,
     dropout: float = 0.0,
     vpp: int | None = None,
+    num_layers: int = 2,
+    precision: str = "32",
 ) -> Run:
-    """(Re)initialise megatron's parallel state for the layout and build a fresh `Run`."""
+    """(Re)initialise megatron's parallel state for the layout and build a fresh `Run`.
+
+    `precision="bf16"` gives bf16 parameters with fp32 main weights in the optimizer.
+    """
     rt = init_runtime(tp, pp, vpp, seed=seed)
-    arch = tiny_arch(dropout)
+    arch = tiny_arch(dropout, num_layers)
     layout = ParallelLayout(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        precision=precision,
     )
     chunks = build_gpt_chunks(arch, layout, rt.device)
     ddp_config = DistributedDataParallelConfig(
@@ -124,7 +130,9 @@ def build_run(
     )
     config = chunks[0].config
     chunks = [
-        DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+        DistributedDataParallel(
+            config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0
+        )
         for i, c in enumerate(chunks)
     ]
     config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else [c.no_sync for c in chunks]
@@ -136,6 +144,8 @@ def build_run(
             min_lr=1e-3,
             weight_decay=0.1,
             clip_grad=1.0,
+            bf16=precision == "bf16",
+            params_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
             use_distributed_optimizer=distributed_optimizer,
         ),
         chunks,
@@ -193,6 +203,9 @@ def params_from_model_checkpoint(path: Any, run: Run) -> dict[str, torch.Tensor]
     layout = ParallelLayout(
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=(
+            parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        ),
     )
     chunks = build_gpt_chunks(run.arch, layout, torch.device("cpu"))
     load_model(path, chunks)

@@ -18,22 +18,30 @@ pytestmark = pytest.mark.multirank
 
 TRAINER_STATE = {"epoch": 0, "consumed_samples": 8}
 
-# (name, optimizer, source (TP, PP), destination (TP, PP)) on a world of 2: DP = 2 / (TP * PP).
+# (name, distributed optimizer?, source (TP, PP, VPP), destination (TP, PP, VPP)) on a world of
+# 2: DP = 2 / (TP * PP). The interleaved (VPP) scenario uses 4 layers: one per model chunk.
 SCENARIOS = [
-    ("std_tp2_to_tp1dp2", False, (2, 1), (1, 1)),
-    ("std_pp2_to_tp2", False, (1, 2), (2, 1)),
-    ("dist_tp1dp2_to_tp2", True, (1, 1), (2, 1)),
-    ("dist_pp2_to_tp1dp2", True, (1, 2), (1, 1)),
+    ("std_tp2_to_tp1dp2", False, (2, 1, None), (1, 1, None)),
+    ("std_pp2_to_tp2", False, (1, 2, None), (2, 1, None)),
+    ("dist_tp1dp2_to_tp2", True, (1, 1, None), (2, 1, None)),
+    ("dist_pp2_to_tp1dp2", True, (1, 2, None), (1, 1, None)),
+    ("dist_pp2vpp2_to_tp1dp2", True, (1, 2, 2), (1, 1, None)),
 ]
 
 
-def _scenario(root: Path, dist_opt: bool, src: tuple[int, int], dst: tuple[int, int]) -> dict:
+def _scenario(root: Path, dist_opt: bool, src: tuple, dst: tuple) -> dict:
     from test_checkpoint_harness import build_run, max_abs_diff, params_from_model_checkpoint
 
     from megatron_kto.checkpointing.manager import CheckpointManager, restore_pretrained
     from megatron_kto.checkpointing.model_io import save_model
 
-    run = build_run(*src, distributed_optimizer=dist_opt, seed=1)
+    layers = 4 if src[2] or dst[2] else 2
+
+    def build(layout: tuple, seed: int):
+        tp, pp, vpp = layout
+        return build_run(tp, pp, dist_opt, seed=seed, vpp=vpp, num_layers=layers)
+
+    run = build(src, seed=1)
     manager = CheckpointManager(root / "ckpt")
     run.step(1)
     run.step(2)
@@ -45,19 +53,23 @@ def _scenario(root: Path, dist_opt: bool, src: tuple[int, int], dst: tuple[int, 
     save_model(root / "ref3", run.chunks, run.arch)
     lr3 = run.optimizer.param_groups[0]["lr"]
 
-    resumed = build_run(*dst, distributed_optimizer=dist_opt, seed=5)
+    resumed = build(dst, seed=5)
     state = CheckpointManager(root / "ckpt").load_latest(
         resumed.chunks, resumed.optimizer, resumed.scheduler
     )
-    weights_diff = max_abs_diff(resumed.params(), params_from_model_checkpoint(root / "ref2", resumed))
+    weights_diff = max_abs_diff(
+        resumed.params(), params_from_model_checkpoint(root / "ref2", resumed)
+    )
     resumed.step(3)
     step_diff = max_abs_diff(resumed.params(), params_from_model_checkpoint(root / "ref3", resumed))
 
-    control = build_run(*dst, distributed_optimizer=dist_opt, seed=5)
+    control = build(dst, seed=5)
     restore_pretrained(root / "ckpt", control.chunks)
     control.scheduler.step(increment=2)
     control.step(3)
-    control_diff = max_abs_diff(control.params(), params_from_model_checkpoint(root / "ref3", control))
+    control_diff = max_abs_diff(
+        control.params(), params_from_model_checkpoint(root / "ref3", control)
+    )
     return {
         "state": state,
         "weights_diff": weights_diff,

@@ -4,7 +4,7 @@ Each scenario trains 2 steps with dropout on, saves, and continues 2 more steps;
 (different seed, so different weights and RNG) that resumes from the checkpoint must reproduce
 those 2 steps bit for bit, as must the original run reloading the checkpoint into its own,
 already advanced, optimizer and scheduler. Both megatron optimizers are covered; the distributed
-one is also saved before its first step.
+one is also saved before its first step, and with bf16 parameters (fp32 main weights).
 
 The second half proves each megatron-core 0.16.1 workaround in `optimizer_state.py` /
 `manager.py` is needed: with the workaround switched off, the same resume fails or diverges.
@@ -39,25 +39,35 @@ def _continue(run, first_step: int) -> tuple[dict, list[float], float]:
     return run.params(), draws, run.optimizer.param_groups[0]["lr"]
 
 
-def _roundtrip(root: Path, dist_opt: bool) -> dict:
+def _roundtrip(root: Path, dist_opt: bool, precision: str = "32") -> dict:
     from test_checkpoint_harness import LogCapture, bitwise_equal, build_run
 
     from megatron_kto.checkpointing.manager import CheckpointManager
 
     logs = LogCapture()
-    run = build_run(1, 1, dist_opt, seed=1, dropout=0.1)
+    run = build_run(1, 1, dist_opt, seed=1, dropout=0.1, precision=precision)
     manager = CheckpointManager(root, keep_last=0)
     out: dict = {"fresh": manager.load_latest(run.chunks, run.optimizer, run.scheduler)}
-    if dist_opt:
+    if dist_opt and precision == "32":
         # Before the first step (e.g. preempted during step 1): needs init_empty_adam_state.
-        manager.save(0, run.chunks, run.optimizer, run.scheduler, {**TRAINER_STATE, "consumed_samples": 0}, CONFIG_YAML, run.arch)
+        manager.save(
+            0,
+            run.chunks,
+            run.optimizer,
+            run.scheduler,
+            {**TRAINER_STATE, "consumed_samples": 0},
+            CONFIG_YAML,
+            run.arch,
+        )
     run.step(1)
     run.step(2)
     manager.save(2, run.chunks, run.optimizer, run.scheduler, TRAINER_STATE, CONFIG_YAML, run.arch)
     reference = _continue(run, 3)
 
-    other = build_run(1, 1, dist_opt, seed=7, dropout=0.1)
-    out["state"] = CheckpointManager(root).load_latest(other.chunks, other.optimizer, other.scheduler)
+    other = build_run(1, 1, dist_opt, seed=7, dropout=0.1, precision=precision)
+    out["state"] = CheckpointManager(root).load_latest(
+        other.chunks, other.optimizer, other.scheduler
+    )
     resumed = _continue(other, 3)
     out["fresh_resume_exact"] = bitwise_equal(reference[0], resumed[0])
     out["fresh_resume_draws"] = reference[1] == resumed[1]
@@ -67,11 +77,13 @@ def _roundtrip(root: Path, dist_opt: bool) -> dict:
     again = _continue(run, 3)
     out["reload_exact"] = bitwise_equal(reference[0], again[0]) and reference[1:] == again[1:]
 
-    if dist_opt:
+    if dist_opt and precision == "32":
         first = build_run(1, 1, dist_opt, seed=1, dropout=0.1)
         first.step(1)
         from_zero = build_run(1, 1, dist_opt, seed=9, dropout=0.1)
-        CheckpointManager(root).load(root / "step_0", from_zero.chunks, from_zero.optimizer, from_zero.scheduler)
+        CheckpointManager(root).load(
+            root / "step_0", from_zero.chunks, from_zero.optimizer, from_zero.scheduler
+        )
         from_zero.step(1)
         out["step0_exact"] = bitwise_equal(first.params(), from_zero.params())
     out["warnings"] = logs.take()
@@ -104,7 +116,9 @@ def _without(root: Path, workaround: str) -> dict:
         if workaround == "load_scheduler_state":
             run.step(1)  # a scheduler that has stepped: the case the workaround is for
         try:
-            manager_mod.CheckpointManager(root).load_latest(run.chunks, run.optimizer, run.scheduler)
+            manager_mod.CheckpointManager(root).load_latest(
+                run.chunks, run.optimizer, run.scheduler
+            )
         except CheckpointError as e:
             return {"error": str(e)}
         return {"run": run}
@@ -122,6 +136,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
     out = {
         "standard": _roundtrip(tmp_path / "standard", dist_opt=False),
         "distributed": _roundtrip(tmp_path / "distributed", dist_opt=True),
+        "distributed_bf16": _roundtrip(tmp_path / "bf16", dist_opt=True, precision="bf16"),
     }
     root = tmp_path / "distributed"
 
@@ -133,7 +148,12 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
     reference = good.params()
 
     broken = {}
-    for workaround in ("init_empty_adam_state", "_load_distributed", "untie_steps", "load_scheduler_state"):
+    for workaround in (
+        "init_empty_adam_state",
+        "_load_distributed",
+        "untie_steps",
+        "load_scheduler_state",
+    ):
         result = _without(root, workaround)
         if "error" in result:
             broken[workaround] = {"error": result["error"]}
@@ -156,7 +176,7 @@ def results(tmp_path_factory) -> list[dict]:
     return res
 
 
-@pytest.mark.parametrize("optimizer", ["standard", "distributed"])
+@pytest.mark.parametrize("optimizer", ["standard", "distributed", "distributed_bf16"])
 def test_resume_is_bitwise_exact(results, optimizer) -> None:
     for rank_result in results:
         r = rank_result[optimizer]
@@ -181,7 +201,10 @@ def test_checkpoint_files(results) -> None:
     assert json.loads((step_dir / "architecture.json").read_text())["hidden_size"] == 32
     meta = json.loads((step_dir / "checkpoint.json").read_text())
     assert meta["optimizer"] == "standard" and meta["layout"]["data_parallel_size"] == 2
-    assert sorted(p.name for p in (step_dir / "rng").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
+    assert sorted(p.name for p in (step_dir / "rng").iterdir()) == [
+        "rank_00000.pt",
+        "rank_00001.pt",
+    ]
     # RNG files hold tensors and plain values only.
     torch.load(step_dir / "rng" / "rank_00001.pt", weights_only=True)
     assert (results[0]["tmp"] / "standard" / "latest").read_text().strip() == "step_2"
@@ -193,7 +216,10 @@ def test_each_workaround_is_needed(results) -> None:
     # DistributedOptimizer.state_dict() asserts on empty optimizer state.
     assert "AssertionError" in broken["init_empty_adam_state"]["error"]
     # DistributedOptimizer._set_main_param_and_optimizer_states(): KeyError 'step'.
-    assert "KeyError" in broken["_load_distributed"]["error"] and "step" in broken["_load_distributed"]["error"]
+    assert (
+        "KeyError" in broken["_load_distributed"]["error"]
+        and "step" in broken["_load_distributed"]["error"]
+    )
     # DistributedOptimizer.load_state_dict(): one shared step tensor → wrong bias correction.
     assert broken["untie_steps"]["step_diff"] > 1e-4
     # OptimizerParamScheduler.load_state_dict() adds to the current step count.

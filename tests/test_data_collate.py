@@ -101,7 +101,9 @@ def test_kl_rows_are_a_circular_shift_never_a_reversal(batch):
     for i, example in enumerate(examples):
         prompt_len = len(example["prompt_ids"])
         length = int(out["kl_sample_lengths"][i]) + 1
-        row = out["kl_samples"][i, : length - 1].tolist() + [int(out["kl_sample_labels"][i, length - 2])]
+        row = out["kl_samples"][i, : length - 1].tolist() + [
+            int(out["kl_sample_labels"][i, length - 2])
+        ]
         assert row[:prompt_len] == example["prompt_ids"]
         kl_completions.append(tuple(row[prompt_len:]))
     assert kl_completions == [completions[(i + 1) % batch] for i in range(batch)]
@@ -114,7 +116,10 @@ def test_kl_rows_are_a_circular_shift_never_a_reversal(batch):
 def test_padding_is_shared_and_rounded_up():
     out = kto_custom_collate(kto_examples(3), pad_id=PAD, pad_to_multiple_of=8)
     lengths = torch.cat([out["sample_lengths"], out["kl_sample_lengths"]])
-    assert all(out[k].shape == (3, 8) for k in ("samples", "kl_samples", "sample_labels", "kl_sample_labels", "position_ids"))
+    assert all(
+        out[k].shape == (3, 8)
+        for k in ("samples", "kl_samples", "sample_labels", "kl_sample_labels", "position_ids")
+    )
     assert all(out[k].dtype == torch.long for k in out)
     for key, labels_key, lengths_key in (("samples", "sample_labels", "sample_lengths"),
                                          ("kl_samples", "kl_sample_labels", "kl_sample_lengths")):  # fmt: skip

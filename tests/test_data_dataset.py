@@ -60,7 +60,13 @@ def test_kto_items_and_stats(tmp_path, tok):
 def test_paired_rows_become_two_kto_rows_and_one_dpo_pair(tmp_path, tok):
     path = write_jsonl(
         tmp_path / "p.jsonl",
-        [{"prompt": "Name two fruit words .", "chosen": "apple , plum .", "rejected": "car , bus ."}],
+        [
+            {
+                "prompt": "Name two fruit words .",
+                "chosen": "apple , plum .",
+                "rejected": "car , bus .",
+            }
+        ],
     )
     kto, kto_stats = build_kto_dataset(path, tok, max_length=64, use_cache=False)
     assert [kto[i]["label"] for i in range(2)] == [True, False]
@@ -88,18 +94,26 @@ def test_length_policy_drops_are_counted_and_reported(tmp_path, tok):
         tmp_path / "d.jsonl",
         [
             {"prompt": long_prompt, "completion": "plum .", "label": True},
-            {"prompt": "Name two fruit words .", "completion": "apple , plum , peach , mango .", "label": False},
+            {
+                "prompt": "Name two fruit words .",
+                "completion": "apple , plum , peach , mango .",
+                "label": False,
+            },
             {"prompt": "Name two fruit words .", "completion": "apple .", "label": True},
         ],
     )
     dataset, stats = build_kto_dataset(path, tok, max_length=10, use_cache=False)
     assert len(dataset) == 2 and stats.dropped == {"prompt_too_long": 1}
     assert stats.completions_truncated == 1
-    assert all(len(dataset[i]["prompt_ids"]) + len(dataset[i]["completion_ids"]) <= 10 for i in range(2))
+    assert all(
+        len(dataset[i]["prompt_ids"]) + len(dataset[i]["completion_ids"]) <= 10 for i in range(2)
+    )
     assert dataset[0]["completion_ids"][-1] != tok.eos_id  # a cut completion loses its EOS
     assert "dropped by the length policy: 1 (prompt_too_long=1)" in stats.summary()
     # With max_prompt_length the long prompt is truncated (keep_end keeps BOS) instead of dropped.
-    dataset, stats = build_kto_dataset(path, tok, max_length=10, max_prompt_length=7, use_cache=False)
+    dataset, stats = build_kto_dataset(
+        path, tok, max_length=10, max_prompt_length=7, use_cache=False
+    )
     assert len(dataset) == 3 and stats.dropped == {} and stats.prompts_truncated == 1
     assert dataset[0]["prompt_ids"] == [tok.bos_id] + tok.encode(long_prompt)[-6:]
     dataset, _ = build_kto_dataset(
@@ -109,12 +123,18 @@ def test_length_policy_drops_are_counted_and_reported(tmp_path, tok):
 
 
 def test_one_class_dataset_is_allowed_with_a_warning(tmp_path, tok, caplog):
-    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b", "label": True}] * 3)
+    path = write_jsonl(
+        tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b", "label": True}] * 3
+    )
     with caplog.at_level(logging.WARNING):
         dataset, stats = build_kto_dataset(path, tok, max_length=64, use_cache=False)
     assert len(dataset) == 3 and stats.undesirable == 0
     (warning,) = stats.warnings
-    assert "one-class" in warning and DESIRABLE_WEIGHT_KEY in warning and UNDESIRABLE_WEIGHT_KEY in warning
+    assert (
+        "one-class" in warning
+        and DESIRABLE_WEIGHT_KEY in warning
+        and UNDESIRABLE_WEIGHT_KEY in warning
+    )
     assert warning in caplog.text
     assert "WARNING: one-class" in stats.summary()
 
@@ -136,3 +156,11 @@ def test_dpo_from_unpaired_data_is_an_error(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b", "label": True}])
     with pytest.raises(DataFormatError, match="d.jsonl:1: <row>: DPO needs"):
         build_dpo_dataset(path, tok, max_length=64, use_cache=False)
+
+
+def test_summary_judges_imbalance_with_the_configured_weights():
+    stats = DatasetStats(
+        kind="kto", files=["f"], rows_read=40, examples=40, desirable=10, undesirable=30
+    )
+    assert "class imbalance" in stats.summary()
+    assert "WARNING" not in stats.summary(desirable_weight=3.5, undesirable_weight=1.0)

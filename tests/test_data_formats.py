@@ -160,7 +160,11 @@ def test_every_format_normalises_to_the_same_examples(tmp_path):
     paired = write_jsonl(
         tmp_path / "paired.jsonl", [{"prompt": "q", "chosen": "good", "rejected": "bad"}]
     )
-    for path, fmt in ((trl, RowFormat.UNPAIRED), (nemo, RowFormat.NEMO), (paired, RowFormat.PAIRED)):
+    for path, fmt in (
+        (trl, RowFormat.UNPAIRED),
+        (nemo, RowFormat.NEMO),
+        (paired, RowFormat.PAIRED),
+    ):
         examples = list(iter_kto_examples(path))
         assert [(e.prompt, e.completion, e.label) for e in examples] == [
             ("q", "good", True),
@@ -176,7 +180,11 @@ def test_conversational_rows(tmp_path):
     path = write_jsonl(
         tmp_path / "chat.jsonl",
         [
-            {"prompt": prompt, "completion": [{"role": "assistant", "content": "yo"}], "label": 1 == 1},
+            {
+                "prompt": prompt,
+                "completion": [{"role": "assistant", "content": "yo"}],
+                "label": 1 == 1,
+            },
         ],
     )
     (example,) = list(iter_normalized(path))
@@ -218,6 +226,15 @@ def test_bad_rows(tmp_path, row, field, problem):
         list(iter_normalized(path))
     assert problem in assert_error(err, path, 2, field)
     assert err.value.line == 2 and err.value.field == field
+
+
+def test_error_is_one_line_and_picklable():
+    import pickle
+
+    err = DataFormatError("f.jsonl", 3, "label", "bad\nvalue")
+    assert str(err) == "f.jsonl:3: label: bad value"
+    copy = pickle.loads(pickle.dumps(err))
+    assert (str(copy), copy.line, copy.field) == (str(err), 3, "label")
 
 
 def test_mixed_formats_in_one_file(tmp_path):

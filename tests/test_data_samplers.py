@@ -48,7 +48,9 @@ def test_sequential_order_and_dropped_tail():
 def test_resume_from_consumed_samples_sees_the_same_batches(shuffle, dp):
     full = global_batches(dp, 20, shuffle=shuffle, seed=3)
     for steps in (0, 1, 7, 8, 9, 15):  # including both sides of the epoch boundary
-        resumed = global_batches(dp, 20 - steps, shuffle=shuffle, seed=3, consumed_samples=steps * G)
+        resumed = global_batches(
+            dp, 20 - steps, shuffle=shuffle, seed=3, consumed_samples=steps * G
+        )
         assert resumed == full[steps:], steps
 
 
@@ -93,13 +95,19 @@ def test_bad_layouts(args, kwargs, match):
 
 def test_validation_sampler_is_one_sequential_pass_without_the_tail():
     shares = [list(ValidationBatchSampler(N, G, r, 2)) for r in range(2)]
-    assert len(shares[0]) == 8 and shares[0][0] == list(range(6)) and shares[1][0] == list(range(6, 12))
+    assert (
+        len(shares[0]) == 8
+        and shares[0][0] == list(range(6))
+        and shares[1][0] == list(range(6, 12))
+    )
     assert sorted(i for s in shares for b in s for i in b) == list(range(96))
     assert ValidationBatchSampler(N, G, 0, 2).num_dropped == 7
 
 
 def test_dataloader_yields_one_collated_share_per_global_batch():
-    dataset = [{"prompt_ids": [1, i], "completion_ids": [i, 2], "label": i % 2 == 0} for i in range(40)]
+    dataset = [
+        {"prompt_ids": [1, i], "completion_ids": [i, 2], "label": i % 2 == 0} for i in range(40)
+    ]
     sampler = TrainingBatchSampler(len(dataset), 8, 1, 2, shuffle=False, max_epochs=1)
     loader = build_dataloader(dataset, sampler, functools.partial(kto_custom_collate, pad_id=0))
     batches = list(loader)

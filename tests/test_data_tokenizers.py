@@ -93,7 +93,9 @@ def test_huggingface_directory_with_config(hf_dir):
     assert tok.encode("<|im_end|>") == [vocab["<|im_end|>"]]
     assert tok.encode_batch(["hello", "world"]) == [tok.encode("hello"), tok.encode("world")]
     # The file itself also works, and picks up the config beside it.
-    assert load_tokenizer("huggingface", str(hf_dir / "tokenizer.json")).fingerprint == tok.fingerprint
+    assert (
+        load_tokenizer("huggingface", str(hf_dir / "tokenizer.json")).fingerprint == tok.fingerprint
+    )
 
 
 def test_huggingface_config_variants(tmp_path):
@@ -103,7 +105,9 @@ def test_huggingface_config_variants(tmp_path):
     no_bos = build_hf_tokenizer(tmp_path / "nobos", {"eos_token": "</s>", "bos_token": None})
     tok = load_tokenizer("huggingface", str(no_bos))
     assert tok.bos_id is None and tok.pad_id == tok.eos_id  # pad falls back to EOS
-    off = build_hf_tokenizer(tmp_path / "off", {"eos_token": "</s>", "bos_token": "<s>", "add_bos_token": False})
+    off = build_hf_tokenizer(
+        tmp_path / "off", {"eos_token": "</s>", "bos_token": "<s>", "add_bos_token": False}
+    )
     assert load_tokenizer("huggingface", str(off)).bos_id is None
     bad = build_hf_tokenizer(tmp_path / "bad", {"eos_token": "<|eot|>"})
     with pytest.raises(ValueError, match="eos_token '<\\|eot\\|>' is not in the vocabulary"):
@@ -134,7 +138,10 @@ def test_fingerprint_tracks_the_chat_template(hf_dir, tmp_path):
 def test_chat_template_rendering_and_errors():
     template = ChatTemplate(CHATML, bos_token="<s>", eos_token="</s>")
     messages = [{"role": "user", "content": "hi"}]
-    assert template.render(messages, True) == "<s><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        template.render(messages, True)
+        == "<s><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert not template.render(messages, False).endswith("assistant\n")
     with pytest.raises(ChatTemplateError, match="unknown role tool"):
         template.render([{"role": "tool", "content": "x"}], False)
@@ -143,9 +150,9 @@ def test_chat_template_rendering_and_errors():
     # The sandbox refuses to call unsafe attributes.
     with pytest.raises(ChatTemplateError, match="failed to render"):
         ChatTemplate("{{ messages.__class__.__subclasses__() }}").render(messages, False)
-    assert ChatTemplate("{{ messages | tojson }}").render([{"role": "u", "content": "é"}], False) == (
-        '[{"role": "u", "content": "é"}]'
-    )
+    assert ChatTemplate("{{ messages | tojson }}").render(
+        [{"role": "u", "content": "é"}], False
+    ) == ('[{"role": "u", "content": "é"}]')
 
 
 def test_sentencepiece_needs_an_explicit_chat_template(sp):
@@ -186,12 +193,21 @@ def test_conversational_split_with_template_bos(hf_dir):
     prompt_ids, completion_ids = encode(tok, prompt, completion)
     assert prompt_ids.count(tok.bos_id) == 1 and prompt_ids[0] == tok.bos_id  # template's BOS
     assert completion_ids[-1] == tok.eos_id
-    assert tok.decode(prompt_ids + completion_ids) == rendered.prompt + rendered.completions[0] + "</s>"
+    assert (
+        tok.decode(prompt_ids + completion_ids)
+        == rendered.prompt + rendered.completions[0] + "</s>"
+    )
 
 
 def test_conversational_with_sentencepiece_and_explicit_template(sp):
-    tok = load_tokenizer("sentencepiece", SP_MODEL, chat_template="{{ bos_token }}" + "{% for m in messages %}{{ m['content'] }} {% endfor %}")
-    prompt_ids, _ = encode(tok, [{"role": "user", "content": "Name"}], [{"role": "assistant", "content": "apple"}])
+    tok = load_tokenizer(
+        "sentencepiece",
+        SP_MODEL,
+        chat_template="{{ bos_token }}" + "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+    )
+    prompt_ids, _ = encode(
+        tok, [{"role": "user", "content": "Name"}], [{"role": "assistant", "content": "apple"}]
+    )
     assert prompt_ids[0] == tok.bos_id and prompt_ids.count(tok.bos_id) == 1
 
 
@@ -211,3 +227,38 @@ def test_template_refusal_names_the_row(hf_dir):
     with pytest.raises(DataFormatError) as err:
         encode(tok, [{"role": "wizard", "content": "q"}], [{"role": "assistant", "content": "a"}])
     assert str(err.value) == "data.jsonl:7: prompt: unknown role wizard"
+
+
+def test_conversational_kto_dataset_end_to_end(hf_dir, tmp_path):
+    from megatron_kto.data.dataset import build_kto_dataset
+
+    tok = load_tokenizer("huggingface", str(hf_dir))
+    prompt = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    rows = [
+        {
+            "prompt": prompt,
+            "completion": [{"role": "assistant", "content": "world"}],
+            "label": True,
+        },
+        {
+            "prompt": prompt,
+            "completion": [{"role": "assistant", "content": "again"}],
+            "label": False,
+        },
+        {
+            "prompt": [{"role": "robot", "content": "x"}],
+            "completion": [{"role": "assistant", "content": "y"}],
+            "label": True,
+        },
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataFormatError, match=r"chat.jsonl:3: prompt: unknown role robot"):
+        build_kto_dataset(path, tok, max_length=128, use_cache=False)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    dataset, stats = build_kto_dataset(path, tok, max_length=128, use_cache=False)
+    assert stats.examples == 2
+    item = dataset[0]
+    expected_prompt = tok.apply_chat_template(prompt, add_generation_prompt=True)
+    assert tok.decode(item["prompt_ids"]) == expected_prompt
+    assert tok.decode(item["completion_ids"]) == "world<|im_end|>\n</s>"

@@ -103,7 +103,9 @@ def _train_one_step(
     )
     config = chunks[0].config
     ddp = [
-        DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+        DistributedDataParallel(
+            config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0
+        )
         for i, c in enumerate(chunks)
     ]
     # Without these hooks the schedule would skip the DP all-reduce and the tied-embedding sync.

@@ -130,13 +130,17 @@ def check_complete(ckpt_dir: Path) -> str | None:
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return "directory does not exist"
+    if not (ckpt_dir / MANIFEST).is_file():
+        return f"{MANIFEST}: missing (the save did not finish)"
     try:
         manifest = read_json(ckpt_dir / MANIFEST)
         files = manifest["files"]
         if manifest.get("format") != FORMAT or not isinstance(files, dict):
             return f"{MANIFEST}: unknown format {manifest.get('format')!r}"
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        return f"{MANIFEST}: {e} (the save did not finish or the file was damaged)"
+    except ValueError as e:
+        return str(e).replace(str(ckpt_dir / MANIFEST), MANIFEST)
+    except (KeyError, TypeError, AttributeError) as e:
+        return f"{MANIFEST}: damaged ({type(e).__name__}: {e})"
     missing = [name for name in REQUIRED if name not in files]
     if missing:
         return f"{MANIFEST} lists no {', '.join(missing)}"
@@ -154,7 +158,7 @@ def check_complete(ckpt_dir: Path) -> str | None:
         try:
             read_json(ckpt_dir / name)
         except ValueError as e:
-            return str(e)
+            return str(e).replace(str(ckpt_dir / name), name)
     return None
 
 

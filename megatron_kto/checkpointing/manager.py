@@ -36,6 +36,13 @@ logger = logging.getLogger(__name__)
 REQUIRED_TRAINER_KEYS = ("epoch", "consumed_samples")
 
 
+def _one_line(error: BaseException, limit: int = 240) -> str:
+    """`Type: first line of the message`, shortened — errors from torch can span pages."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 class _Incompatible(CheckpointError):
     """The checkpoint is intact but cannot be loaded into this run; older ones would not be either."""
 
@@ -103,7 +110,9 @@ class CheckpointManager:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 for path in files.remove_stale(self.root):
-                    logger.warning("removed incomplete checkpoint %s (left by an interrupted save)", path)
+                    logger.warning(
+                        "removed incomplete checkpoint %s (left by an interrupted save)", path
+                    )
             except OSError as e:
                 ok = False
                 logger.error("cannot prepare checkpoint directory %s: %s", self.root, e)
@@ -195,7 +204,9 @@ class CheckpointManager:
         except OSError as e:
             error = e
         if not self._all_ok(error is None):
-            raise CheckpointError(f"{tmp}: writing the checkpoint failed: {error or 'on another rank'}")
+            raise CheckpointError(
+                f"{tmp}: writing the checkpoint failed: {error or 'on another rank'}"
+            )
 
         if self._rank == 0:
             try:
@@ -206,7 +217,9 @@ class CheckpointManager:
             except OSError as e:
                 error = e
         if not self._all_ok(error is None):
-            raise CheckpointError(f"{final}: committing the checkpoint failed: {error or 'on rank 0'}")
+            raise CheckpointError(
+                f"{final}: committing the checkpoint failed: {error or 'on rank 0'}"
+            )
         self._last_saved_step = step
         return final
 
@@ -216,7 +229,9 @@ class CheckpointManager:
             raise ValueError(f"trainer_state['step']={trainer_state['step']} but step={step}")
         missing = [k for k in REQUIRED_TRAINER_KEYS if k not in trainer_state]
         if missing:
-            raise ValueError(f"trainer_state lacks {missing}: a resumed run could not restart its data")
+            raise ValueError(
+                f"trainer_state lacks {missing}: a resumed run could not restart its data"
+            )
         state = {**trainer_state, "step": int(step)}
         try:
             json.dumps(state)
@@ -245,7 +260,9 @@ class CheckpointManager:
         marker_exists = (self.root / files.LATEST).exists()
         if not candidates and not marker_exists:
             return None
-        return self._load_first_usable(candidates, model_chunks, optimizer, scheduler, str(self.root))
+        return self._load_first_usable(
+            candidates, model_chunks, optimizer, scheduler, str(self.root)
+        )
 
     def load(
         self,
@@ -279,13 +296,13 @@ class CheckpointManager:
         scheduler: Any,
         where: str,
     ) -> dict[str, Any]:
-        problems = []
-        for path in candidates:
+        problems: list[str] = []
+        for i, path in enumerate(candidates):
+            older = i + 1 < len(candidates)
             # Rank 0 inspects the files (the file system is shared) and tells the others.
             problem = files.check_complete(path) if self._rank == 0 else None
             if not self._from_rank0(0 if problem else 1):
-                problem = problem or "incomplete (see rank 0)"
-                self._skip(path, problem, problems)
+                self._skip(path, problem or "incomplete (see rank 0)", problems, older)
                 continue
             # Phase 1 reads the small files and checks compatibility; phase 2 is the collective
             # tensor load. Agreeing in between keeps a rank that failed early from leaving the
@@ -302,21 +319,29 @@ class CheckpointManager:
                     error = e
                 if self._all_ok(error is None):
                     self.loaded_from = path
+                    if path.parent == self.root:
+                        # The trainer may save again at the step it resumed from (e.g. when
+                        # preempted at once): that checkpoint is this directory already.
+                        self._last_saved_step = int(state["step"])
                     if self._rank == 0:
                         logger.info("resumed from %s (step %s)", path, state.get("step"))
                     return state
             if isinstance(error, _Incompatible):
                 raise CheckpointError(str(error)) from error
-            reason = f"{type(error).__name__}: {error}" if error else "failed on another rank"
-            self._skip(path, reason, problems)
+            if error is not None and self._rank != 0:
+                # Rank 0 only learns that some rank failed: say why from here.
+                logger.warning("rank %d cannot load %s: %s", self._rank, path, _one_line(error))
+            self._skip(
+                path, _one_line(error) if error else "failed on another rank", problems, older
+            )
         detail = "; ".join(problems) if problems else "no step_<N> directories"
         raise CheckpointError(f"{where}: no usable checkpoint ({detail})")
 
-    def _skip(self, path: Path, problem: str, problems: list[str]) -> None:
-        line = " ".join(str(problem).split())[:300]
-        problems.append(f"{path.name}: {line}")
+    def _skip(self, path: Path, problem: str, problems: list[str], older: bool) -> None:
+        problems.append(f"{path.name}: {problem}")
         if self._rank == 0:
-            logger.warning("skipping checkpoint %s: %s — trying the previous one", path, line)
+            then = "trying the previous one" if older else "no older checkpoint left"
+            logger.warning("skipping checkpoint %s: %s — %s", path, problem, then)
 
     def _read_records(self, path: Path, optimizer: Any, scheduler: Any) -> dict[str, Any]:
         """Read the JSON records and this rank's RNG file; refuse incompatible checkpoints."""
@@ -324,6 +349,12 @@ class CheckpointManager:
         layout = current_layout()
         saved_layout = meta.get("layout", {})
         saved_kind, kind = meta.get("optimizer"), optimizer_state.optimizer_kind(optimizer)
+        if optimizer is not None and saved_kind is None:
+            raise _Incompatible(
+                f"{path}: holds weights only (saved without optimizer state), so training "
+                "cannot resume from it; start a new run from these weights with "
+                f"pretrained_checkpoint.restore_from_path={path}"
+            )
         if optimizer is not None and saved_kind != kind:
             raise _Incompatible(
                 f"{path}: saved with {_describe(saved_layout, saved_kind)}; this run has "

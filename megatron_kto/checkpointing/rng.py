@@ -34,11 +34,14 @@ def capture() -> dict[str, Any]:
         "torch_cpu": torch.get_rng_state(),
         "torch_cuda": [],
         "tracker": {
-            name: s.clone() for name, s in tensor_parallel.get_cuda_rng_tracker().get_states().items()
+            name: s.clone()
+            for name, s in tensor_parallel.get_cuda_rng_tracker().get_states().items()
         },
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["torch_cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+        state["torch_cuda"] = [
+            torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())
+        ]
     return state
 
 

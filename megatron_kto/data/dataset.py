@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 from megatron_kto.data import cache
 from megatron_kto.data.length_policy import LengthPolicy
 from megatron_kto.data.shards import TokenizedShard, tokenize_file
-from megatron_kto.data.stats import DatasetStats, merge_stats
+from megatron_kto.data.stats import DatasetStats, merge_stats, one_class_warning
 from megatron_kto.data.tokenizers import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -162,6 +162,8 @@ def load_shards(
                 f"{path}: tokenised cache {entry} is missing after the cache-writer rank "
                 "finished; that rank failed (see its log) or cannot write there (set cache_dir)"
             )
+        # The entry may have been built from an identical copy elsewhere; report this path.
+        shard.stats.files = [str(path)]
         shards.append(shard)
     return shards
 
@@ -183,9 +185,11 @@ def _build(
         paths, tokenizer, policy, kind, cache_dir, is_cache_writer, barrier, use_cache
     )
     stats = merge_stats(s.stats for s in shards)
-    if is_cache_writer:  # log once per job, not once per rank
-        for warning in stats.warnings:
-            logger.warning(warning)
+    # Log once per job, not once per rank. The imbalance advice depends on the configured loss
+    # weights, which the caller passes to `stats.summary(...)`; a single class does not.
+    warning = one_class_warning(stats) if kind == "kto" else None
+    if is_cache_writer and warning is not None:
+        logger.warning(warning)
     return shards, stats
 
 
@@ -215,7 +219,8 @@ def build_kto_dataset(
 
     Returns:
         (dataset, statistics). A one-class dataset is allowed; its warning is in
-        ``stats.warnings`` and logged by the writer rank.
+        ``stats.warnings`` and logged by the writer rank. Print ``stats.summary(λ_D, λ_U)``
+        at start-up: it adds the class-imbalance advice for the configured loss weights.
     """
     shards, stats = _build(
         "kto", paths, tokenizer, max_length, max_prompt_length, truncation_mode,

@@ -83,7 +83,7 @@ def render_example(
         DataFormatError: the template refused the messages or breaks the prompt prefix.
     """
     if isinstance(prompt, str):
-        return RenderedExample(prompt, tuple(str(c) for c in completions))
+        return RenderedExample(prompt, tuple(completions))  # type: ignore[arg-type]
     try:
         prompt_text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
     except ChatTemplateError as err:

@@ -36,6 +36,10 @@ class DataFormatError(ValueError):
         self.problem = " ".join(str(problem).split())
         super().__init__(f"{self.path}:{self.line}: {self.field}: {self.problem}")
 
+    def __reduce__(self) -> tuple[type, tuple[str, int, str, str]]:
+        # Picklable with its fields, so it survives DataLoader workers and multiprocessing.
+        return (type(self), (self.path, self.line, self.field, self.problem))
+
 
 class RowLocation:
     """Where a row came from; builds :class:`DataFormatError` for that row.

@@ -59,6 +59,7 @@ _FORMAT_TITLES = {
     RowFormat.NEMO: "NeMo-Aligner",
     RowFormat.PAIRED: "paired",
 }
+_FIELD_SETS = {fmt: frozenset(fields) for fmt, fields in _FORMAT_FIELDS.items()}
 _PREFERENCES = {"chosen": True, "rejected": False}
 
 
@@ -134,7 +135,8 @@ def detect_format(row: Row, where: RowLocation) -> RowFormat:
         DataFormatError: no format matches, a format matches partly (names the missing field),
             or the row has the fields of two formats.
     """
-    matches = [fmt for fmt in RowFormat if all(k in row for k in fmt.fields)]
+    keys = row.keys()
+    matches = [fmt for fmt, fields in _FIELD_SETS.items() if keys >= fields]
     if len(matches) == 1:
         return matches[0]
     if len(matches) > 1:
@@ -246,9 +248,9 @@ def normalize_row(row: Row, where: RowLocation) -> NormalizedRow:
     return UnpairedExample(prompt, completion, label, where, fmt)
 
 
-def _row_kind(fmt: RowFormat, example: NormalizedRow) -> str:
-    text = "conversational" if is_conversational(example.prompt) else "plain-text"
-    return f"{text} {fmt.title}"
+def _describe_kind(kind: tuple[RowFormat, bool]) -> str:
+    fmt, conversational = kind
+    return f"{'conversational' if conversational else 'plain-text'} {fmt.title}"
 
 
 def iter_normalized(path: str | Path) -> Iterator[NormalizedRow]:
@@ -264,19 +266,19 @@ def iter_normalized(path: str | Path) -> Iterator[NormalizedRow]:
         DataFormatError: bad bytes, a bad row, or a row whose format (or text kind) differs
             from the file's first row.
     """
-    first: tuple[str, int] | None = None
+    first: tuple[tuple[RowFormat, bool], int] | None = None
     for line, row in iter_rows(path):
         where = RowLocation(path, line)
         example = normalize_row(row, where)
         fmt = example.source_format if isinstance(example, UnpairedExample) else RowFormat.PAIRED
-        kind = _row_kind(fmt, example)
+        kind = (fmt, is_conversational(example.prompt))
         if first is None:
             first = (kind, line)
         elif kind != first[0]:
             raise where.error(
                 ROW_FIELD,
-                f"mixed formats in one file: this row is {kind} but the first row "
-                f"({first[1]}) is {first[0]}; convert the file to one format",
+                f"mixed formats in one file: this row is {_describe_kind(kind)} but the first "
+                f"row ({first[1]}) is {_describe_kind(first[0])}; convert the file to one format",
             )
         yield example
 

@@ -67,11 +67,19 @@ class DatasetStats:
 
     @property
     def warnings(self) -> list[str]:
-        """Class-balance warnings (KTO only); empty when there is nothing to say."""
+        """Class-balance warnings (KTO only) for loss weights 1/1; empty if nothing to say."""
         return class_balance_warnings(self) if self.kind == "kto" else []
 
-    def summary(self) -> str:
-        """Multi-line human-readable report (what the trainer prints at start-up)."""
+    def summary(self, desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> str:
+        """Multi-line human-readable report (what the trainer prints at start-up).
+
+        Args:
+            desirable_weight: the configured ``model.kto.desirable_loss_weight``.
+            undesirable_weight: the configured ``model.kto.undesirable_loss_weight``.
+
+        Returns:
+            The report, ending with class-balance warnings judged with those weights.
+        """
         files = ", ".join(self.files)
         lines = [f"{self.kind.upper()} data from {files}: {self.rows_read} rows read"]
         if self.kind == "kto":
@@ -87,7 +95,9 @@ class DatasetStats:
             f"  truncated: {self.prompts_truncated} prompts, "
             f"{self.completions_truncated} completions"
         )
-        lines.extend(f"  WARNING: {w}" for w in self.warnings)
+        if self.kind == "kto":
+            warnings = class_balance_warnings(self, desirable_weight, undesirable_weight)
+            lines.extend(f"  WARNING: {w}" for w in warnings)
         return "\n".join(lines)
 
 
@@ -147,6 +157,23 @@ def suggest_loss_weights(n_desirable: int, n_undesirable: int) -> tuple[float, f
     return weight, 1.0
 
 
+def one_class_warning(stats: DatasetStats) -> str | None:
+    """The warning for a KTO dataset with only one class (None otherwise).
+
+    It does not depend on the configured weights, so the dataset builder logs it directly.
+    """
+    n_d, n_u = stats.desirable, stats.undesirable
+    if n_d + n_u == 0 or (n_d and n_u):
+        return None
+    only, missing = ("desirable", "undesirable") if n_u == 0 else ("undesirable", "desirable")
+    return (
+        f"one-class dataset: only {only} examples ({n_d} desirable, {n_u} undesirable). "
+        f"KTO still trains, but nothing contrasts the {only} examples with {missing} ones; "
+        f"{DESIRABLE_WEIGHT_KEY} and {UNDESIRABLE_WEIGHT_KEY} cannot balance this, and the "
+        f"{missing} weight has no effect. Add {missing} examples if this is unintended."
+    )
+
+
 def class_balance_warnings(
     stats: DatasetStats, desirable_weight: float = 1.0, undesirable_weight: float = 1.0
 ) -> list[str]:
@@ -163,14 +190,9 @@ def class_balance_warnings(
     n_d, n_u = stats.desirable, stats.undesirable
     if n_d + n_u == 0:
         return []
-    if n_d == 0 or n_u == 0:
-        only, missing = ("desirable", "undesirable") if n_u == 0 else ("undesirable", "desirable")
-        return [
-            f"one-class dataset: only {only} examples ({n_d} desirable, {n_u} undesirable). "
-            f"KTO still trains, but nothing contrasts the {only} examples with {missing} ones; "
-            f"{DESIRABLE_WEIGHT_KEY} and {UNDESIRABLE_WEIGHT_KEY} cannot balance this, and the "
-            f"{missing} weight has no effect. Add {missing} examples if this is unintended."
-        ]
+    one_class = one_class_warning(stats)
+    if one_class is not None:
+        return [one_class]
     ratio = imbalance_ratio(n_d, n_u, desirable_weight, undesirable_weight)
     if RATIO_LOW <= ratio <= RATIO_HIGH:
         return []
