@@ -184,3 +184,12 @@ def validate(cfg: Any, world_size: int, algorithm: str) -> None:
             f"model.{algorithm}.log_prob_forward_micro_batch_size",
             f"must divide the per-rank batch {per_rank}",
         )
+    fwd = fwd or m.micro_batch_size
+    if vpp is not None:
+        # Forward-only passes (reference, KL rows) also run the interleaved schedule.
+        _need(
+            (per_rank // fwd) % pp == 0,
+            f"model.{algorithm}.log_prob_forward_micro_batch_size",
+            f"interleaved pipelining needs forward micro-batches per step ({per_rank // fwd}) "
+            f"divisible by PP={pp}",
+        )

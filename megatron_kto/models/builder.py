@@ -115,6 +115,8 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         # Megatron-LM does for interleaving (overlap_p2p_comm). Non-interleaved 1F1B sends at
         # most one message per direction, so it keeps the batched path.
         batch_p2p_comm=layout.virtual_pipeline_model_parallel_size is None,
+        # No CUDA graphs; megatron's default scope "full" only triggers a deprecation warning.
+        cuda_graph_scope=[],
     )
 
 
