@@ -77,7 +77,7 @@ def test_wrong_type_fails_at_composition():
         (["model.kto.loss_type=sigmoid"], 1, "model.kto.loss_type"),
         (["model.kto.reference_policy=gpu"], 1, "model.kto.reference_policy"),
         (["model.kto.ref_policy_kl_penalty=0"], 1, "model.kto.ref_policy_kl_penalty"),
-        (["model.global_batch_size=2", "model.micro_batch_size=1"], 2, "model.global_batch_size"),
+        (["model.global_batch_size=1", "model.micro_batch_size=1"], 1, "model.global_batch_size"),
         (
             ["model.kto.log_prob_forward_micro_batch_size=3"],
             1,
@@ -118,6 +118,12 @@ def test_impossible_combinations_name_the_key(overrides, world, key):
     message = str(info.value)
     assert message.startswith(f"{key}:"), message
     assert "\n" not in message
+
+
+def test_one_row_per_rank_is_allowed():
+    """KL partners come from the global batch, so a data-parallel share of one row is fine."""
+    cfg = _compose("gpt_kto", ["model.global_batch_size=2", "model.micro_batch_size=1"])
+    validate(cfg, 2, "kto")
 
 
 def test_data_parallel_size():

@@ -141,7 +141,7 @@ def test_kl_completion_is_cut_to_max_length():
 
 
 def test_batch_of_one_has_no_kl_pair():
-    with pytest.raises(ValueError, match="at least 2.*global_batch_size"):
+    with pytest.raises(ValueError, match="at least 2"):
         kto_custom_collate(kto_examples(1), pad_id=PAD)
 
 

@@ -5,6 +5,11 @@ Each failure names the config key so the user can fix the YAML or override direc
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 
@@ -45,6 +50,7 @@ def validate(cfg: Any, world_size: int, algorithm: str) -> None:
     Raises:
         ConfigError: naming the offending key.
     """
+    check_known_keys(cfg)
     m, t = cfg.model, cfg.trainer
     _choice(t.precision, "trainer.precision", ("32", "bf16"))
     if t.devices is not None:
@@ -162,9 +168,10 @@ def validate(cfg: Any, world_size: int, algorithm: str) -> None:
             "weights must be >= 0",
         )
         _need(
-            per_rank >= 2,
+            m.global_batch_size >= 2,
             "model.global_batch_size",
-            f"each data-parallel rank needs >= 2 examples per step to form KL pairs (got {per_rank}); raise global_batch_size",
+            "KL pairs need >= 2 examples per global batch (prompt i is paired with completion "
+            f"i+1 mod the global batch size), got {m.global_batch_size}",
         )
         fwd = k.log_prob_forward_micro_batch_size
     else:
@@ -193,3 +200,96 @@ def validate(cfg: Any, world_size: int, algorithm: str) -> None:
             f"interleaved pipelining needs forward micro-batches per step ({per_rank // fwd}) "
             f"divisible by PP={pp}",
         )
+
+
+def _suggestion(key: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_known_keys(cfg: Any) -> None:
+    """Reject keys the schema does not define.
+
+    Hydra already rejects unknown keys in YAML files and plain `key=value` overrides; a
+    `+key=value` override, however, adds a key to any node, and such a key would be silently
+    ignored. A dataclass config cannot hold unknown keys and is not checked.
+
+    Raises:
+        ConfigError: naming the first unknown key (with the closest known one, if any).
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    from megatron_kto.config.schema import AlignmentConfig
+
+    if not isinstance(cfg, DictConfig):
+        return
+
+    def walk(node: DictConfig, schema: DictConfig, prefix: str) -> None:
+        for key in node.keys():
+            if key not in schema:
+                raise ConfigError(
+                    f"{prefix}{key}: unknown config key{_suggestion(str(key), schema.keys())}"
+                )
+            child, expected = node._get_node(key), schema._get_node(key)
+            if isinstance(child, DictConfig) and isinstance(expected, DictConfig):
+                walk(child, expected, f"{prefix}{key}.")
+
+    walk(cfg, OmegaConf.structured(AlignmentConfig), "")
+
+
+def _exception_chain(error: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def composition_error_line(error: BaseException) -> str:
+    """One line describing why Hydra/OmegaConf could not compose the config, key first.
+
+    Hydra's own report spans several lines (override, OmegaConf's key/type dump, a hint about
+    HYDRA_FULL_ERROR); this keeps what a user needs: the full key and the problem, plus the
+    closest known key for a typo.
+    """
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+    for e in _exception_chain(error):
+        if isinstance(e, OmegaConfBaseException) and e.full_key:
+            if isinstance(e, ConfigKeyError | ConfigAttributeError):
+                known = (
+                    [f.name for f in dataclasses.fields(e.object_type)]
+                    if dataclasses.is_dataclass(e.object_type)
+                    else []
+                )
+                return f"{e.full_key}: unknown config key{_suggestion(str(e.key), known)}"
+            detail = " ".join(str(e.msg or e).split())
+            return f"{e.full_key}: {detail}"
+    if isinstance(error, OverrideParseException):
+        return f"cannot parse override {error.override!r}: {str(error).splitlines()[0]}"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    first = lines[0] if lines else type(error).__name__
+    if isinstance(error, MissingConfigException) and error.options:
+        first += f" (available: {', '.join(error.options)})"
+    return first
+
+
+def run_entry_point(hydra_main: Callable[[], Any]) -> None:
+    """Call a `@hydra.main` function; if the config cannot be composed (unknown key, value of
+    the wrong type, override syntax, missing config file or group option), exit with code 2 and
+    one `error:` line instead of Hydra's multi-line report.
+
+    Errors raised while the run itself executes are not touched here (`run.main` reports the
+    known ones in one line; anything else keeps its traceback).
+    """
+    from hydra.errors import HydraException
+
+    # Without this Hydra prints its report itself and exits 1; with it, Hydra re-raises.
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        hydra_main()
+    except HydraException as e:
+        print(f"error: {composition_error_line(e)}", file=sys.stderr, flush=True)
+        sys.exit(2)

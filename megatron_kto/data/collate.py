@@ -118,14 +118,14 @@ def kto_custom_collate(
         ValueError: B < 2 (no KL pair exists).
     """
     batch = len(examples)
-    # Precomputed-reference runs fix each row's KL partner by dataset index (`data.kl_pairs`),
-    # so the pairing cannot depend on batch order; then a batch of one is fine.
+    # Training and precomputed-reference runs give each row its KL partner (`data.kl_pairs`:
+    # the next row of the global batch, or of the dataset); then a batch of one is fine.
     fixed_pairs = batch > 0 and "kl_completion_ids" in examples[0]
     if batch < 2 and not fixed_pairs:
         raise ValueError(
             f"kto_custom_collate got {batch} example(s), but KL rows pair each prompt with "
-            "another example's completion, so a batch needs at least 2; increase "
-            "model.global_batch_size (each data-parallel rank gets global_batch_size / DP rows)"
+            "another example's completion, so a batch needs at least 2 (or fixed partners "
+            "from data.kl_pairs)"
         )
     prompts = [list(e["prompt_ids"]) for e in examples]
     completions = [list(e["completion_ids"]) for e in examples]

@@ -1,4 +1,14 @@
-"""Order-independent KL pairs, for reference log-probs precomputed once per dataset.
+"""Where a KTO example's KL partner comes from, when it is not the collate's in-batch shift.
+
+Two rules, both the circular shift of DESIGN §1 over a well-defined sequence of examples:
+
+* **Global-batch partners** (`BatchKLPartners`, the default for training and validation): the
+  sampler yields ``(index, partner)`` pairs whose partner is the next row of the *global* batch
+  (``data.samplers.rank_share``). Collating only this rank's share would otherwise shift
+  within the share, so the KL rows — and z₀ — would change with the data-parallel size.
+
+* **Dataset-order partners** (`IndexedExamples`), for reference log-probs precomputed once per
+  dataset:
 
 With `model.kto.reference_policy=precomputed` the reference log-probs of every sample row and
 KL row are computed in one pass before training and looked up by dataset index afterwards. The
@@ -14,6 +24,27 @@ from __future__ import annotations
 from typing import Any
 
 from torch.utils.data import Dataset
+
+
+class BatchKLPartners(Dataset):
+    """A view of a KTO dataset indexed by ``(index, partner)`` pairs (from a sampler built with
+    ``kl_partners=True``); items carry ``kl_completion_ids`` = the partner's completion.
+
+    Args:
+        dataset: a `KTODataset`.
+    """
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
+        index, partner = key
+        item = dict(self.dataset[index])
+        item["kl_completion_ids"] = self.dataset[partner]["completion_ids"]
+        return item
 
 
 class IndexedExamples(Dataset):

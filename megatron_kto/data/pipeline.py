@@ -13,7 +13,7 @@ import torch
 from megatron_kto.config.validate import ConfigError
 from megatron_kto.data.collate import dpo_custom_collate, kto_custom_collate
 from megatron_kto.data.dataset import build_dpo_dataset, build_kto_dataset
-from megatron_kto.data.kl_pairs import IndexedExamples
+from megatron_kto.data.kl_pairs import BatchKLPartners, IndexedExamples
 from megatron_kto.data.samplers import (
     TrainingBatchSampler,
     ValidationBatchSampler,
@@ -49,6 +49,8 @@ class Split:
     shuffle: bool
     seed: int
     num_workers: int
+    kl_partners: bool = False
+    """The sampler yields (index, global-batch partner) pairs (`data.kl_pairs.BatchKLPartners`)."""
 
     @property
     def num_global_batches(self) -> int:
@@ -67,6 +69,7 @@ class Split:
                 self.global_batch_size,
                 self.data_parallel_rank,
                 self.data_parallel_size,
+                kl_partners=self.kl_partners,
             )
         else:
             samples_per_epoch = self.num_global_batches * self.global_batch_size
@@ -79,6 +82,7 @@ class Split:
                 shuffle=self.shuffle,
                 seed=self.seed,
                 max_epochs=epoch + 1,
+                kl_partners=self.kl_partners,
             )
         return build_dataloader(self.dataset, sampler, self.collate, self.num_workers)
 
@@ -124,8 +128,13 @@ def build_split(
         barrier=torch.distributed.barrier if torch.distributed.is_initialized() else None,
         use_cache=d.use_cache,
     )
+    # KTO KL partners: by dataset order for a precomputed reference, else the next row of the
+    # global batch (so KL rows and z0 do not depend on the data-parallel size).
+    kl_partners = algorithm == "kto" and index_offset is None
     if index_offset is not None:
         dataset = IndexedExamples(dataset, index_offset, fixed_kl_pairs=algorithm == "kto")
+    elif kl_partners:
+        dataset = BatchKLPartners(dataset)
     if algorithm == "kto":
         collate = partial(
             kto_custom_collate,
@@ -148,4 +157,5 @@ def build_split(
         shuffle=d.shuffle,
         seed=m.seed,
         num_workers=d.num_workers,
+        kl_partners=kl_partners,
     )

@@ -12,6 +12,12 @@ batches: the last ``len(dataset) % G`` samples of the epoch's order are dropped.
 order the permutation changes every epoch (seed + epoch), so different samples are left out
 each time.
 
+With ``kl_partners=True`` (KTO) each yielded entry is a pair ``(index, partner)``, where the
+partner is the next row of the *global* batch, circularly: KL row ``i`` of the global batch is
+``prompt_i + completion_{(i+1) mod G}`` whatever the data-parallel size, so z₀ — a mean over
+the global batch's KL rows — does not change with DP (``data.kl_pairs.BatchKLPartners``
+resolves the pairs).
+
 Validation (:class:`ValidationBatchSampler`) is one sequential pass over full global batches;
 the tail of ``len(dataset) % G`` samples is not evaluated (``num_dropped`` says how many), which
 keeps every validation batch the same shape as a training batch.
@@ -43,6 +49,25 @@ def _check_layout(num_samples: int, global_batch_size: int, rank: int, size: int
         )
 
 
+Share = list[int] | list[tuple[int, int]]
+
+
+def rank_share(global_batch: list[int], rank: int, size: int, kl_partners: bool) -> Share:
+    """Data-parallel rank ``rank``'s contiguous slice of a global batch.
+
+    Args:
+        global_batch: the G dataset indices of one optimizer step, in order.
+        rank, size: this rank's DP index and the DP size (must divide G).
+        kl_partners: pair each index with the next index of the global batch (mod G).
+    """
+    per_rank = len(global_batch) // size
+    start, stop = rank * per_rank, (rank + 1) * per_rank
+    if not kl_partners:
+        return global_batch[start:stop]
+    partners = global_batch[1:] + global_batch[:1]
+    return list(zip(global_batch[start:stop], partners[start:stop]))
+
+
 class TrainingBatchSampler:
     """Yields this rank's share of each global batch, epoch after epoch.
 
@@ -62,6 +87,7 @@ class TrainingBatchSampler:
         shuffle: bool = True,
         seed: int = 1234,
         max_epochs: int | None = None,
+        kl_partners: bool = False,
     ) -> None:
         """Check the layout and remember where to start.
 
@@ -74,6 +100,7 @@ class TrainingBatchSampler:
             shuffle: random order, reshuffled every epoch with ``seed + epoch``; else sequential.
             seed: the shuffling seed (the same on every rank).
             max_epochs: stop after this many epochs (None: never stop).
+            kl_partners: yield ``(index, next index in the global batch)`` pairs (KTO).
         """
         _check_layout(num_samples, global_batch_size, data_parallel_rank, data_parallel_size)
         if consumed_samples < 0 or consumed_samples % global_batch_size:
@@ -89,6 +116,7 @@ class TrainingBatchSampler:
         self.shuffle = shuffle
         self.seed = seed
         self.max_epochs = max_epochs
+        self.kl_partners = kl_partners
         self.epoch = self.epoch_of(consumed_samples)
 
     @property
@@ -113,12 +141,12 @@ class TrainingBatchSampler:
             order = np.arange(self.num_samples)
         return order[: self.samples_per_epoch]
 
-    def _share(self, order: np.ndarray, batch: int) -> list[int]:
-        per_rank = self.global_batch_size // self.size
-        start = batch * self.global_batch_size + self.rank * per_rank
-        return order[start : start + per_rank].tolist()
+    def _share(self, order: np.ndarray, batch: int) -> Share:
+        start = batch * self.global_batch_size
+        global_batch = order[start : start + self.global_batch_size].tolist()
+        return rank_share(global_batch, self.rank, self.size, self.kl_partners)
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[Share]:
         consumed = self.consumed_samples
         while self.max_epochs is None or self.epoch_of(consumed) < self.max_epochs:
             epoch = self.epoch_of(consumed)
@@ -146,6 +174,7 @@ class ValidationBatchSampler:
         global_batch_size: int,
         data_parallel_rank: int,
         data_parallel_size: int,
+        kl_partners: bool = False,
     ) -> None:
         """Check the layout.
 
@@ -154,23 +183,25 @@ class ValidationBatchSampler:
             global_batch_size: G.
             data_parallel_rank: this rank's DP index.
             data_parallel_size: DP (must divide G).
+            kl_partners: yield ``(index, next index in the global batch)`` pairs (KTO).
         """
         _check_layout(num_samples, global_batch_size, data_parallel_rank, data_parallel_size)
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
         self.rank = data_parallel_rank
         self.size = data_parallel_size
+        self.kl_partners = kl_partners
 
     @property
     def num_dropped(self) -> int:
         """Samples in the incomplete last global batch, which are not evaluated."""
         return self.num_samples % self.global_batch_size
 
-    def __iter__(self) -> Iterator[list[int]]:
-        per_rank = self.global_batch_size // self.size
+    def __iter__(self) -> Iterator[Share]:
+        g = self.global_batch_size
         for batch in range(len(self)):
-            start = batch * self.global_batch_size + self.rank * per_rank
-            yield list(range(start, start + per_rank))
+            global_batch = list(range(batch * g, (batch + 1) * g))
+            yield rank_share(global_batch, self.rank, self.size, self.kl_partners)
 
     def __len__(self) -> int:
         return self.num_samples // self.global_batch_size
