@@ -189,6 +189,8 @@ class DPOTrainer:
             chunk.train()
         zero_grads(self.model.chunks, self.optimizer)
         loss, metrics = self.model.get_loss_and_metrics(batch, forward_only=False)
+        # The rate this update uses; after `scheduler.step` the optimizer holds the next one.
+        lr = float(self.optimizer.param_groups[0]["lr"])
         update_ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         elapsed = time.monotonic() - started
@@ -197,7 +199,7 @@ class DPOTrainer:
             torch.tensor([tokens, passes], dtype=torch.float64, device=self.device)
         )
         metrics.update(
-            lr=float(self.optimizer.param_groups[0]["lr"]),
+            lr=lr,
             grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
             skipped_step=float(not update_ok),
             step_time=elapsed,

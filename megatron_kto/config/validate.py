@@ -265,8 +265,9 @@ def composition_error_line(error: BaseException) -> str:
                     else []
                 )
                 return f"{e.full_key}: unknown config key{_suggestion(str(e.key), known)}"
-            detail = " ".join(str(e.msg or e).split())
-            return f"{e.full_key}: {detail}"
+            # The first line is the problem; the rest is OmegaConf's key/type dump.
+            lines = str(e.msg or e).strip().splitlines()
+            return f"{e.full_key}: {lines[0] if lines else type(e).__name__}"
     if isinstance(error, OverrideParseException):
         return f"cannot parse override {error.override!r}: {str(error).splitlines()[0]}"
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]

@@ -94,7 +94,8 @@ def build_scheduler(
     decay_steps = max(1, max_steps - constant_steps)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if warmup_steps > 0 else lr,
+        # Warm-up step k (0-based) uses lr·(k+1)/(warmup+1), so the first update is not lr 0.
+        init_lr=lr / (warmup_steps + 1),
         max_lr=lr,
         min_lr=min_lr if name != "Constant" else lr,
         lr_warmup_steps=warmup_steps,

@@ -1,0 +1,145 @@
+"""Helpers for the end-to-end tests: run the real entry scripts and tools in subprocesses, make
+a starting checkpoint, and read checkpoints back into a TP=1 model.
+
+The entry scripts are launched exactly as a user would: ``python examples/train_gpt_kto.py`` for
+one rank, ``python -m torch.distributed.run --nproc_per_node N ...`` (torchrun) for several, with
+one intra-op thread per rank (CI has 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from multirank import run_multirank
+
+REPO = Path(__file__).resolve().parents[1]
+KTO_SCRIPT = REPO / "examples" / "train_gpt_kto.py"
+EVAL_TOOL = REPO / "tools" / "eval_kto_rewards.py"
+CONF = REPO / "conf"
+TOKENIZER = REPO / "examples" / "data" / "tokenizer" / "tiny_sp.model"
+TRAIN_DATA = REPO / "examples" / "data" / "tiny_kto" / "train.jsonl"
+VALIDATION_DATA = REPO / "examples" / "data" / "tiny_kto" / "validation.jsonl"
+
+#: Overrides every e2e run uses: no TensorBoard, and a fixed peak FLOP/s so start-up does not
+#: spend time measuring it (MFU is not under test here).
+QUIET = ["exp_manager.create_tensorboard_logger=false", "trainer.peak_flops_per_device=1e12"]
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def cli_env() -> dict[str, str]:
+    """The environment for a launched script: one thread per rank, no inherited torchrun vars."""
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def launcher(nproc: int, extra: list[str] | None = None) -> list[str]:
+    """Command prefix: plain python for one rank, torchrun (standalone, local) for several."""
+    if nproc == 1:
+        return [sys.executable]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *(extra or []),
+    ]
+
+
+def run_script(
+    script: Path, args: list[str], nproc: int = 1, timeout: float = 300, check: bool = True
+) -> subprocess.CompletedProcess:
+    """Run `script args` (from the repository root) on `nproc` ranks.
+
+    Raises:
+        AssertionError: with the tail of the output, if `check` and the exit code is not 0.
+    """
+    proc = subprocess.run(
+        [*launcher(nproc), str(script), *args],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{script.name} {' '.join(args)} (nproc={nproc}) exited {proc.returncode}\n"
+            f"--- stdout (tail)\n{proc.stdout[-3000:]}\n--- stderr (tail)\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def read_metrics(log_dir: Path, split: str = "train") -> list[dict[str, Any]]:
+    """The `split` rows of a run's metrics.jsonl, in file order."""
+    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["split"] == split]
+
+
+def tiny_architecture(overrides: list[str] | None = None):
+    """The architecture the bundled config builds (conf/gpt_kto.yaml + model=tiny), with the
+    tokenizer's vocabulary, composed exactly as the entry script composes it."""
+    from hydra import compose, initialize_config_dir
+
+    from megatron_kto.config.schema import architecture_of, register
+    from megatron_kto.data.tokenizers import load_tokenizer
+
+    register()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="gpt_kto", overrides=overrides or [])
+    arch = architecture_of(cfg.model)
+    arch.vocab_size = load_tokenizer("sentencepiece", str(TOKENIZER)).vocab_size
+    return arch
+
+
+def _save_initial_worker(rank: int, world_size: int, out_dir: str, seed: int) -> None:
+    from megatron_kto.checkpointing.model_io import save_model
+    from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
+    from megatron_kto.runtime import init_runtime, teardown
+
+    runtime = init_runtime(1, 1, seed=seed)
+    arch = tiny_architecture()
+    chunks = build_gpt_chunks(arch, ParallelLayout(), runtime.device)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    save_model(out_dir, chunks, arch)
+    teardown()
+
+
+def save_initial_checkpoint(out_dir: Path, seed: int) -> Path:
+    """Write a randomly initialised tiny model (TP=1, `seed`) as a restorable checkpoint."""
+    run_multirank(_save_initial_worker, 1, str(out_dir), seed, timeout=180)
+    return out_dir
+
+
+def _load_worker(rank: int, world_size: int, paths: list[str]) -> list[dict[str, Any]]:
+    import torch
+
+    from megatron_kto.checkpointing.model_io import load_model, read_architecture
+    from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir
+    from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
+    from megatron_kto.runtime import init_runtime, teardown
+
+    runtime = init_runtime(1, 1, seed=0)
+    out = []
+    for path in paths:
+        ckpt = resolve_pretrained_dir(path)
+        chunks = build_gpt_chunks(read_architecture(ckpt), ParallelLayout(), runtime.device)
+        load_model(ckpt, chunks)
+        state = chunks[0].state_dict()
+        out.append({k: v.detach().clone() for k, v in state.items() if torch.is_tensor(v)})
+    teardown()
+    return out
+
+
+def load_tp1_state_dicts(paths: list[Path]) -> list[dict[str, Any]]:
+    """Load each checkpoint (any layout; a run's log dir resolves to its latest) into a TP=1,
+    PP=1 model and return its state dict (dist_checkpointing reshards on load)."""
+    return run_multirank(_load_worker, 1, [str(p) for p in paths], timeout=180)[0]

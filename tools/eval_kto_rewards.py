@@ -1,0 +1,191 @@
+#!/usr/bin/env python
+"""How well a trained policy's implicit reward separates desirable from undesirable examples.
+
+    python tools/eval_kto_rewards.py --policy results/gpt_kto [--reference CKPT] [--data FILE ...]
+    torchrun --nproc_per_node N tools/eval_kto_rewards.py --policy ... --tensor-model-parallel-size T
+
+The implicit reward of an example is β·(log π(y|x) − log π_ref(y|x)), summed over completion
+tokens. Prints the ROC AUC (0.5 = chance), the accuracy of "reward > 0 means desirable", and
+the mean reward of each class.
+
+Settings not given on the command line come from the policy checkpoint's saved run config
+(`config.yaml` in a training checkpoint): the reference is the run's
+`pretrained_checkpoint.restore_from_path`, the data its validation files, β, tokenizer and
+length limits its own. `--policy` accepts a run directory, a checkpoints root, a `step_<N>`
+directory or a converted checkpoint. Exit code 2 and one `error:` line on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_kto.checkpointing import files  # noqa: E402
+from megatron_kto.checkpointing.errors import CheckpointError  # noqa: E402
+from megatron_kto.data.errors import DataFormatError  # noqa: E402
+
+
+class UsageError(ValueError):
+    """A setting is missing or invalid."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--policy", required=True, help="trained checkpoint or run directory")
+    p.add_argument("--reference", help="reference weights (default: the run's restore_from_path)")
+    p.add_argument("--data", nargs="+", help="labelled data files (default: the run's validation)")
+    p.add_argument("--algorithm", choices=("kto", "dpo"), default="kto", help="whose β to read")
+    p.add_argument("--beta", type=float, help="β (default: the run's ref_policy_kl_penalty)")
+    p.add_argument("--tokenizer", help="tokenizer model (default: the run's)")
+    p.add_argument("--tokenizer-library", choices=("sentencepiece", "huggingface"))
+    p.add_argument("--max-length", type=int, help="prompt + completion tokens (default: the run's)")
+    p.add_argument("--batch-size", type=int, default=8, help="examples per forward pass per rank")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--no-cache", action="store_true", help="do not write tokenised caches")
+    p.add_argument("--json", type=Path, help="write the summary (and settings) as JSON here")
+    p.add_argument("--per-example", type=Path, help="write one JSON line per example here")
+    return p.parse_args(argv)
+
+
+def _run_config(policy_dir: Path) -> Any | None:
+    path = policy_dir / files.CONFIG
+    if not path.is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(path)
+
+
+def resolve_settings(args: argparse.Namespace, policy_dir: Path) -> dict[str, Any]:
+    """Command-line values, else the run config's; raises UsageError naming what is missing."""
+    from omegaconf import OmegaConf
+
+    from megatron_kto.data.pipeline import resolve_path
+
+    cfg = _run_config(policy_dir)
+
+    def run_value(key: str, default: Any = None) -> Any:
+        value = OmegaConf.select(cfg, key) if cfg is not None else None
+        return default if value is None else value
+
+    def need(value: Any, flag: str, key: str) -> Any:
+        if value is None or (isinstance(value, list | tuple) and not value):
+            source = (
+                f"{policy_dir / files.CONFIG} has no {key}"
+                if cfg is not None
+                else f"{policy_dir} has no {files.CONFIG} to take it from"
+            )
+            raise UsageError(f"{flag}: required ({source})")
+        return value
+
+    algo = args.algorithm
+    data = args.data or list(run_value("model.data.data_prefix.validation", []))
+    beta = args.beta if args.beta is not None else run_value(f"model.{algo}.ref_policy_kl_penalty")
+    tokenizer = args.tokenizer or run_value("model.tokenizer.model")
+    reference = args.reference or run_value("pretrained_checkpoint.restore_from_path")
+    settings = {
+        "policy": str(policy_dir),
+        "reference": str(need(reference, "--reference", "pretrained_checkpoint.restore_from_path")),
+        "data": [
+            str(resolve_path(f).resolve())
+            for f in need(data, "--data", "model.data.data_prefix.validation")
+        ],
+        "beta": float(need(beta, "--beta", f"model.{algo}.ref_policy_kl_penalty")),
+        "tokenizer": str(
+            resolve_path(need(tokenizer, "--tokenizer", "model.tokenizer.model")).resolve()
+        ),
+        "tokenizer_library": args.tokenizer_library
+        or run_value("model.tokenizer.library", "sentencepiece"),
+        "chat_template": run_value("model.tokenizer.chat_template"),
+        "max_length": args.max_length or run_value("model.data.max_length"),
+        "max_prompt_length": run_value("model.data.max_prompt_length"),
+        "truncation_mode": run_value("model.data.truncation_mode", "keep_end"),
+    }
+    if settings["beta"] <= 0:
+        raise UsageError(f"--beta: must be > 0, got {settings['beta']}")
+    for path in [*settings["data"], settings["tokenizer"]]:
+        if not Path(path).exists():
+            raise UsageError(f"{path}: not found")
+    return settings
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir
+    from megatron_kto.data.tokenizers import load_tokenizer
+    from megatron_kto.eval.classification import summarize
+    from megatron_kto.eval.implicit_reward import implicit_rewards
+    from megatron_kto.runtime import init_runtime, teardown
+
+    if not Path(args.policy).exists():
+        raise UsageError(f"--policy: {args.policy} not found")
+    policy_dir = resolve_pretrained_dir(args.policy)
+    settings = resolve_settings(args, policy_dir)
+    runtime = init_runtime(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    try:
+        tokenizer = load_tokenizer(
+            settings["tokenizer_library"], settings["tokenizer"], settings["chat_template"]
+        )
+        result = implicit_rewards(
+            policy_dir,
+            settings["reference"],
+            settings["data"],
+            tokenizer,
+            runtime,
+            beta=settings["beta"],
+            max_length=settings["max_length"],
+            max_prompt_length=settings["max_prompt_length"],
+            truncation_mode=settings["truncation_mode"],
+            batch_size=args.batch_size,
+            use_cache=not args.no_cache,
+        )
+        if result.labels.all() or not result.labels.any():
+            raise UsageError(
+                f"{', '.join(settings['data'])}: needs desirable and undesirable examples, got "
+                f"{int(result.labels.sum())} desirable of {result.labels.size}"
+            )
+        report = summarize(result.rewards, result.labels)
+        if runtime.is_rank0:
+            print(f"policy: {policy_dir}\nreference: {settings['reference']}")
+            print(f"data: {', '.join(settings['data'])} (beta {settings['beta']})")
+            print(report.format(), flush=True)
+            if args.json:
+                args.json.write_text(
+                    json.dumps({**report.to_dict(), "settings": settings}, indent=2)
+                )
+            if args.per_example:
+                with open(args.per_example, "w", encoding="utf-8") as f:
+                    for i in range(len(result.rewards)):
+                        row = {
+                            "index": i,
+                            "label": bool(result.labels[i]),
+                            "reward": float(result.rewards[i]),
+                            "policy_logps": float(result.policy_logps[i]),
+                            "reference_logps": float(result.reference_logps[i]),
+                            "num_tokens": int(result.num_tokens[i]),
+                        }
+                        f.write(json.dumps(row) + "\n")
+    finally:
+        teardown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # torch.distributed.checkpoint deprecation notices from inside megatron-core's loader.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        return evaluate(args)
+    except (UsageError, CheckpointError, DataFormatError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
