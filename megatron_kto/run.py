@@ -84,14 +84,14 @@ def _parse_max_time(value: str | None) -> float | None:
         raise ConfigError(f"trainer.max_time: {e}") from e
 
 
-def _loss_settings(cfg: Any, algorithm: str, padded_vocab: int):
+def _loss_settings(cfg: Any, algorithm: str, vocab_size: int):
     m = cfg.model
     loss_cfg = m.kto if algorithm == "kto" else m.dpo
     common = {
         "micro_batch_size": m.micro_batch_size,
         "forward_micro_batch_size": loss_cfg.log_prob_forward_micro_batch_size
         or m.micro_batch_size,
-        "padded_vocab_size": padded_vocab,
+        "vocab_size": vocab_size,
         "beta": loss_cfg.ref_policy_kl_penalty,
         "loss_type": loss_cfg.loss_type,
         "sft_loss_weight": loss_cfg.sft_loss_weight,
@@ -132,7 +132,7 @@ def _build_policy(cfg: Any, algorithm: str, arch, layout: ParallelLayout, runtim
     chunks = wrap_ddp(chunks, use_distributed_optimizer=m.optim.name == "distributed_fused_adam")
     if strategy == "cpu_swap":
         reference = CPUSwapReference(chunks)
-    settings = _loss_settings(cfg, algorithm, arch.padded_vocab(m.tensor_model_parallel_size))
+    settings = _loss_settings(cfg, algorithm, arch.vocab_size)
     model_cls = MegatronGPTKTOModel if algorithm == "kto" else MegatronGPTDPOModel
     return model_cls(chunks, reference, settings)
 

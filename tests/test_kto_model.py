@@ -63,7 +63,7 @@ def _settings(micro_batch_size: int, sft: float = 0.0) -> KTOSettings:
         sft_loss_weight=sft,
         micro_batch_size=micro_batch_size,
         forward_micro_batch_size=2,
-        padded_vocab_size=128,
+        vocab_size=VOCAB,
     )
 
 
@@ -102,7 +102,7 @@ def test_efficient_gradient_equals_naive(runtime, micro_batch_size, sft):
     tokens = torch.cat([batch["samples"], batch["kl_samples"]])
     labels = torch.cat([batch["sample_labels"], batch["kl_sample_labels"]])
     logits = net(tokens, torch.cat([batch["position_ids"]] * 2), None)
-    logps, counts = masked_sum(token_logprobs(logits, labels), labels)
+    logps, counts = masked_sum(token_logprobs(logits, labels, VOCAB), labels)
     policy_samples, policy_kl = logps.chunk(2)
     z0 = (policy_kl - batch[REF_KL]).mean().clamp(min=0).detach()
     out = kto_total_loss(

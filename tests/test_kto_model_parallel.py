@@ -59,7 +59,7 @@ def _step_metrics(tp: int, pp: int, ckpt_dir: str) -> dict[str, float]:
         sft_loss_weight=0.2,
         micro_batch_size=1,
         forward_micro_batch_size=1,
-        padded_vocab_size=arch.padded_vocab(tp),
+        vocab_size=arch.vocab_size,
     )
     chunks = wrap_ddp(policy, use_distributed_optimizer=False)
     model = MegatronGPTKTOModel(chunks, SeparateReference(reference), settings)

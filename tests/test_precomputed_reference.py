@@ -35,7 +35,7 @@ def setup():
     collate = partial(kto_custom_collate, pad_id=tokenizer.pad_id, max_length=64)
     arch = GPTArchitecture(vocab_size=tokenizer.vocab_size, make_vocab_size_divisible_by=64)
     chunks = wrap_ddp(build_gpt_chunks(arch, ParallelLayout(), runtime.device), False)
-    settings = KTOSettings(0.1, 1.0, 1.0, "kto", 0.0, 2, 4, arch.padded_vocab(1))
+    settings = KTOSettings(0.1, 1.0, 1.0, "kto", 0.0, 2, 4, arch.vocab_size)
     model = MegatronGPTKTOModel(chunks, CPUSwapReference(chunks), settings)
     split = Split("train", indexed, None, collate, 8, 0, 1, False, 0, 0)
     yield runtime, indexed, collate, model, split

@@ -78,7 +78,7 @@ def sequence_logps(
     dataset: KTODataset,
     runtime: Runtime,
     pad_id: int,
-    padded_vocab_size: int,
+    vocab_size: int,
     batch_size: int = 8,
 ) -> torch.Tensor:
     """Summed completion log-probs and token counts of every example under `chunks`.
@@ -90,7 +90,7 @@ def sequence_logps(
         dataset: the examples.
         runtime: this rank's runtime.
         pad_id: padding token id.
-        padded_vocab_size: the model's padded vocabulary size.
+        vocab_size: the real vocabulary size (padded logit columns are left out).
         batch_size: examples per forward pass on each data-parallel rank.
 
     Returns:
@@ -108,7 +108,7 @@ def sequence_logps(
             batch["labels"],
             batch["position_ids"],
             len(rows),
-            padded_vocab_size,
+            vocab_size,
         )
         table[rows.start : rows.stop, 0] = stats[:, LOGP_SUM].double()
         table[rows.start : rows.stop, 1] = stats[:, NUM_TOKENS].double()
@@ -192,12 +192,11 @@ def implicit_rewards(
         virtual_pipeline_model_parallel_size=runtime.virtual_pipeline_parallel_size,
     )
     chunks = build_gpt_chunks(arch, layout, runtime.device)
-    padded_vocab = arch.padded_vocab(runtime.tensor_parallel_size)
     tables = []
     for weights in (policy_dir, reference_dir):
         load_model(weights, chunks)
         tables.append(
-            sequence_logps(chunks, dataset, runtime, tokenizer.pad_id, padded_vocab, batch_size)
+            sequence_logps(chunks, dataset, runtime, tokenizer.pad_id, arch.vocab_size, batch_size)
         )
     policy_logps, reference_logps = tables[0][:, 0].numpy(), tables[1][:, 0].numpy()
     return ImplicitRewards(

@@ -39,7 +39,7 @@ class DPOSettings:
     sft_loss_weight: float
     micro_batch_size: int
     forward_micro_batch_size: int
-    padded_vocab_size: int
+    vocab_size: int
 
 
 def _logps(stats: torch.Tensor, average: bool) -> torch.Tensor:
@@ -67,7 +67,7 @@ class MegatronGPTDPOModel:
         positions = torch.cat([batch["position_ids"], batch["position_ids"]])
         s = self.settings
         mbs = micro_batch_size or s.forward_micro_batch_size
-        stats = forward_sequence_stats(chunks, tokens, labels, positions, mbs, s.padded_vocab_size)
+        stats = forward_sequence_stats(chunks, tokens, labels, positions, mbs, s.vocab_size)
         return _logps(stats, s.average_log_probs)
 
     def get_ref_policy_logprobs(self, batch: Batch) -> torch.Tensor:
@@ -76,7 +76,7 @@ class MegatronGPTDPOModel:
 
     def _loss_fn(self, batch: Batch, output: torch.Tensor):
         s = self.settings
-        stats = sequence_stats(output, batch["labels"], s.padded_vocab_size)
+        stats = sequence_stats(output, batch["labels"], s.vocab_size)
         n = stats.shape[0] // 2
         logps = _logps(stats, s.average_log_probs)
         chosen_tokens = stats[:n, NUM_TOKENS]

@@ -23,10 +23,11 @@ LOGP_SUM, NUM_TOKENS, LOGIT_SUM = 0, 1, 2
 def sequence_stats(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Per-row [logp_sum, num_tokens, logit_sum] from this TP rank's logits ([N, 3] float32).
 
-    `logit_sum` is read before `token_logprobs`, which normalises fp32 logits in place.
+    `vocab_size` is the real vocabulary: padded logit columns are not tokens. `logit_sum` is read
+    before `token_logprobs`, which may normalise fp32 logits in place.
     """
     logit_sum = mean_logit_sums(logits, labels, vocab_size)
-    logp_sum, count = masked_sum(token_logprobs(logits, labels), labels)
+    logp_sum, count = masked_sum(token_logprobs(logits, labels, vocab_size), labels)
     return torch.stack([logp_sum, count.to(logp_sum.dtype), logit_sum], dim=-1)
 
 
@@ -73,7 +74,7 @@ def forward_sequence_stats(
         chunks: model chunks (policy or reference weights).
         tokens, labels, position_ids: [N, T] on the device.
         micro_batch_size: rows per micro-batch (must divide N).
-        vocab_size: padded vocabulary size (for the mean-logit metric).
+        vocab_size: real vocabulary size (padded logit columns are left out).
 
     Returns:
         [N, 3] float32 (`LOGP_SUM`, `NUM_TOKENS`, `LOGIT_SUM` columns) on every pipeline stage.

@@ -50,7 +50,7 @@ class KTOSettings:
     sft_loss_weight: float
     micro_batch_size: int
     forward_micro_batch_size: int
-    padded_vocab_size: int
+    vocab_size: int
 
 
 class MegatronGPTKTOModel:
@@ -76,7 +76,7 @@ class MegatronGPTKTOModel:
             labels,
             position_ids,
             self.settings.forward_micro_batch_size,
-            self.settings.padded_vocab_size,
+            self.settings.vocab_size,
         )
 
     def forward_logprobs(
@@ -89,7 +89,7 @@ class MegatronGPTKTOModel:
         positions = torch.cat([batch["position_ids"], batch["position_ids"]])
         mbs = micro_batch_size or self.settings.forward_micro_batch_size
         stats = forward_sequence_stats(
-            chunks, tokens, labels, positions, mbs, self.settings.padded_vocab_size
+            chunks, tokens, labels, positions, mbs, self.settings.vocab_size
         )
         return stats[:, LOGP_SUM]
 
@@ -122,7 +122,7 @@ class MegatronGPTKTOModel:
 
     def _loss_fn(self, batch: Batch, output: torch.Tensor, z0: torch.Tensor):
         s = self.settings
-        stats = sequence_stats(output, batch["labels"], s.padded_vocab_size)
+        stats = sequence_stats(output, batch["labels"], s.vocab_size)
         policy_logps, num_tokens = stats[:, LOGP_SUM], stats[:, NUM_TOKENS]
         out = kto_total_loss(
             policy_logps,

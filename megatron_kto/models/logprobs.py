@@ -14,21 +14,42 @@ from megatron.core import parallel_state, tensor_parallel
 IGNORE_INDEX = -100
 
 
-def token_logprobs(vocab_parallel_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def real_columns(vocab_parallel_logits: torch.Tensor, vocab_size: int | None) -> int:
+    """How many of this TP rank's logit columns are real tokens (the rest pad the vocabulary
+    to a TP-divisible size; they are not tokens and take no part in the softmax)."""
+    width = vocab_parallel_logits.shape[-1]
+    if vocab_size is None:
+        return width
+    start = parallel_state.get_tensor_model_parallel_rank() * width
+    return max(0, min(width, vocab_size - start))
+
+
+def token_logprobs(
+    vocab_parallel_logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None
+) -> torch.Tensor:
     """log π(label_t | tokens_≤t) for every position, 0 where the label is `IGNORE_INDEX`.
 
     Args:
         vocab_parallel_logits: [B, T, V/TP] logits of this TP rank (any float dtype).
         labels: [B, T] next-token targets, `IGNORE_INDEX` for prompt and padding positions.
+        vocab_size: the real vocabulary size; padded columns beyond it are excluded from the
+            softmax, so log-probs equal those of the unpadded model (e.g. a Hugging Face one).
+            None: every column counts.
 
     Returns:
         [B, T] float32 log-probabilities (differentiable w.r.t. the logits).
     """
     mask = labels != IGNORE_INDEX
     target = torch.where(mask, labels, torch.zeros_like(labels))
-    # `.float()` returns the same tensor for fp32 logits, and megatron's function normalises its
-    # input in place; callers that still need raw logits must read them before this call.
-    neg_logp = tensor_parallel.vocab_parallel_cross_entropy(vocab_parallel_logits.float(), target)
+    logits = vocab_parallel_logits.float()
+    real = real_columns(logits, vocab_size)
+    if real < logits.shape[-1]:
+        # Out of place (the caller's logits stay intact); finite, so max-subtraction cannot NaN.
+        padded = torch.arange(logits.shape[-1], device=logits.device) >= real
+        logits = logits.masked_fill(padded, torch.finfo(logits.dtype).min)
+    # megatron's function normalises its input in place; for fp32 logits without padding that is
+    # the caller's tensor, so callers that still need raw logits must read them before this call.
+    neg_logp = tensor_parallel.vocab_parallel_cross_entropy(logits, target)
     return -neg_logp * mask
 
 
@@ -61,13 +82,14 @@ def mean_logit_sums(
     Args:
         vocab_parallel_logits: [B, T, V/TP] logits of this TP rank.
         labels: [B, T] targets with `IGNORE_INDEX`.
-        vocab_size: the full (padded) vocabulary size to average over.
+        vocab_size: the real vocabulary size to average over (padded columns are left out).
 
     Returns:
         [B] detached float32 sums; divide by the token count for a mean.
     """
     with torch.no_grad():
-        per_token = vocab_parallel_logits.float().sum(dim=-1)
+        real = real_columns(vocab_parallel_logits, vocab_size)
+        per_token = vocab_parallel_logits[..., :real].float().sum(dim=-1)
         torch.distributed.all_reduce(
             per_token, group=parallel_state.get_tensor_model_parallel_group()
         )
