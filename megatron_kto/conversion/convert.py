@@ -1,0 +1,250 @@
+"""Whole-model conversion: a Hugging Face directory -> a megatron_kto checkpoint, and back.
+
+Both directions build the TP=1, PP=1 model in this one process (CPU or GPU, from the runtime),
+stream tensors through `keymap` one at a time, and write the result to `<out>.tmp` before
+renaming it, so an interrupted conversion never leaves a directory that looks complete. The
+imported checkpoint is an ordinary model checkpoint (`checkpointing.model_io`): it restores
+under any TP/PP/DP layout through `pretrained_checkpoint.restore_from_path`. Host memory: the
+fp32 model plus one tensor (import) or one output shard (export).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_kto.checkpointing.errors import CheckpointError
+from megatron_kto.conversion.hf_config import (
+    SUPPORTED,
+    ConversionError,
+    architecture_from_hf,
+    hf_config_from_architecture,
+)
+from megatron_kto.conversion.keymap import OUTPUT, norm_names, to_hf, to_megatron
+from megatron_kto.conversion.safetensors_io import HFWeights, write_sharded
+from megatron_kto.models.architecture import GPTArchitecture
+
+logger = logging.getLogger(__name__)
+
+#: Written next to imported weights: the source config.json, reused as the base on export.
+HF_CONFIG = "hf_config.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+#: Hugging Face tensors that carry no weights of ours.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+#: Padded vocabulary rows: a multiple of 128 x 8, so the checkpoint loads under TP = 1, 2, 4, 8.
+VOCAB_MULTIPLE = 128 * 8
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConversionError(f"{path}: not found ({what})")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConversionError(f"{path}: not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path}: expected a JSON object")
+    return data
+
+
+def _prepare_out(out_dir: Path) -> Path:
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConversionError(f"{out_dir}: exists and is not empty; choose a new output directory")
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _finish(tmp: Path, out_dir: Path) -> None:
+    if out_dir.exists():
+        out_dir.rmdir()  # empty, checked by _prepare_out
+    tmp.rename(out_dir)
+
+
+def _copy_tokenizer(src: Path | None, dst: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES if src is not None else ():
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def _single_process_model(arch: GPTArchitecture):
+    from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
+    from megatron_kto.runtime import init_runtime
+
+    runtime = init_runtime(1, 1, seed=0)
+    return build_gpt_chunks(arch, ParallelLayout(), runtime.device)
+
+
+def import_hf(hf_dir: str | Path, out_dir: str | Path) -> GPTArchitecture:
+    """Convert a Hugging Face Llama/Mistral/Qwen2 directory into a megatron_kto checkpoint.
+
+    Returns:
+        The architecture written with the weights.
+
+    Raises:
+        ConversionError: unsupported or damaged input, in one line naming the file.
+    """
+    from megatron_kto.checkpointing.model_io import save_model
+    from megatron_kto.runtime import teardown
+
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    config = _read_json(hf_dir / "config.json", "a Hugging Face model directory needs config.json")
+    arch = architecture_from_hf(config, str(hf_dir / "config.json"))
+    if config.get("sliding_window") and config.get("use_sliding_window", True):
+        if config["sliding_window"] < arch.encoder_seq_length:
+            logger.warning(
+                "%s: sliding_window=%s is not applied (full causal attention); results match "
+                "for sequences up to %s tokens",
+                hf_dir,
+                config["sliding_window"],
+                config["sliding_window"],
+            )
+    weights = HFWeights(hf_dir)
+    arch.padded_vocab_size = -(-arch.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    tmp = _prepare_out(out_dir)
+    try:
+        chunks = _single_process_model(arch)
+        params = dict(chunks[0].named_parameters())
+        used: set[str] = set()
+
+        def get(name: str) -> torch.Tensor:
+            if name not in weights.names():
+                raise ConversionError(f"{hf_dir}: tensor {name} is missing from the weights")
+            used.add(name)
+            return weights.get(name)
+
+        filled = set()
+        with torch.no_grad():
+            for name, tensor in to_megatron(get, arch, arch.padded_vocab_size, norm_names(params)):
+                param = params[name]
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ConversionError(
+                        f"{hf_dir}: {name}: converted shape {tuple(tensor.shape)} does not match "
+                        f"the model's {tuple(param.shape)} (config.json and weights disagree)"
+                    )
+                param.copy_(tensor)
+                filled.add(name)
+        missing = sorted(set(params) - filled)
+        if missing:
+            raise ConversionError(f"{hf_dir}: no source for megatron parameters {missing[:4]}")
+        unused = sorted(
+            n
+            for n in weights.names() - used
+            if not n.endswith(_IGNORED_SUFFIXES)
+            and not (n == OUTPUT[1] and arch.share_embeddings_and_output_weights)
+        )
+        if unused:
+            raise ConversionError(f"{hf_dir}: tensors this converter does not map: {unused[:4]}")
+        save_model(tmp, chunks, arch)
+        (tmp / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        _copy_tokenizer(hf_dir, tmp)
+        _finish(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        teardown()
+    return arch
+
+
+def _source_dir(ckpt_dir: Path) -> Path | None:
+    """The imported checkpoint a model descends from (it holds hf_config.json and the tokenizer):
+    the checkpoint itself, or the `restore_from_path` of the training run that wrote it."""
+    from omegaconf import OmegaConf
+
+    from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir
+
+    if (ckpt_dir / HF_CONFIG).is_file():
+        return ckpt_dir
+    if (ckpt_dir / "config.yaml").is_file():
+        restore = OmegaConf.load(ckpt_dir / "config.yaml").get("pretrained_checkpoint", {})
+        path = restore.get("restore_from_path") if restore else None
+        if path:
+            try:
+                source = resolve_pretrained_dir(path)
+            except CheckpointError:
+                return None
+            return source if (source / HF_CONFIG).is_file() else None
+    return None
+
+
+def export_hf(
+    ckpt: str | Path,
+    out_dir: str | Path,
+    model_type: str | None = None,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> Path:
+    """Write a megatron_kto checkpoint (imported or trained; a run directory means its latest
+    checkpoint) as a Hugging Face model directory that `transformers` loads.
+
+    Args:
+        ckpt: checkpoint directory or run/checkpoints directory.
+        out_dir: new output directory.
+        model_type: llama, mistral or qwen2 (default: the source model's; else qwen2 for qkv
+            biases, llama otherwise).
+        dtype: float32, bfloat16 or float16 (default: the source model's, else float32).
+        max_shard_bytes: largest safetensors shard.
+
+    Returns:
+        The checkpoint directory that was exported.
+    """
+    from megatron_kto.checkpointing.model_io import load_model, read_architecture
+    from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir
+    from megatron_kto.runtime import teardown
+
+    ckpt_dir = resolve_pretrained_dir(ckpt)
+    arch = read_architecture(ckpt_dir)
+    source = _source_dir(ckpt_dir)
+    base = _read_json(source / HF_CONFIG, "source config") if source else None
+    model_type = (
+        model_type or (base or {}).get("model_type") or ("qwen2" if arch.add_qkv_bias else "llama")
+    )
+    if model_type not in SUPPORTED:
+        raise ConversionError(
+            f"--model-type {model_type!r} is not supported ({', '.join(SUPPORTED)})"
+        )
+    dtype = dtype or str((base or {}).get("torch_dtype") or (base or {}).get("dtype") or "float32")
+    if dtype not in _DTYPES:
+        raise ConversionError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    config = hf_config_from_architecture(arch, model_type, base, dtype)
+    out_dir = Path(out_dir)
+    tmp = _prepare_out(out_dir)
+    try:
+        chunks = _single_process_model(arch)
+        load_model(ckpt_dir, chunks)
+        state = {k: v for k, v in chunks[0].state_dict().items() if torch.is_tensor(v)}
+        if arch.share_embeddings_and_output_weights:
+            state.pop(OUTPUT[0], None)
+        write_sharded(
+            to_hf(state.__getitem__, arch, norm_names(state)), tmp, _DTYPES[dtype], max_shard_bytes
+        )
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        _copy_tokenizer(ckpt_dir if (ckpt_dir / "tokenizer_config.json").exists() else source, tmp)
+        _finish(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        teardown()
+    return ckpt_dir

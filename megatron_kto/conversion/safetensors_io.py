@@ -1,0 +1,128 @@
+"""Stream tensors out of and into Hugging Face safetensors files (single or sharded + index).
+
+Reading opens each file lazily with `safe_open` and returns one tensor at a time, so a converter
+holds at most one source tensor besides the model it fills. Writing collects tensors into shards
+of at most `max_shard_bytes` and writes `model.safetensors.index.json` when there are several.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from megatron_kto.conversion.hf_config import ConversionError
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+class HFWeights:
+    """Read-only access to the tensors of a Hugging Face model directory."""
+
+    def __init__(self, model_dir: str | Path):
+        """
+        Raises:
+            ConversionError: no safetensors weights, or an unreadable index/file.
+        """
+        self.dir = Path(model_dir)
+        index, single = self.dir / INDEX, self.dir / SINGLE
+        current = index if index.is_file() else single
+        try:
+            if index.is_file():
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self._file_of = {name: self.dir / f for name, f in weight_map.items()}
+            elif single.is_file():
+                with safe_open(single, framework="pt") as f:
+                    self._file_of = {name: single for name in f.keys()}
+            else:
+                raise ConversionError(
+                    f"{self.dir}: no {SINGLE} or {INDEX} (only safetensors weights are read)"
+                )
+        except (SafetensorError, OSError, ValueError, KeyError) as e:
+            if isinstance(e, ConversionError):
+                raise
+            raise ConversionError(f"{current}: unreadable weights: {_one_line(e)}") from e
+        self._open: dict[Path, object] = {}
+
+    def names(self) -> set[str]:
+        """All tensor names."""
+        return set(self._file_of)
+
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor, read from disk now.
+
+        Raises:
+            KeyError: no such tensor.
+            ConversionError: its file is missing or corrupt.
+        """
+        path = self._file_of[name]
+        try:
+            handle = self._open.get(path)
+            if handle is None:
+                handle = self._open[path] = safe_open(path, framework="pt")
+            return handle.get_tensor(name)  # type: ignore[attr-defined]
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ConversionError(f"{path}: cannot read tensor {name}: {_one_line(e)}") from e
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:300] or type(error).__name__
+
+
+def write_sharded(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: str | Path,
+    dtype: torch.dtype,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> list[str]:
+    """Write `tensors` (cast to `dtype`) as safetensors shards under `out_dir`; returns the files.
+
+    One shard is named `model.safetensors`; several are `model-0000k-of-0000n.safetensors` with
+    an index, as `transformers` writes them.
+    """
+    out_dir = Path(out_dir)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    tmp_names: list[str] = []
+    weight_map: dict[str, str] = {}
+    total = 0
+
+    def flush() -> None:
+        name = f"shard-{len(tmp_names):05d}.tmp"
+        save_file(shards[-1], str(out_dir / name), metadata={"format": "pt"})
+        tmp_names.append(name)
+        shards[-1] = {}
+
+    for name, tensor in tensors:
+        tensor = tensor.detach().to(dtype).contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            flush()
+            size = 0
+        shards[-1][name] = tensor
+        weight_map[name] = str(len(tmp_names))
+        size += nbytes
+        total += nbytes
+    if shards[-1] or not tmp_names:
+        flush()
+    count = len(tmp_names)
+    final = (
+        [SINGLE]
+        if count == 1
+        else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    )
+    for tmp, name in zip(tmp_names, final, strict=True):
+        os.replace(out_dir / tmp, out_dir / name)
+    if count > 1:
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {k: final[int(v)] for k, v in sorted(weight_map.items())},
+        }
+        (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return final

@@ -1,0 +1,60 @@
+"""Convert between Hugging Face model directories and megatron_kto checkpoints.
+
+    python tools/convert_checkpoint.py import --hf-dir /models/Meta-Llama-3-8B --out /ckpt/llama3_8b
+    python tools/convert_checkpoint.py export --ckpt runs/kto/checkpoints --out /models/llama3_8b_kto
+
+`import` reads config.json + safetensors (Llama/Llama-3, Mistral, Qwen2) and writes a checkpoint
+for `pretrained_checkpoint.restore_from_path` (any TP/PP/DP layout); tokenizer files are copied.
+`export` writes config.json + safetensors (+ tokenizer files) that `transformers` loads; a run
+or checkpoints directory means its latest complete checkpoint. Bad input: one `error:` line,
+exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="Hugging Face directory -> megatron_kto checkpoint")
+    imp.add_argument("--hf-dir", required=True, help="directory with config.json and safetensors")
+    imp.add_argument("--out", required=True, help="new checkpoint directory")
+    exp = sub.add_parser("export", help="megatron_kto checkpoint -> Hugging Face directory")
+    exp.add_argument("--ckpt", required=True, help="checkpoint, checkpoints/ or run directory")
+    exp.add_argument("--out", required=True, help="new Hugging Face model directory")
+    exp.add_argument("--model-type", choices=["llama", "mistral", "qwen2"], default=None)
+    exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
+    args = parser.parse_args(argv)
+
+    from megatron_kto.checkpointing.errors import CheckpointError
+    from megatron_kto.conversion import ConversionError
+    from megatron_kto.conversion.convert import export_hf, import_hf
+
+    try:
+        if args.command == "import":
+            arch = import_hf(args.hf_dir, args.out)
+            print(
+                f"imported {args.hf_dir} -> {args.out}: {arch.num_layers} layers, hidden "
+                f"{arch.hidden_size}, vocab {arch.vocab_size} (padded {arch.padded_vocab_size})"
+            )
+        else:
+            source = export_hf(
+                args.ckpt,
+                args.out,
+                model_type=args.model_type,
+                dtype=args.dtype,
+                max_shard_bytes=int(args.max_shard_gb * 1024**3),
+            )
+            print(f"exported {source} -> {args.out}")
+    except (ConversionError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
