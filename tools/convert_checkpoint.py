@@ -5,6 +5,8 @@
 
 `import` reads config.json + safetensors (Llama/Llama-3, Mistral, Qwen2) and writes a checkpoint
 for `pretrained_checkpoint.restore_from_path` (any TP/PP/DP layout); tokenizer files are copied.
+It runs in one process (no torchrun): the whole model is built once, in float32 unless
+`--dtype bfloat16`, and filled one safetensors tensor at a time.
 `export` writes config.json + safetensors (+ tokenizer files) that `transformers` loads; a run
 or checkpoints directory means its latest complete checkpoint. Bad input: one `error:` line,
 exit code 2.
@@ -14,14 +16,28 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes are bad input too: one `error:` line, exit code 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     imp = sub.add_parser("import", help="Hugging Face directory -> megatron_kto checkpoint")
     imp.add_argument("--hf-dir", required=True, help="directory with config.json and safetensors")
     imp.add_argument("--out", required=True, help="new checkpoint directory")
+    imp.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="stored weights (float32 is exact for any source; bfloat16 halves memory and disk)",
+    )
     exp = sub.add_parser("export", help="megatron_kto checkpoint -> Hugging Face directory")
     exp.add_argument("--ckpt", required=True, help="checkpoint, checkpoints/ or run directory")
     exp.add_argument("--out", required=True, help="new Hugging Face model directory")
@@ -29,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
     args = parser.parse_args(argv)
+    # Deprecation notices from torch / megatron-core internals are not the user's to act on.
+    warnings.filterwarnings("ignore", category=FutureWarning)
 
     from megatron_kto.checkpointing.errors import CheckpointError
     from megatron_kto.conversion import ConversionError
@@ -36,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "import":
-            arch = import_hf(args.hf_dir, args.out)
+            arch = import_hf(args.hf_dir, args.out, dtype=args.dtype)
             print(
                 f"imported {args.hf_dir} -> {args.out}: {arch.num_layers} layers, hidden "
                 f"{arch.hidden_size}, vocab {arch.vocab_size} (padded {arch.padded_vocab_size})"
@@ -50,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
                 max_shard_bytes=int(args.max_shard_gb * 1024**3),
             )
             print(f"exported {source} -> {args.out}")
-    except (ConversionError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ConversionError, CheckpointError, OSError) as e:
+        # OSError: unreadable input or unwritable output (permissions, a file in the way).
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     return 0
 

@@ -4,14 +4,20 @@ Both directions build the TP=1, PP=1 model in this one process (CPU or GPU, from
 stream tensors through `keymap` one at a time, and write the result to `<out>.tmp` before
 renaming it, so an interrupted conversion never leaves a directory that looks complete. The
 imported checkpoint is an ordinary model checkpoint (`checkpointing.model_io`): it restores
-under any TP/PP/DP layout through `pretrained_checkpoint.restore_from_path`. Host memory: the
-fp32 model plus one tensor (import) or one output shard (export).
+under any TP/PP/DP layout through `pretrained_checkpoint.restore_from_path`.
+
+Memory: the model (fp32, or bf16 for a bf16 import/export) plus one source tensor (import) or
+one output shard (export); Hugging Face files are read one tensor at a time through `safe_open`.
+While an import saves, megatron-core's torch_dist writer also clones every tensor that its
+sharded state dict views (the SwiGLU fc1 gate/up halves): measured on a 237M-parameter Llama
+(fp32 model 0.95 GB), peak RSS 2.1 GB of which 0.4 GB is the process baseline.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -87,16 +93,26 @@ def _copy_tokenizer(src: Path | None, dst: Path) -> list[str]:
     return copied
 
 
-def _single_process_model(arch: GPTArchitecture):
-    from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
+def _single_process_model(arch: GPTArchitecture, dtype: str = "float32") -> torch.nn.Module:
+    """The whole model (TP=1, PP=1) in this process, unwrapped; parameters in `dtype`."""
+    from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks, unwrap
     from megatron_kto.runtime import init_runtime
 
     runtime = init_runtime(1, 1, seed=0)
-    return build_gpt_chunks(arch, ParallelLayout(), runtime.device)
+    layout = ParallelLayout(precision="bf16" if dtype == "bfloat16" else "32")
+    (chunk,) = build_gpt_chunks(arch, layout, runtime.device)
+    return unwrap(chunk)
 
 
-def import_hf(hf_dir: str | Path, out_dir: str | Path) -> GPTArchitecture:
+def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -> GPTArchitecture:
     """Convert a Hugging Face Llama/Mistral/Qwen2 directory into a megatron_kto checkpoint.
+
+    Args:
+        hf_dir: directory with config.json and safetensors weights (single file or index).
+        out_dir: new checkpoint directory (absent or empty).
+        dtype: stored weights, "float32" (default; exact for fp32/bf16/fp16 sources) or
+            "bfloat16" (half the host memory and disk). Either restores into an fp32 or a bf16
+            model: dist_checkpointing casts on load.
 
     Returns:
         The architecture written with the weights.
@@ -104,9 +120,11 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> GPTArchitecture:
     Raises:
         ConversionError: unsupported or damaged input, in one line naming the file.
     """
-    from megatron_kto.checkpointing.model_io import save_model
-    from megatron_kto.runtime import teardown
-
+    if dtype not in ("float32", "bfloat16"):
+        raise ConversionError(f"import dtype {dtype!r} is not one of ['bfloat16', 'float32']")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Every rank would build the whole model and race on the output directory.
+        raise ConversionError("the converter runs as one process: start it without torchrun")
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     config = _read_json(hf_dir / "config.json", "a Hugging Face model directory needs config.json")
     arch = architecture_from_hf(config, str(hf_dir / "config.json"))
@@ -122,13 +140,17 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> GPTArchitecture:
     weights = HFWeights(hf_dir)
     arch.padded_vocab_size = -(-arch.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     tmp = _prepare_out(out_dir)
+    # Input is validated above; megatron-core is imported only now, so bad input fails fast.
+    from megatron_kto.checkpointing.model_io import save_model
+    from megatron_kto.runtime import teardown
+
     try:
-        chunks = _single_process_model(arch)
-        params = dict(chunks[0].named_parameters())
+        model = _single_process_model(arch, dtype)
+        params = dict(model.named_parameters())
         used: set[str] = set()
 
         def get(name: str) -> torch.Tensor:
-            if name not in weights.names():
+            if name not in weights:
                 raise ConversionError(f"{hf_dir}: tensor {name} is missing from the weights")
             used.add(name)
             return weights.get(name)
@@ -155,7 +177,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> GPTArchitecture:
         )
         if unused:
             raise ConversionError(f"{hf_dir}: tensors this converter does not map: {unused[:4]}")
-        save_model(tmp, chunks, arch)
+        save_model(tmp, [model], arch)
         (tmp / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         _copy_tokenizer(hf_dir, tmp)
         _finish(tmp, out_dir)
@@ -199,7 +221,7 @@ def export_hf(
     checkpoint) as a Hugging Face model directory that `transformers` loads.
 
     Args:
-        ckpt: checkpoint directory or run/checkpoints directory.
+        ckpt: checkpoint directory, a run or checkpoints directory, or its `latest` marker.
         out_dir: new output directory.
         model_type: llama, mistral or qwen2 (default: the source model's; else qwen2 for qkv
             biases, llama otherwise).
@@ -209,10 +231,14 @@ def export_hf(
     Returns:
         The checkpoint directory that was exported.
     """
+    from megatron_kto.checkpointing import files
     from megatron_kto.checkpointing.model_io import load_model, read_architecture
     from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir
     from megatron_kto.runtime import teardown
 
+    ckpt = Path(ckpt)
+    if ckpt.is_file() and ckpt.name == files.LATEST:  # the marker names the checkpoint to take
+        ckpt = ckpt.parent
     ckpt_dir = resolve_pretrained_dir(ckpt)
     arch = read_architecture(ckpt_dir)
     source = _source_dir(ckpt_dir)
@@ -231,9 +257,11 @@ def export_hf(
     out_dir = Path(out_dir)
     tmp = _prepare_out(out_dir)
     try:
-        chunks = _single_process_model(arch)
-        load_model(ckpt_dir, chunks)
-        state = {k: v for k, v in chunks[0].state_dict().items() if torch.is_tensor(v)}
+        # A bf16 export loads straight into a bf16 model (half the host memory); the cast on
+        # load rounds exactly as `Tensor.to(torch.bfloat16)` would.
+        model = _single_process_model(arch, "bfloat16" if dtype == "bfloat16" else "float32")
+        load_model(ckpt_dir, [model])
+        state = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
         if arch.share_embeddings_and_output_weights:
             state.pop(OUTPUT[0], None)
         write_sharded(

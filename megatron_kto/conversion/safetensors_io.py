@@ -1,8 +1,8 @@
 """Stream tensors out of and into Hugging Face safetensors files (single or sharded + index).
 
-Reading opens each file lazily with `safe_open` and returns one tensor at a time, so a converter
-holds at most one source tensor besides the model it fills. Writing collects tensors into shards
-of at most `max_shard_bytes` and writes `model.safetensors.index.json` when there are several.
+Reading returns one tensor at a time through `safe_open`, so a converter holds at most one
+source tensor besides the model it fills. Writing collects tensors into shards of at most
+`max_shard_bytes` and writes `model.safetensors.index.json` when there are several.
 """
 
 from __future__ import annotations
@@ -48,11 +48,13 @@ class HFWeights:
             if isinstance(e, ConversionError):
                 raise
             raise ConversionError(f"{current}: unreadable weights: {_one_line(e)}") from e
-        self._open: dict[Path, object] = {}
 
     def names(self) -> set[str]:
         """All tensor names."""
         return set(self._file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
 
     def get(self, name: str) -> torch.Tensor:
         """One tensor, read from disk now.
@@ -62,11 +64,12 @@ class HFWeights:
             ConversionError: its file is missing or corrupt.
         """
         path = self._file_of[name]
+        # A file is opened per tensor: `safe_open` memory-maps it, and the pages read stay in
+        # this process's resident memory while the map lives — the whole source model by the end
+        # of an import if handles were kept. Re-reading the header each time costs microseconds.
         try:
-            handle = self._open.get(path)
-            if handle is None:
-                handle = self._open[path] = safe_open(path, framework="pt")
-            return handle.get_tensor(name)  # type: ignore[attr-defined]
+            with safe_open(path, framework="pt") as handle:
+                return handle.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as e:
             raise ConversionError(f"{path}: cannot read tensor {name}: {_one_line(e)}") from e
 
@@ -100,7 +103,7 @@ def write_sharded(
         shards[-1] = {}
 
     for name, tensor in tensors:
-        tensor = tensor.detach().to(dtype).contiguous()
+        tensor = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
             flush()

@@ -1,0 +1,320 @@
+"""Hugging Face <-> megatron_kto conversion, checked against `transformers` itself.
+
+Tiny random `transformers` models — Llama with GQA and Llama-3 RoPE scaling, Mistral (one KV
+head), Qwen2 with qkv biases and tied embeddings; vocabulary 100, so the megatron embedding is
+padded — are saved with `save_pretrained`, imported and exported. Shown here:
+
+* the converted model's full logits (TP=1; TP=2 gathered; PP=2 from the last stage) and its
+  per-token log-probs through megatron-core's schedule equal `transformers`' to 1e-4;
+* HF -> megatron -> HF is bit-exact, also through a sharded (index) export, and the export loads
+  in `transformers` with identical logits; tokenizer files travel both ways;
+* bf16 import and export store exactly the bf16-rounded weights;
+* the CLI turns bad input into one `error:` line and exit code 2.
+
+Process spawns are grouped: one single-process conversion worker and one 2-rank worker that
+runs both TP=2 and PP=2.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from multirank import run_multirank
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL = REPO / "tools" / "convert_checkpoint.py"
+VOCAB, SEQ, BATCH = 100, 24, 4
+TOLERANCE = 1e-4
+MODELS = ("llama3", "mistral", "qwen2")
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
+#: Mistral is exported in shards of at most this many bytes: an index and several files.
+SHARD_BYTES = 100_000
+
+
+def _hf_configs() -> dict[str, object]:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+    )
+    return {
+        "llama3": LlamaConfig(
+            num_key_value_heads=2,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            # above the scaling's original_max_position_embeddings, as in real Llama-3.1 configs
+            **{**common, "max_position_embeddings": 16384},
+        ),
+        "mistral": MistralConfig(num_key_value_heads=1, sliding_window=None, **common),
+        "qwen2": Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common),
+    }
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens, position_ids, labels (next token; -100 on the last position)."""
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    positions = torch.arange(SEQ).expand(BATCH, SEQ).clone()
+    labels = torch.cat([tokens[:, 1:], torch.full((BATCH, 1), -100)], dim=1)
+    return tokens, positions, labels
+
+
+def _hf_logits(model_dir: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(_batch()[0]).logits.float()
+
+
+def _reference_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """log π(token_{t+1}) at every position t < T-1, from unpadded logits."""
+    tokens = _batch()[0]
+    logp = torch.log_softmax(logits[:, :-1].double(), dim=-1)
+    return logp.gather(-1, tokens[:, 1:, None])[..., 0].float()
+
+
+def _forward(arch, chunks) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(full logits [B, T, padded V], log-probs [B, T-1]) of this layout through megatron-core's
+    schedule, two micro-batches; None off the last pipeline stage."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megatron_kto.models.forward import eval_mode, gpt_forward_step
+    from megatron_kto.models.logprobs import token_logprobs
+    from megatron_kto.models.schedule import run_schedule
+
+    tokens, positions, labels = _batch()
+    micro = [
+        {
+            "tokens": tokens[i : i + 2],
+            "labels": labels[i : i + 2],
+            "position_ids": positions[i : i + 2],
+        }
+        for i in range(0, BATCH, 2)
+    ]
+
+    def outputs(batch, logits):
+        full = gather_from_tensor_model_parallel_region(logits).clone()
+        return full, token_logprobs(logits, batch["labels"], arch.vocab_size)[:, :-1]
+
+    with torch.no_grad(), eval_mode(chunks):
+        results = run_schedule(
+            chunks, micro, gpt_forward_step(outputs), forward_only=True, collect_non_loss_data=True
+        )
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
+
+
+def _convert_worker(rank: int, world_size: int, root: str) -> dict:
+    """Import every model, run it at TP=1, export it again (plus the dtype/sharding variants)."""
+    from megatron_kto.checkpointing.model_io import read_architecture
+    from megatron_kto.checkpointing.pretrained import restore_pretrained
+    from megatron_kto.conversion.convert import export_hf, import_hf
+    from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
+    from megatron_kto.runtime import init_runtime, teardown
+
+    out = {}
+    for name in MODELS:
+        base = Path(root) / name
+        import_hf(base / "hf", base / "mcore")
+        arch = read_architecture(base / "mcore")
+        rt = init_runtime(1, 1, seed=9)  # a different init: only the checkpoint can match
+        chunks = build_gpt_chunks(arch, ParallelLayout(), rt.device)
+        restore_pretrained(base / "mcore", chunks)
+        out[name] = _forward(arch, chunks)
+        teardown()
+        shard = SHARD_BYTES if name == "mistral" else 5 * 1024**3
+        export_hf(base / "mcore", base / "export", max_shard_bytes=shard)
+    qwen = Path(root) / "qwen2"
+    import_hf(qwen / "hf", qwen / "mcore_bf16", dtype="bfloat16")
+    export_hf(qwen / "mcore_bf16", qwen / "export_from_bf16", dtype="float32")
+    export_hf(qwen / "mcore", qwen / "export_bf16", dtype="bfloat16")
+    return out
+
+
+def _layout_worker(rank: int, world_size: int, root: str) -> dict:
+    """Every converted model restored under TP=2, then under PP=2 (same two processes)."""
+    from megatron_kto.checkpointing.model_io import read_architecture
+    from megatron_kto.checkpointing.pretrained import restore_pretrained
+    from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
+    from megatron_kto.runtime import init_runtime, teardown
+
+    out = {}
+    for layout, (tp, pp) in LAYOUTS.items():
+        # Re-initialising only megatron's groups (init_runtime keeps the default process group):
+        # a teardown + init_process_group on the same MASTER_PORT can meet the old store and hang.
+        rt = init_runtime(tp, pp, seed=9)
+        for name in MODELS:
+            ckpt = Path(root) / name / "mcore"
+            arch = read_architecture(ckpt)
+            parallel = ParallelLayout(
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+            )
+            chunks = build_gpt_chunks(arch, parallel, rt.device)
+            restore_pretrained(ckpt, chunks)
+            out[layout, name] = _forward(arch, chunks)
+    teardown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("conversion")
+    reference = {}
+    for name, config in _hf_configs().items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # norms away from 1 and non-zero biases: every tensor matters
+            for pname, p in model.named_parameters():
+                if "norm" in pname or pname.endswith("bias"):
+                    p.add_(0.1 * torch.randn_like(p))
+        model.save_pretrained(root / name / "hf")
+        (root / name / "hf" / "tokenizer_config.json").write_text(json.dumps({"name": name}))
+        reference[name] = _hf_logits(root / name / "hf")
+    tp1 = run_multirank(_convert_worker, 1, str(root), timeout=300)[0]
+    layouts = run_multirank(_layout_worker, 2, str(root), timeout=300)
+    results = {("tp1", name): tp1[name] for name in MODELS}
+    for rank_out in layouts:
+        for key, value in rank_out.items():
+            if value is not None:  # one last-stage rank's result suffices (TP ranks agree)
+                results.setdefault(key, value)
+    return root, reference, results
+
+
+@pytest.mark.parametrize("layout", ["tp1", *LAYOUTS])
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_and_logprobs_equal_transformers(converted, layout, name):
+    _, reference, results = converted
+    logits, logprobs = results[layout, name]
+    assert logits.shape == (BATCH, SEQ, 1024)  # padded to 128 x 8 rows by the import
+    logit_diff = (logits[..., :VOCAB] - reference[name]).abs().max().item()
+    logp_diff = (logprobs - _reference_logprobs(reference[name])).abs().max().item()
+    print(f"{name} {layout}: max|Δ logits| {logit_diff:.2e}, max|Δ logp| {logp_diff:.2e}")
+    assert logit_diff <= TOLERANCE and logp_diff <= TOLERANCE
+    assert not logits[..., VOCAB:].any()  # padded rows were zero
+
+
+def _safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    from megatron_kto.conversion.safetensors_io import HFWeights
+
+    weights = HFWeights(model_dir)
+    return {name: weights.get(name) for name in weights.names()}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_round_trip_is_bit_exact_and_loads_in_transformers(converted, name):
+    root, reference, _ = converted
+    original = _safetensors(root / name / "hf")
+    exported = _safetensors(root / name / "export")
+    assert exported.keys() == original.keys()
+    for key, tensor in original.items():
+        assert torch.equal(exported[key], tensor), key
+    if name == "mistral":
+        assert (root / name / "export" / "model.safetensors.index.json").is_file()
+        assert len(list((root / name / "export").glob("model-*.safetensors"))) > 1
+    config = json.loads((root / name / "export" / "config.json").read_text())
+    assert config["model_type"] == _hf_configs()[name].model_type
+    tokenizer = json.loads((root / name / "export" / "tokenizer_config.json").read_text())
+    assert tokenizer == {"name": name}  # copied in by the import, out by the export
+    assert torch.equal(_hf_logits(root / name / "export"), reference[name])
+
+
+def test_bf16_import_and_export_store_rounded_weights(converted):
+    root = converted[0] / "qwen2"
+    original = _safetensors(root / "hf")
+    from_bf16 = _safetensors(root / "export_from_bf16")
+    to_bf16 = _safetensors(root / "export_bf16")
+    assert json.loads((root / "export_bf16" / "config.json").read_text())["torch_dtype"] == (
+        "bfloat16"
+    )
+    for key, tensor in original.items():
+        rounded = tensor.to(torch.bfloat16)
+        assert from_bf16[key].dtype == torch.float32 and to_bf16[key].dtype == torch.bfloat16
+        assert torch.equal(from_bf16[key], rounded.float()), key
+        assert torch.equal(to_bf16[key], rounded), key
+
+
+# ---------------------------------------------------------------------------------------- CLI
+
+
+def _cli_main():
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_cli_bad_input_is_one_error_line(converted, tmp_path, capsys):
+    root = converted[0]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text((root / "llama3" / "hf" / "config.json").read_text())
+    data = (root / "llama3" / "hf" / "model.safetensors").read_bytes()
+    (corrupt / "model.safetensors").write_bytes(data[: len(data) // 2])
+    cases = {
+        ("import", "--hf-dir", str(empty)): "config.json: not found",
+        ("import", "--hf-dir", str(gpt2)): "model_type 'gpt2' is not supported",
+        ("import", "--hf-dir", str(corrupt)): "model.safetensors",
+        ("import", "--hf-dir", str(root / "qwen2" / "hf")): "not empty",
+        ("export", "--ckpt", str(empty)): "no usable checkpoint",
+    }
+    main = _cli_main()  # in-process: the cases fail before megatron-core is needed
+    for i, (args, expected) in enumerate(cases.items()):
+        out = tmp_path / f"out{i}"
+        if "not empty" in expected:
+            out.mkdir()
+            (out / "keep.txt").write_text("x")
+        assert main([*args, "--out", str(out)]) == 2, args
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and expected in lines[0], lines
+        assert not (tmp_path / f"out{i}.tmp").exists()  # nothing half-written is left behind
+        assert not out.exists() or list(out.iterdir()) == [out / "keep.txt"]
+
+    # One real process: the exit status, and no traceback on stderr.
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(TOOL),
+            "import",
+            "--hf-dir",
+            str(corrupt),
+            "--out",
+            str(tmp_path / "x"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "model.safetensors" in lines[0]
+    assert not (tmp_path / "x").exists()
