@@ -1,13 +1,16 @@
 #!/usr/bin/env python
 """Benchmark the KTO data pipeline: first build (tokenisation) and cache-hit start-up.
 
-    python tools/bench_data.py [--rows 200000] [--tokenizer-library sentencepiece]
+    python tools/bench_data.py [--rows 200000] [--max-length 64]
+        [--tokenizer-library sentencepiece]
         [--tokenizer-model examples/data/tokenizer/tiny_sp.model]
 
 Writes a synthetic JSONL of ``--rows`` rows into a temporary directory, then reports
 (1) the first build: read + validate + tokenise + write the cache, in examples/s;
 (2) a cache hit in this process; (3) a cache hit in a fresh Python process, including imports
-(what a restarted training job pays); (4) random access and collate speed.
+(what a restarted training job pays); (4) random access and collate speed, with KL partners
+given per row as the training loader gives them (``data.kl_pairs.BatchKLPartners``).
+Timings on a shared machine are noisy.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ sys.path.insert(0, str(REPO))
 from megatron_kto.data import synthetic  # noqa: E402
 from megatron_kto.data.collate import kto_custom_collate  # noqa: E402
 from megatron_kto.data.dataset import build_kto_dataset  # noqa: E402
+from megatron_kto.data.kl_pairs import BatchKLPartners  # noqa: E402
 from megatron_kto.data.tokenizers import load_tokenizer  # noqa: E402
 
-MAX_LENGTH = 64
+COLLATE_BATCH = 64
 _CHILD = """
 import sys, time
 start = time.perf_counter()
@@ -50,11 +54,24 @@ def _timed(fn):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=200_000)
-    parser.add_argument("--tokenizer-library", default="sentencepiece")
+    parser.add_argument(
+        "--rows", type=int, default=200_000, help="synthetic rows to generate (default 200000)"
+    )
+    parser.add_argument(
+        "--max-length", type=int, default=64, help="prompt + completion tokens (default 64)"
+    )
+    parser.add_argument(
+        "--tokenizer-library", default="sentencepiece", help="'sentencepiece' or 'huggingface'"
+    )
     default_model = REPO / "examples" / "data" / "tokenizer" / "tiny_sp.model"
-    parser.add_argument("--tokenizer-model", default=str(default_model))
+    parser.add_argument(
+        "--tokenizer-model",
+        default=str(default_model),
+        help="SentencePiece .model or tokenizer.json (default: the bundled tiny model)",
+    )
     args = parser.parse_args(argv)
+    if args.rows < 2 * COLLATE_BATCH:
+        parser.error(f"--rows must be at least {2 * COLLATE_BATCH}")
 
     tok = load_tokenizer(args.tokenizer_library, args.tokenizer_model)
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,17 +80,17 @@ def main(argv: list[str] | None = None) -> int:
         size_mb = data.stat().st_size / 2**20
         print(f"generated {args.rows} rows ({size_mb:.1f} MiB) in {seconds:.2f} s")
 
-        (dataset, stats), first = _timed(lambda: build_kto_dataset(data, tok, MAX_LENGTH))
+        (dataset, stats), first = _timed(lambda: build_kto_dataset(data, tok, args.max_length))
         print(
             f"first build (read + validate + tokenise + write cache): {first:.2f} s, "
             f"{stats.examples / first:,.0f} examples/s"
         )
-        _, hit = _timed(lambda: build_kto_dataset(data, tok, MAX_LENGTH))
+        _, hit = _timed(lambda: build_kto_dataset(data, tok, args.max_length))
         print(f"cache hit, same process: {hit:.3f} s")
 
         child = _CHILD.format(
             repo=str(REPO), library=args.tokenizer_library, model=args.tokenizer_model,
-            data=str(data), max_length=MAX_LENGTH,
+            data=str(data), max_length=args.max_length,
         )  # fmt: skip
         out, wall = _timed(
             lambda: subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
@@ -90,10 +107,20 @@ def main(argv: list[str] | None = None) -> int:
         indices = list(range(0, len(dataset), max(1, len(dataset) // 20_000)))
         _, access = _timed(lambda: [dataset[i] for i in indices])
         print(f"random access: {len(indices) / access:,.0f} items/s")
-        collate = functools.partial(kto_custom_collate, pad_id=tok.pad_id)
-        batches = [[dataset[i] for i in range(b, b + 64)] for b in range(0, 64 * 100, 64)]
-        _, collated = _timed(lambda: [collate(b) for b in batches])
-        print(f"kto_custom_collate, batch 64: {len(batches) / collated:,.0f} batches/s")
+        # Items as the training loader fetches them: each with its KL partner, the next row of
+        # the batch (collating them includes fetching them, as in the DataLoader).
+        collate = functools.partial(
+            kto_custom_collate, pad_id=tok.pad_id, max_length=args.max_length
+        )
+        items = BatchKLPartners(dataset)
+        n = COLLATE_BATCH
+        starts = range(0, min(len(dataset) // n, 100) * n, n)  # up to 100 batches
+        keys = [[(b + i, b + (i + 1) % n) for i in range(n)] for b in starts]
+        _, collated = _timed(lambda: [collate([items[k] for k in batch]) for batch in keys])
+        print(
+            f"fetch + kto_custom_collate, batch {n}: {len(keys) / collated:,.0f} batches/s "
+            f"({len(keys) * n / collated:,.0f} examples/s)"
+        )
     return 0
 
 

@@ -1,225 +1,605 @@
-"""Benchmark KTO training: samples/s, tokens/s, MFU and peak memory; TRL side by side on CPU.
+#!/usr/bin/env python
+"""Benchmark KTO training steps: samples/s, tokens/s, MFU and peak memory, side by side with TRL.
 
-    python tools/bench_kto.py [--warmup 5] [--steps 20] [--trl] [--json OUT] [hydra overrides...]
-    torchrun --nproc_per_node N tools/bench_kto.py model.tensor_model_parallel_size=2 ...
+    python tools/bench_kto.py [--warmup 5] [--steps 20] [--repeat 1] [--threads N]
+        [--trl | --no-trl] [--json OUT] [hydra overrides ...]
 
-Our side runs the real training path (`run_alignment`, conf/gpt_kto.yaml + overrides) for
-warm-up + timed steps and summarises the per-step figures it logs to metrics.jsonl (median and
-mean over the timed steps). With `--trl` (one process) it then trains TRL's `KTOTrainer` on the
-same Llama shape, data, β, learning rate, global batch and max_length, timing its steps with a
-callback, and prints the ratio. The work differs by design: TRL runs the KL rows through
-autograd with the samples (fwd+bwd over 2B rows), ours computes them forward-only (fwd over B
-rows, fwd+bwd over B) — that is the point of the comparison. TRL's tokenizer is a whitespace
-word-level one over the same words (the bundled data's words are single tokens of our
-SentencePiece model), so sequence lengths match.
+Our side is the real training path: ``conf/gpt_kto.yaml`` (or ``--config-name``) composed with
+Hydra plus the overrides given, run by ``megatron_kto.run.run_alignment`` for ``warmup + steps``
+optimizer steps; the per-step figures the trainer writes to ``metrics.jsonl`` (``step_time``,
+``samples_per_sec``, ``tokens_per_sec``, ``mfu``, ``peak_memory_gb``) are summarised (median and
+mean) over the timed steps. The bench adds a few overrides before yours (yours win): a temporary
+log directory, no checkpoints, no TensorBoard, no validation, and ``model.data.shuffle=false``
+so that both sides see the same examples in the same batches. ``trainer.kto.max_steps`` and
+``trainer.log_every_n_steps`` are always set by the bench.
+
+The TRL side (``--trl``; by default whenever ``trl`` is importable and the bench runs as one
+process) trains ``trl.KTOTrainer`` on a ``transformers`` ``LlamaForCausalLM`` of the same shape
+(layers, hidden, heads, query groups, ffn, padded vocab, RoPE base, norm epsilon; randomly
+initialised; fp32 unless ``trainer.precision=bf16``) on the same rows of the same training files,
+tokenised by the same tokenizer (a SentencePiece model is wrapped as a ``LlamaTokenizer``, offline),
+with the same β, λ_D/λ_U, learning rate and schedule, Adam settings, gradient clip, batch size
+(``per_device_train_batch_size`` = global batch size) and ``max_length``, for the same number of
+steps. A ``TrainerCallback`` times each step from the end of the previous one, so data loading and
+collation are inside the step as they are on our side (``megatron_kto.logging.trl_baseline``).
+
+Both sides count work the same way: tokens are the unpadded input positions of the sample rows
+plus the KL rows (sequence length − 1 per row: the last token has no target), and MFU counts
+reference forward (samples + KL) + policy forward (KL) + policy forward+backward (samples) against
+one peak FLOP/s measured once (``megatron_kto.logging.throughput``). Note: TRL 1.x, like us,
+computes the policy log-probs of the KL rows under ``torch.no_grad`` (``KTOTrainer._compute_kl_logps``),
+so the pass structure is the same; the ratio measures the implementations (megatron-core model and
+schedule vs. HF model + ``Trainer``/``accelerate``), not a difference in algorithmic work. What
+differs is reported with the table.
+
+Each side runs in its own Python process so that peak memory (max RSS on CPU, peak allocated
+memory on CUDA) and thread pools are its own. On CPU the peak includes the libraries each side
+imports. On a shared machine the figures are noisy: pin ``--threads``, use ``--repeat`` (the
+sides alternate, and every run uses the first run's peak FLOP/s) and compare medians.
+
+Several ranks (our side only; rank 0 prints, and its peak memory is rank 0's):
+
+    torchrun --nproc_per_node 2 tools/bench_kto.py --steps 20 model.global_batch_size=16
 """
 
 from __future__ import annotations
 
+# Only the standard library at module level: the parent process launches the two workers, and
+# a child's max-RSS counter starts from its parent's (Linux keeps it across fork/exec), so the
+# parent must stay small for the workers' peak-memory figures to be their own. That is also why
+# the report code lives here rather than in megatron_kto.logging (whose __init__ imports torch);
+# the TRL side, which runs in a worker, is megatron_kto.logging.trl_baseline.
 import argparse
-import copy
 import json
+import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-FIGURES = ("samples_per_sec", "tokens_per_sec", "mfu", "peak_memory_gb", "step_time")
+CONF_DIR = REPO / "conf"
+
+#: Overrides the bench puts before the user's: outputs that cost time but are not measured.
+BENCH_DEFAULTS = [
+    "exp_manager.create_checkpoint_callback=false",
+    "exp_manager.create_tensorboard_logger=false",
+    "exp_manager.resume_if_exists=false",
+    "trainer.kto.limit_val_batches=0",
+    "trainer.kto.save_interval=0",
+    "model.data.shuffle=false",
+]
+_FIGURES = ("step_time", "samples_per_sec", "tokens_per_sec", "mfu", "cpu_time")
 
 
-def _compose(overrides: list[str]):
+# --- shared helpers ----------------------------------------------------------------------------
+def summarize(values: list[float]) -> dict[str, float]:
+    """Median and mean of per-step values (empty input gives NaNs)."""
+    if not values:
+        return {"median": float("nan"), "mean": float("nan")}
+    return {"median": statistics.median(values), "mean": statistics.fmean(values)}
+
+
+def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One side's summary over one or more runs: their timed steps pooled, the highest peak.
+
+    Each run is ``{"steps": [per-step figures], "peak_memory_gb": ..., <metadata>}``; the
+    metadata of the first run is kept.
+    """
+    steps = [step for run in runs for step in run["steps"]]
+    figures = {k: summarize([s[k] for s in steps if s.get(k) is not None]) for k in _FIGURES}
+    return {
+        **{k: v for k, v in runs[0].items() if k != "steps"},
+        "timed_steps": len(steps),
+        **figures,
+        "tokens_per_step": summarize([s["tokens"] for s in steps]),
+        "peak_memory_gb": max(run["peak_memory_gb"] for run in runs),
+        "run_medians": [summarize([s["samples_per_sec"] for s in r["steps"]]) for r in runs],
+        "runs": runs,
+    }
+
+
+def model_flops_per_token(arch: dict[str, Any], seq_len: int, padded_vocab: int) -> float:
+    """Forward FLOPs per token, counted as our trainer counts them for its MFU (`run.py`)."""
+    from megatron_kto.logging.throughput import gpt_flops_per_token
+
+    heads = arch["num_attention_heads"]
+    return float(
+        gpt_flops_per_token(
+            num_layers=arch["num_layers"],
+            hidden=arch["hidden_size"],
+            ffn_hidden=arch["ffn_hidden_size"],
+            num_heads=heads,
+            num_query_groups=arch["num_query_groups"] or heads,
+            kv_channels=arch["kv_channels"] or arch["hidden_size"] // heads,
+            vocab=padded_vocab,
+            seq_len=seq_len,
+            swiglu=arch["activation"] == "swiglu",
+        )
+    )
+
+
+def _set_threads(threads: int | None) -> int:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+# --- our side ----------------------------------------------------------------------------------
+def _compose(config_name: str, overrides: list[str]) -> Any:
     from hydra import compose, initialize_config_dir
 
     from megatron_kto.config.schema import register
 
     register()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="gpt_kto", overrides=overrides)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides)
 
 
-def _summary(rows: list[dict], keys=FIGURES) -> dict[str, dict[str, float]]:
-    out = {}
-    for key in keys:
-        values = [r[key] for r in rows if key in r]
-        if values:
-            out[key] = {"median": statistics.median(values), "mean": statistics.fmean(values)}
-    return out
+def _resolved_architecture(cfg: Any, vocab_size: int):
+    """The model shape a run of `cfg` builds (the pretrained checkpoint's, if one is given)."""
+    from megatron_kto.checkpointing.model_io import read_architecture
+    from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir
+    from megatron_kto.config.schema import architecture_of
+
+    path = cfg.pretrained_checkpoint.restore_from_path
+    arch = read_architecture(resolve_pretrained_dir(path)) if path else architecture_of(cfg.model)
+    if arch.vocab_size is None:
+        arch.vocab_size = vocab_size
+    return arch
 
 
-def bench_ours(overrides: list[str], warmup: int, steps: int) -> dict:
-    """Train warm-up + timed steps with the real CLI path; summarise the timed steps."""
-    import os
-
-    from megatron_kto.run import run_alignment
-
-    log_dir = Path(tempfile.mkdtemp(prefix="bench_kto_"))
-    cfg = _compose(
-        [
-            f"exp_manager.explicit_log_dir={log_dir}",
-            f"trainer.kto.max_steps={warmup + steps}",
-            "trainer.kto.val_check_interval=100000",
-            "trainer.kto.save_interval=0",
-            "exp_manager.create_checkpoint_callback=false",
-            "exp_manager.create_tensorboard_logger=false",
-            "exp_manager.resume_if_exists=false",
-            "model.data.data_prefix.validation=[]",
-            *overrides,
-        ]
-    )
-    run_alignment(cfg, "kto")
-    if int(os.environ.get("RANK", "0")) != 0:
-        return {}
-    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in rows if r["split"] == "train" and r["step"] > warmup]
-    return {"config": cfg, "steps": len(timed), **_summary(timed)}
-
-
-def _word_tokenizer(files: list[Path]):
-    """A word-level fast tokenizer over the data's words (TRL needs a transformers tokenizer)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = set()
-    for path in files:
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            words.update((row["prompt"] + " " + row["completion"]).split())
-    vocab = {"<pad>": 0, "<unk>": 1, "<s>": 2, "</s>": 3}
-    for word in sorted(words):
-        vocab[word] = len(vocab)
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token="<pad>",
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-    )
-
-
-def bench_trl(cfg, warmup: int, steps: int, vocab_size: int) -> dict:
-    """TRL KTOTrainer on the same shape/data/hyper-parameters; per-step wall times."""
-    import torch
-    from datasets import load_dataset
-    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
-    from trl import KTOConfig, KTOTrainer
+def trl_spec(cfg: Any) -> dict[str, Any]:
+    """Everything the TRL side needs to run the same training as `cfg`, as plain data."""
+    from megatron_kto.data.pipeline import resolve_path
+    from megatron_kto.data.tokenizers import load_tokenizer
 
     m = cfg.model
-    files = [REPO / f for f in m.data.data_prefix.train]
-    tokenizer = _word_tokenizer(files)
-    config = LlamaConfig(
-        hidden_size=m.hidden_size,
-        intermediate_size=m.ffn_hidden_size,
-        num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_query_groups or m.num_attention_heads,
-        vocab_size=max(vocab_size, len(tokenizer)),
-        max_position_embeddings=m.encoder_seq_length,
-        rope_theta=float(m.rotary_base),
-        tie_word_embeddings=m.share_embeddings_and_output_weights,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(m.seed)
-    model = LlamaForCausalLM(config)
-    dataset = load_dataset("json", data_files=[str(f) for f in files], split="train")
-    times: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            times.append(time.perf_counter() - self.t)
-
-    args = KTOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench_trl_"),
-        per_device_train_batch_size=m.global_batch_size,
-        gradient_accumulation_steps=1,
-        learning_rate=m.optim.lr,
-        max_steps=warmup + steps,
-        beta=m.kto.ref_policy_kl_penalty,
-        desirable_weight=m.kto.desirable_loss_weight,
-        undesirable_weight=m.kto.undesirable_loss_weight,
-        max_length=m.data.max_length,
-        logging_steps=1000,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        dataloader_num_workers=0,
-        seed=m.seed,
-        disable_tqdm=True,
-    )
-    trainer = KTOTrainer(
-        model=model,
-        ref_model=copy.deepcopy(model),
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[Timer()],
-    )
-    trainer.train()
-    timed = times[warmup:]
-    per_step = statistics.median(timed)
+    tok_path = str(resolve_path(m.tokenizer.model))
+    tokenizer = load_tokenizer(m.tokenizer.library, tok_path, m.tokenizer.chat_template)
+    arch = _resolved_architecture(cfg, tokenizer.vocab_size)
     return {
-        "steps": len(timed),
-        "step_time": {"median": per_step, "mean": statistics.fmean(timed)},
-        "samples_per_sec": {
-            "median": m.global_batch_size / per_step,
-            "mean": statistics.fmean(m.global_batch_size / t for t in timed),
+        "architecture": arch.to_dict(),
+        "padded_vocab": arch.padded_vocab(m.tensor_model_parallel_size),
+        "tokenizer": {
+            "library": m.tokenizer.library,
+            "model": tok_path,
+            "bos_id": tokenizer.bos_id,
+            "eos_id": tokenizer.eos_id,
+            "pad_id": tokenizer.pad_id,
+        },
+        "train_files": [str(resolve_path(p)) for p in m.data.data_prefix.train],
+        "max_length": m.data.max_length or arch.encoder_seq_length,
+        "pad_to_multiple_of": m.data.pad_to_multiple_of,
+        "global_batch_size": m.global_batch_size,
+        "micro_batch_size": m.micro_batch_size,  # ours only (TRL: one micro-batch)
+        "reference_policy": m.kto.reference_policy,  # ours only
+        "seed": m.seed,
+        "precision": str(cfg.trainer.precision),
+        "gradient_checkpointing": m.activations_checkpoint_granularity is not None,
+        "kto": {
+            "beta": m.kto.ref_policy_kl_penalty,
+            "desirable_weight": m.kto.desirable_loss_weight,
+            "undesirable_weight": m.kto.undesirable_loss_weight,
+            "loss_type": m.kto.loss_type,
+            "sft_loss_weight": m.kto.sft_loss_weight,
+            "precomputed_reference": m.kto.reference_policy == "precomputed",
+        },
+        "optim": {
+            "lr": m.optim.lr,
+            "min_lr": m.optim.sched.min_lr,
+            "sched": m.optim.sched.name,
+            "warmup_steps": m.optim.sched.warmup_steps,
+            "weight_decay": m.optim.weight_decay,
+            "betas": list(m.optim.betas),
+            "eps": m.optim.eps,
+            "clip": cfg.trainer.kto.gradient_clip_val,
         },
     }
 
 
-def _print_table(ours: dict, trl: dict | None) -> None:
-    print(
-        f"\n{'figure (timed steps)':<24}{'ours median':>14}{'ours mean':>14}"
-        + (f"{'TRL median':>14}" if trl else "")
+def _default_log_dir() -> str:
+    """A fresh temporary run directory; under torchrun one name for all ranks of the job."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "0")
+        return str(Path(tempfile.gettempdir()) / f"bench_kto_{job}")
+    return tempfile.mkdtemp(prefix="bench_kto_")
+
+
+def _mark_cpu_time_per_step() -> dict[int, float]:
+    """Record this process's CPU time between consecutive train-step logs.
+
+    The trainer logs wall time only. CPU time is the figure that other processes on a shared
+    machine disturb least, so the bench wraps `MetricsLogger.log` (called once per step with
+    ``log_every_n_steps=1``) for the life of this worker process. The span between two logs is
+    step end to step end, as the TRL side's timer measures; the first step has none.
+    """
+    from megatron_kto.logging.metrics_logger import MetricsLogger
+
+    marks: dict[int, float] = {}
+    last: list[float] = []
+    log = MetricsLogger.log
+
+    def timed_log(self, split, step, *rest, **kwargs):
+        if split == "train":
+            now = time.process_time()
+            if last:
+                marks[step] = now - last[0]
+            last[:] = [now]
+        return log(self, split, step, *rest, **kwargs)
+
+    MetricsLogger.log = timed_log  # type: ignore[method-assign]
+    return marks
+
+
+def run_ours(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Run our trainer in this process; returns the run's figures on rank 0, None elsewhere."""
+    threads = _set_threads(args.threads)
+    import torch
+
+    from megatron_kto.logging.throughput import measure_peak_flops
+    from megatron_kto.run import run_alignment
+
+    log_dir = args.log_dir or _default_log_dir()
+    overrides = [
+        *BENCH_DEFAULTS,
+        f"exp_manager.explicit_log_dir={log_dir}",
+        *args.overrides,
+        f"trainer.kto.max_steps={args.warmup + args.steps}",
+        "trainer.log_every_n_steps=1",
+    ]
+    cfg = _compose(args.config_name, overrides)
+    if cfg.trainer.peak_flops_per_device is None:
+        # Measured here rather than inside the run so both sides use one and the same peak.
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local_rank) if torch.cuda.is_available() else "cpu"
+        dtype = torch.bfloat16 if str(cfg.trainer.precision) == "bf16" else torch.float32
+        cfg.trainer.peak_flops_per_device = measure_peak_flops(device, dtype)
+    spec = trl_spec(cfg)
+    cpu_marks = _mark_cpu_time_per_step()
+    run_alignment(cfg, "kto")
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    rows = [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").open()]
+    if not args.log_dir:  # a temporary run directory: nothing in it is needed any more
+        shutil.rmtree(log_dir, ignore_errors=True)
+    train = [r for r in rows if r["split"] == "train" and r["step"] > args.warmup]
+    steps = [
+        {
+            "step": r["step"],
+            **{k: r.get(k) for k in _FIGURES},
+            "tokens": round(r["tokens_per_sec"] * r["step_time"]),
+            "cpu_time": cpu_marks.get(r["step"]),
+            "loss": r.get("loss"),
+        }
+        for r in train
+    ]
+    return {
+        "steps": steps,
+        "peak_memory_gb": max(r["peak_memory_gb"] for r in train),
+        "threads": threads,
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "peak_flops_per_device": float(cfg.trainer.peak_flops_per_device),
+        "log_dir": args.log_dir,
+        "spec": spec,
+    }
+
+
+# --- TRL side ----------------------------------------------------------------------------------
+def run_trl(
+    spec: dict[str, Any], peak_flops: float, warmup: int, steps: int, threads: int | None
+) -> dict[str, Any]:
+    """Time TRL's KTOTrainer on the run `spec` describes; per-step figures as on our side."""
+    from megatron_kto.logging.throughput import FWD_BWD_MULTIPLIER, kto_pass_tokens
+    from megatron_kto.logging.trl_baseline import run_trl_kto
+
+    threads = _set_threads(threads)
+    run = run_trl_kto(spec, warmup + steps)
+    flops_per_token = model_flops_per_token(
+        spec["architecture"], spec["max_length"], spec["padded_vocab"]
     )
-    for key in FIGURES:
-        if key not in ours:
-            continue
-        row = f"{key:<24}{ours[key]['median']:>14.4g}{ours[key]['mean']:>14.4g}"
-        if trl and key in trl:
-            row += f"{trl[key]['median']:>14.4g}"
-        print(row)
+    reference_forward = not spec["kto"]["precomputed_reference"]
+    per_step = []
+    for i in range(warmup, warmup + steps):
+        seconds, (samples, kl) = run["step_times"][i], run["tokens"][i]
+        forward_only, forward_backward = kto_pass_tokens(samples, kl, reference_forward)
+        passes = forward_only + FWD_BWD_MULTIPLIER * forward_backward
+        per_step.append(
+            {
+                "step": i + 1,
+                "step_time": seconds,
+                "samples_per_sec": spec["global_batch_size"] / seconds,
+                "tokens_per_sec": (samples + kl) / seconds,
+                "mfu": passes * flops_per_token / seconds / peak_flops,
+                "tokens": samples + kl,
+                "cpu_time": run["step_cpu_times"][i],
+            }
+        )
+    meta = {k: run[k] for k in ("versions", "optim", "attn_implementation", "final_log")}
+    return {"steps": per_step, "peak_memory_gb": run["peak_memory_gb"], "threads": threads, **meta}
+
+
+# --- orchestration -----------------------------------------------------------------------------
+def _worker(args: argparse.Namespace, argv: list[str], side: str, extra: list[str]) -> dict:
+    """Run one side in a fresh Python process; returns its summary (exits on failure)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        env = dict(os.environ)
+        if args.threads:
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
+        cmd = [sys.executable, __file__, *argv, "--worker", side, "--result", str(result), *extra]
+        proc = subprocess.run(
+            cmd, env=env, cwd=REPO, text=True, capture_output=not args.verbose
+        )  # fmt: skip
+        if proc.returncode != 0:
+            if not args.verbose:
+                sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+            print(f"error: the {side} side failed (exit code {proc.returncode})", file=sys.stderr)
+            sys.exit(proc.returncode if proc.returncode > 0 else 1)
+        return json.loads(result.read_text())
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    if value is None or value != value:  # None or NaN
+        return "-"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}f}"
+
+
+def render_table(report: dict[str, Any]) -> str:
+    """The human-readable report."""
+    ours, trl = report["ours"], report.get("trl")
+    sides = [("megatron_kto", ours)] + ([("TRL KTOTrainer", trl)] if trl else [])
+    header = f"{'':26}" + "".join(f"{name:>24}" for name, _ in sides)
     if trl:
-        ratio = ours["samples_per_sec"]["median"] / trl["samples_per_sec"]["median"]
-        print(f"\nsamples/s ours / TRL (median): {ratio:.2f}x")
+        header += f"{'ours/TRL':>12}"
+    rows = [
+        ("samples/s", "samples_per_sec", 2, True),
+        ("tokens/s", "tokens_per_sec", 1, True),
+        ("MFU (%)", "mfu", 3, True),
+        ("step time (s)", "step_time", 4, False),
+        ("CPU time/step (s)", "cpu_time", 4, False),
+    ]
+    lines = [header, "-" * len(header)]
+    for label, key, digits, higher_better in rows:
+        scale = 100.0 if key == "mfu" else 1.0
+        line = f"{label:26}"
+        for _, side in sides:
+            s = side[key]
+            line += (
+                f"{_fmt(s['median'] * scale, digits) + ' / ' + _fmt(s['mean'] * scale, digits):>24}"
+            )
+        if trl:
+            a, b = ours[key]["median"], trl[key]["median"]
+            ratio = (a / b if higher_better else b / a) if a and b else float("nan")
+            line += f"{_fmt(ratio, 2) + 'x':>12}"
+        lines.append(line)
+    line = f"{'tokens/step':26}"
+    for _, side in sides:
+        t = side["tokens_per_step"]
+        line += f"{_fmt(t['median'], 0) + ' / ' + _fmt(t['mean'], 1):>24}"
+    lines.append(line)
+    line = f"{'peak memory (GiB)':26}"
+    for _, side in sides:
+        line += f"{_fmt(side['peak_memory_gb'], 3):>24}"
+    lines.append(line)
+    if len(ours["run_medians"]) > 1:
+        line = f"{'samples/s, median per run':26}"
+        for _, side in sides:
+            line += f"{', '.join(_fmt(m['median'], 1) for m in side['run_medians']):>24}"
+        lines.append(line)
+    footer = (
+        "median / mean over the timed steps; CPU time is the process's own (all threads), the "
+        "figure other load on the machine disturbs least"
+    )
+    if trl:
+        footer += "; ours/TRL is the ratio of medians (for times: TRL's over ours)"
+    lines.append(f"({footer})")
+    return "\n".join(lines)
+
+
+def render_header(report: dict[str, Any]) -> str:
+    ours = report["ours"]
+    spec, arch = ours["spec"], ours["spec"]["architecture"]
+    env = report["environment"]
+    return "\n".join(
+        [
+            "KTO step benchmark",
+            f"  model: {arch['num_layers']} layers, hidden {arch['hidden_size']}, ffn "
+            f"{arch['ffn_hidden_size']}, heads {arch['num_attention_heads']}/"
+            f"{arch['num_query_groups'] or arch['num_attention_heads']} (q/kv), vocab "
+            f"{spec['padded_vocab']}, precision {spec['precision']}",
+            f"  data: {', '.join(spec['train_files'])}; global batch {spec['global_batch_size']} "
+            f"(ours: micro-batch {spec['micro_batch_size']}, reference {spec['reference_policy']}), "
+            f"max_length {spec['max_length']}, beta {spec['kto']['beta']}, lr {spec['optim']['lr']}",
+            f"  steps: {report['warmup']} warm-up + {report['steps']} timed, "
+            f"{report['repeat']} run(s) per side; world size "
+            f"{ours['world_size']}; intra-op threads {ours['threads']}; "
+            f"peak {ours['peak_flops_per_device'] / 1e9:.1f} GFLOP/s per device (measured matmul)",
+            f"  host: {env['cpu_count']} CPUs, load average {env['load_average']}; "
+            "shared machines give noisy timings",
+        ]
+    )
+
+
+def render_notes(report: dict[str, Any]) -> str:
+    trl = report.get("trl")
+    if not trl:
+        return ""
+    v = trl["versions"]
+    sft = report["ours"]["spec"]["kto"]["sft_loss_weight"]
+    notes = [
+        f"TRL side: trl {v['trl']}, transformers {v['transformers']}, torch {v['torch']}; "
+        f"optimizer {trl['optim']}, attention '{trl['attn_implementation']}'.",
+        "Same passes per step on both sides: reference forward over samples + KL rows, policy "
+        "forward over the KL rows without autograd (TRL also wraps it in torch.no_grad), policy "
+        "forward+backward over the sample rows; the ratio is implementation overhead.",
+        "Differences: we run megatron-core's GPTModel (local spec on CPU) through its pipeline "
+        "schedule in micro-batches and swap the reference weights in (cpu_swap) or keep a copy; "
+        "TRL runs the whole batch as one micro-batch through HF Trainer/accelerate with a second "
+        "model object and a chunked (fused) LM-head log-prob.",
+    ]
+    if sft:
+        notes.append(f"model.kto.sft_loss_weight={sft} has no TRL counterpart (ignored there).")
+    return "\n".join("  * " + n for n in notes)
+
+
+def _environment() -> dict[str, Any]:
+    try:
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        load = "?"
+    return {"cpu_count": os.cpu_count(), "load_average": load, "python": sys.version.split()[0]}
+
+
+def _trl_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("trl") is not None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Hydra overrides (key=value) configure our side, e.g. model.global_batch_size=32.",
+    )
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
+    parser.add_argument(
+        "--trl",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run TRL's KTOTrainer (default: when trl is installed and not under torchrun)",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run each side this many times, alternating, and pool the timed steps (default 1)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="intra-op threads per process (default: torch's)"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write the figures to this file")
+    parser.add_argument(
+        "--config-name", default="gpt_kto", help="config in conf/ (default gpt_kto)"
+    )
+    parser.add_argument(
+        "--log-dir", default=None, help="keep our run's directory here (default: a temporary one)"
+    )
+    parser.add_argument("--verbose", action="store_true", help="show the workers' output")
+    parser.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="hydra overrides for our side")
+    return parser
+
+
+def _publish(report: dict[str, Any], json_path: Path | None) -> None:
+    print(render_header(report))
+    print()
+    print(render_table(report))
+    notes = render_notes(report)
+    if notes:
+        print(notes)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"figures written to {json_path}")
+
+
+def _run_ours_reporting_user_errors(args: argparse.Namespace) -> dict[str, Any] | None:
+    """`run_ours`, with a config or data mistake reported in one `error:` line (exit 2), as
+    the entry scripts report it."""
+    from hydra.errors import HydraException
+
+    from megatron_kto.config.validate import composition_error_line
+    from megatron_kto.data.errors import DataFormatError
+    from megatron_kto.run import USER_ERRORS
+
+    try:
+        return run_ours(args)
+    except HydraException as e:
+        message = composition_error_line(e)
+    except (*USER_ERRORS, DataFormatError) as e:
+        message = str(e)
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    if args.worker == "ours":
+        result = _run_ours_reporting_user_errors(args)
+    else:
+        ours = json.loads(args.spec.read_text())
+        try:
+            result = run_trl(
+                ours["spec"], ours["peak_flops_per_device"], args.warmup, args.steps, args.threads
+            )
+        except ValueError as e:  # a model or data the TRL baseline cannot mirror
+            print(f"error: {e}; run with --no-trl", file=sys.stderr)
+            return 2
+    args.result.write_text(json.dumps(result))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps")
-    parser.add_argument("--trl", action="store_true", help="also run TRL's KTOTrainer (1 process)")
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
-    parser.add_argument("overrides", nargs="*", help="hydra overrides for conf/gpt_kto.yaml")
-    args = parser.parse_args(argv)
-    sys.path.insert(0, str(REPO))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_intermixed_args(argv)
+    if args.warmup < 0 or args.steps < 1 or args.repeat < 1:
+        print("error: need --warmup >= 0, --steps >= 1 and --repeat >= 1", file=sys.stderr)
+        return 2
+    if args.worker:
+        return _run_worker(args)
 
-    ours = bench_ours(args.overrides, args.warmup, args.steps)
-    if not ours:  # not rank 0
+    report: dict[str, Any] = {
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "repeat": args.repeat,
+        "overrides": args.overrides,
+        "environment": _environment(),
+    }
+    if "WORLD_SIZE" in os.environ:  # launched by torchrun: our side only, in this process
+        if args.trl or args.repeat > 1:
+            print("note: --trl and --repeat apply only without torchrun; ignored", file=sys.stderr)
+        ours = _run_ours_reporting_user_errors(args)
+        if ours is not None:
+            report["ours"] = combine_runs([ours])
+            _publish(report, args.json)
         return 0
-    cfg = ours.pop("config")
-    from megatron_kto.data.tokenizers import load_tokenizer
 
-    vocab = load_tokenizer(
-        cfg.model.tokenizer.library, str(REPO / cfg.model.tokenizer.model), None
-    ).vocab_size
-    trl = bench_trl(cfg, args.warmup, args.steps, vocab) if args.trl else None
-    print(
-        f"KTO benchmark: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, global batch "
-        f"{cfg.model.global_batch_size}, micro batch {cfg.model.micro_batch_size}, "
-        f"reference {cfg.model.kto.reference_policy}, {args.steps} timed steps after {args.warmup}"
-    )
-    _print_table(ours, trl)
-    if args.json:
-        args.json.write_text(json.dumps({"ours": ours, "trl": trl}, indent=2) + "\n")
+    want_trl = args.trl if args.trl is not None else _trl_available()
+    runs: dict[str, list[dict[str, Any]]] = {"ours": [], "trl": []}
+    for _ in range(args.repeat):  # alternate the sides so both meet the same load drift
+        extra = []
+        if runs["ours"]:  # one peak FLOP/s for every run: the first run's
+            extra = [f"trainer.peak_flops_per_device={runs['ours'][0]['peak_flops_per_device']}"]
+        ours = _worker(args, [*argv, *extra], "ours", [])
+        runs["ours"].append(ours)
+        if want_trl:
+            with tempfile.TemporaryDirectory() as tmp:
+                spec_path = Path(tmp) / "spec.json"
+                spec_path.write_text(json.dumps(ours))
+                runs["trl"].append(_worker(args, argv, "trl", ["--spec", str(spec_path)]))
+    report["ours"] = combine_runs(runs["ours"])
+    if runs["trl"]:
+        report["trl"] = combine_runs(runs["trl"])
+        ours, trl = report["ours"], report["trl"]
+        # Speed-up of ours over TRL, from medians: rates ours/TRL, times TRL/ours.
+        report["speedup_ours_over_trl"] = {
+            k: (ours[k]["median"] / trl[k]["median"] if "per_sec" in k or k == "mfu" else
+                trl[k]["median"] / ours[k]["median"])
+            for k in _FIGURES
+            if ours[k]["median"] and trl[k]["median"]
+        }  # fmt: skip
+    _publish(report, args.json)
     return 0
 
 

@@ -1,0 +1,257 @@
+"""A TRL baseline for throughput comparisons: `trl.KTOTrainer` on a mirror of our run.
+
+`tools/bench_kto.py` describes one of our training runs as plain data (a *spec*: architecture,
+tokenizer, data files, loss and optimizer settings) and calls :func:`run_trl_kto` in a separate
+process to time TRL on the same model shape and the same rows. Nothing here imports ``trl``,
+``transformers`` or ``datasets`` until it runs, so the package does not depend on them.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import resource
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+#: Our LR schedule names and the `transformers` scheduler closest to each.
+_HF_SCHEDULERS = {
+    "CosineAnnealing": "cosine_with_min_lr",
+    "Constant": "constant_with_warmup",
+    "Linear": "linear",
+}
+
+
+def check_llama_compatible(arch: dict[str, Any]) -> None:
+    """Raise ValueError naming what a `LlamaForCausalLM` cannot mirror of `arch`."""
+    problems = []
+    if arch["normalization"] != "RMSNorm":
+        problems.append(f"normalization={arch['normalization']}")
+    if arch["activation"] != "swiglu":
+        problems.append(f"activation={arch['activation']}")
+    if arch["position_embedding_type"] != "rope" or arch["rope_scaling"]:
+        problems.append("position embeddings other than plain RoPE")
+    if arch["add_bias_linear"] or arch["add_qkv_bias"]:
+        problems.append("linear biases")
+    if problems:
+        raise ValueError(
+            f"the TRL baseline builds a LlamaForCausalLM, which cannot mirror {', '.join(problems)}"
+        )
+
+
+def hf_tokenizer(tok: dict[str, Any], workdir: Path):
+    """A `transformers` tokenizer with the same vocabulary and special ids, built offline.
+
+    Args:
+        tok: ``library`` ('sentencepiece' or 'huggingface'), ``model`` (path), ``bos_id`` (or
+            None when prompts get no BOS) and ``pad_id``.
+        workdir: scratch directory (a SentencePiece model is copied there).
+    """
+    if tok["library"] == "sentencepiece":
+        from transformers import LlamaTokenizer
+
+        # LlamaTokenizer converts the SentencePiece model it finds as `tokenizer.model`.
+        (workdir / "tokenizer.model").write_bytes(Path(tok["model"]).read_bytes())
+        hf = LlamaTokenizer.from_pretrained(
+            workdir, add_bos_token=tok["bos_id"] is not None, add_eos_token=False
+        )
+    else:
+        from transformers import AutoTokenizer
+
+        path = Path(tok["model"])
+        hf = AutoTokenizer.from_pretrained(path if path.is_dir() else path.parent)
+    hf.pad_token = hf.convert_ids_to_tokens(tok["pad_id"])
+    return hf
+
+
+def unpaired_dataset(files: list[str]):
+    """The rows of `files` in TRL's unpaired format (prompt, completion, label), in file order.
+
+    Any format our pipeline reads is accepted (paired rows become two rows, as in ours).
+
+    Raises:
+        ValueError: for conversational rows (not mirrored: they need the same chat template).
+    """
+    from datasets import Dataset
+
+    from megatron_kto.data.formats import iter_kto_examples
+
+    prompts, completions, labels = [], [], []
+    for path in files:
+        for ex in iter_kto_examples(path):
+            if not isinstance(ex.prompt, str):
+                raise ValueError(f"{path}: the TRL baseline supports plain-text rows only")
+            # TRL tokenises prompt + completion as one string, we tokenise the two separately; a
+            # space at the seam gives the same ids with a SentencePiece (dummy-prefix) tokenizer.
+            seam = ex.prompt[-1:].isspace() or ex.completion[:1].isspace()
+            prompts.append(ex.prompt)
+            completions.append(ex.completion if seam else " " + ex.completion)
+            labels.append(bool(ex.label))
+    return Dataset.from_dict({"prompt": prompts, "completion": completions, "label": labels})
+
+
+def _llama(spec: dict[str, Any]):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    arch, tok = spec["architecture"], spec["tokenizer"]
+    heads = arch["num_attention_heads"]
+    torch.manual_seed(spec["seed"])
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=spec["padded_vocab"],
+            hidden_size=arch["hidden_size"],
+            intermediate_size=arch["ffn_hidden_size"],
+            num_hidden_layers=arch["num_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=arch["num_query_groups"] or heads,
+            head_dim=arch["kv_channels"] or arch["hidden_size"] // heads,
+            max_position_embeddings=arch["encoder_seq_length"],
+            rms_norm_eps=arch["layernorm_epsilon"],
+            rope_theta=float(arch["rotary_base"]),
+            tie_word_embeddings=arch["share_embeddings_and_output_weights"],
+            initializer_range=arch["init_method_std"],
+            bos_token_id=tok["bos_id"],
+            eos_token_id=tok["eos_id"],
+            pad_token_id=tok["pad_id"],
+        )
+    )
+    return model.to(torch.bfloat16 if spec["precision"] == "bf16" else torch.float32)
+
+
+def _kto_config(spec: dict[str, Any], max_steps: int, output_dir: Path):
+    from trl import KTOConfig
+
+    k, o = spec["kto"], spec["optim"]
+    scheduler = _HF_SCHEDULERS[o["sched"]]
+    return KTOConfig(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=spec["global_batch_size"],
+        gradient_accumulation_steps=1,
+        max_steps=max_steps,
+        learning_rate=o["lr"],
+        lr_scheduler_type=scheduler,
+        lr_scheduler_kwargs={"min_lr": o["min_lr"]} if scheduler == "cosine_with_min_lr" else {},
+        warmup_steps=o["warmup_steps"],
+        weight_decay=o["weight_decay"],
+        adam_beta1=o["betas"][0],
+        adam_beta2=o["betas"][1],
+        adam_epsilon=o["eps"],
+        max_grad_norm=o["clip"],
+        beta=k["beta"],
+        desirable_weight=k["desirable_weight"],
+        undesirable_weight=k["undesirable_weight"],
+        loss_type=k["loss_type"],
+        precompute_ref_log_probs=k["precomputed_reference"],
+        max_length=spec["max_length"],
+        pad_to_multiple_of=spec["pad_to_multiple_of"] if spec["pad_to_multiple_of"] > 1 else None,
+        # KTOConfig defaults these two to True; ours are set by the run's config.
+        gradient_checkpointing=spec["gradient_checkpointing"],
+        bf16=spec["precision"] == "bf16",
+        seed=spec["seed"],
+        dataloader_drop_last=True,
+        logging_steps=max_steps,  # one log line, after the last step
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+
+
+def run_trl_kto(spec: dict[str, Any], max_steps: int) -> dict[str, Any]:
+    """Train `trl.KTOTrainer` for `max_steps` steps on the run described by `spec`.
+
+    A `LlamaForCausalLM` of the spec's shape (random init, seeded) is the policy and a deep copy
+    of it the reference. Each step is timed from the end of the previous one, so data loading
+    and collation are inside it (as in our trainer's ``step_time``).
+
+    Args:
+        spec: the run, as written by ``tools/bench_kto.py`` (``trl_spec``).
+        max_steps: optimizer steps to run.
+
+    Returns:
+        ``step_times`` (wall s), ``step_cpu_times`` (CPU s of the process) and ``tokens`` ([sample, KL] unpadded input positions, i.e. sequence
+        length − 1 per row) per step, ``peak_memory_gb`` (peak allocated on CUDA, max RSS of the
+        process on CPU), ``versions``, ``optim``, ``attn_implementation`` and ``final_log``.
+    """
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ.setdefault(var, "1")
+    check_llama_compatible(spec["architecture"])
+    with tempfile.TemporaryDirectory(prefix="trl_baseline_") as tmp:
+        return _train(spec, max_steps, Path(tmp))
+
+
+def _train(spec: dict[str, Any], max_steps: int, workdir: Path) -> dict[str, Any]:
+    import torch
+    import transformers
+    import trl
+    from transformers import TrainerCallback
+    from trl import KTOTrainer
+
+    model = _llama(spec)
+    ref_model = copy.deepcopy(model).eval()  # else TRL reloads the reference by hub name
+    config = _kto_config(spec, max_steps, workdir / "out")
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.cpu_times: list[float] = []
+            self._last = (0.0, 0.0)
+
+        def on_train_begin(self, *_, **__) -> None:
+            self._last = (time.perf_counter(), time.process_time())
+
+        def on_step_end(self, *_, **__) -> None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            now = (time.perf_counter(), time.process_time())
+            self.times.append(now[0] - self._last[0])
+            self.cpu_times.append(now[1] - self._last[1])
+            self._last = now
+
+    class CountingKTOTrainer(KTOTrainer):
+        """KTOTrainer that records each training batch's (sample, KL) input positions."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.batch_tokens: list[list[int]] = []
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            rows = int(inputs["attention_mask"].shape[0])
+            samples = int(inputs["attention_mask"].sum()) - rows
+            kl_mask = inputs.get("KL_attention_mask")
+            kl = int(kl_mask.sum()) - rows if kl_mask is not None else 0
+            self.batch_tokens.append([samples, kl])
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    timer = StepTimer()
+    trainer = CountingKTOTrainer(
+        model=model,
+        ref_model=ref_model,
+        args=config,
+        train_dataset=unpaired_dataset(spec["train_files"]),
+        processing_class=hf_tokenizer(spec["tokenizer"], workdir),
+        callbacks=[timer],
+    )
+    trainer.train()
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return {
+        "step_times": timer.times,
+        "step_cpu_times": timer.cpu_times,
+        "tokens": trainer.batch_tokens,
+        "peak_memory_gb": peak,
+        "versions": {
+            "trl": trl.__version__,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+        },
+        "optim": getattr(config.optim, "value", str(config.optim)),
+        "attn_implementation": model.config._attn_implementation,
+        "final_log": logs[-1] if logs else {},
+    }

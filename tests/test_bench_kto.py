@@ -1,0 +1,98 @@
+"""Smoke test of tools/bench_kto.py: it runs (1 warm-up + 1 timed step) and reports figures.
+
+Nothing here asserts on speed: the figures only have to be positive and finite.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "tools" / "bench_kto.py"
+HAS_TRL = importlib.util.find_spec("trl") is not None
+
+sys.path.insert(0, str(REPO / "tools"))
+import bench_kto  # noqa: E402
+
+
+def _positive(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+@pytest.mark.e2e
+def test_bench_runs_and_reports_positive_figures(tmp_path):
+    """One run of the script as a user runs it; with TRL installed the TRL side runs as well
+    (one invocation covers both sides: each side is a fresh process and start-up dominates)."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--warmup=1",
+            "--steps=1",
+            "--threads=1",
+            "--trl" if HAS_TRL else "--no-trl",
+            f"--json={out}",
+            "model.global_batch_size=4",
+            "model.micro_batch_size=2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "samples/s" in proc.stdout and "peak memory (GiB)" in proc.stdout
+    report = json.loads(out.read_text())
+    sides = ["ours", "trl"] if HAS_TRL else ["ours"]
+    for side in sides:
+        figures = report[side]
+        assert figures["timed_steps"] == 1
+        for key in ("samples_per_sec", "tokens_per_sec", "mfu", "step_time"):
+            assert _positive(figures[key]["median"]), (side, key, figures[key])
+            assert _positive(figures[key]["mean"]), (side, key, figures[key])
+        assert _positive(figures["peak_memory_gb"])
+    if HAS_TRL:
+        assert "ours/TRL" in proc.stdout
+        assert _positive(report["speedup_ours_over_trl"]["samples_per_sec"])
+        # Same rows in the same batches, tokenised alike: both sides see the same tokens.
+        assert report["ours"]["tokens_per_step"] == report["trl"]["tokens_per_step"]
+
+
+def test_table_without_trl_has_no_ratio_column():
+    step = {"step_time": 0.5, "samples_per_sec": 8.0, "tokens_per_sec": 100.0, "mfu": 0.01}
+    ours = bench_kto.combine_runs(
+        [{"steps": [{**step, "tokens": 50}, {**step, "tokens": 70}], "peak_memory_gb": 0.4}]
+    )
+    table = bench_kto.render_table({"ours": ours})
+    assert "ours/TRL" not in table and "TRL KTOTrainer" not in table
+    assert "8.00 / 8.00" in table  # samples/s median / mean
+    assert "60 / 60.0" in table  # tokens/step median / mean
+
+
+def test_combine_runs_pools_steps_and_keeps_highest_peak():
+    def run(seconds: list[float], peak: float) -> dict:
+        steps = [
+            {"step_time": t, "samples_per_sec": 4 / t, "tokens_per_sec": 40 / t, "mfu": 0.1 / t}
+            for t in seconds
+        ]
+        return {"steps": [{**s, "tokens": 40} for s in steps], "peak_memory_gb": peak, "x": peak}
+
+    combined = bench_kto.combine_runs([run([1.0, 2.0], 0.5), run([4.0], 0.7)])
+    assert combined["timed_steps"] == 3
+    assert combined["step_time"] == {"median": 2.0, "mean": 7.0 / 3}
+    assert combined["peak_memory_gb"] == 0.7
+    assert combined["x"] == 0.5  # metadata from the first run
+    assert [m["median"] for m in combined["run_medians"]] == [3.0, 1.0]
+
+
+def test_summarize_median_and_mean():
+    assert bench_kto.summarize([1.0, 2.0, 6.0]) == {"median": 2.0, "mean": 3.0}
+    assert all(math.isnan(v) for v in bench_kto.summarize([]).values())
