@@ -197,6 +197,40 @@ def _build_optimization(cfg: Any, algorithm: str, chunks, loop, bf16: bool):
     return optimizer, scheduler
 
 
+def _check_reference_reproducible(cfg: Any, algorithm: str, ckpt_dir: Path | None) -> None:
+    """Refuse a resume whose reference policy would differ from the interrupted run's.
+
+    Training checkpoints do not store the reference policy: a resumed run rebuilds it as the
+    initial weights — `pretrained_checkpoint.restore_from_path` (layout-independent) or, without
+    it, the seeded random initialisation. The latter depends on the pipeline layout (pipeline
+    stages initialise their layers in a different order), so resuming a randomly initialised run
+    under another PP/VPP would silently train against a different reference model.
+    """
+    m = cfg.model
+    strategy = (m.kto if algorithm == "kto" else m.dpo).reference_policy
+    if cfg.pretrained_checkpoint.restore_from_path or strategy == "precomputed" or ckpt_dir is None:
+        return
+    from megatron_kto.checkpointing import files
+
+    saved = files.read_json(ckpt_dir / files.CHECKPOINT_META).get("layout", {})
+    keys = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
+    now = (m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size)
+    then = tuple(saved.get(k) for k in keys)
+    if then != now:
+
+        def describe(pp: int | None, vpp: int | None) -> str:
+            return f"PP={pp}" + (f" VPP={vpp}" if vpp else "")
+
+        hint = f"model.pipeline_model_parallel_size={then[0]}" + (
+            f" model.virtual_pipeline_model_parallel_size={then[1]}" if then[1] else ""
+        )
+        raise CheckpointError(
+            f"{ckpt_dir}: saved with {describe(*then)}, resuming with {describe(*now)}; without "
+            "pretrained_checkpoint.restore_from_path the reference policy is the random "
+            f"initialisation, which depends on the pipeline layout: resume with {hint}"
+        )
+
+
 def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
     """Train with KTO or DPO as configured; returns the final trainer state.
 
@@ -214,103 +248,109 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
     max_time = _parse_max_time(cfg.trainer.max_time)
     m, e = cfg.model, cfg.exp_manager
     log_dir = Path(e.explicit_log_dir)
-    runtime = init_runtime(
-        m.tensor_model_parallel_size,
-        m.pipeline_model_parallel_size,
-        m.virtual_pipeline_model_parallel_size,
-        seed=m.seed,
-    )
-    rank0 = runtime.is_rank0
-    try:
-        tokenizer = load_tokenizer(
-            m.tokenizer.library, str(resolve_path(m.tokenizer.model)), m.tokenizer.chat_template
+    # Installed before anything slow (rendezvous, data, model, checkpoint load): a preemption
+    # signal during start-up then stops the run cleanly before its first step (exit 0; the
+    # checkpoint it resumed from is still the latest) instead of killing it.
+    with PreemptionHandler() as preemption:
+        runtime = init_runtime(
+            m.tensor_model_parallel_size,
+            m.pipeline_model_parallel_size,
+            m.virtual_pipeline_model_parallel_size,
+            seed=m.seed,
         )
-        arch = _architecture(cfg, tokenizer.vocab_size)
-        max_length = m.data.max_length or arch.encoder_seq_length
-        precomputed = (m.kto if algorithm == "kto" else m.dpo).reference_policy == "precomputed"
-        train = build_split(
-            cfg,
-            "train",
-            algorithm,
-            tokenizer,
-            runtime,
-            max_length,
-            index_offset=0 if precomputed else None,
-        )
-        val = build_split(
-            cfg,
-            "validation",
-            algorithm,
-            tokenizer,
-            runtime,
-            max_length,
-            index_offset=len(train.dataset) if precomputed else None,
-        )
-        splits = [s for s in (train, val) if s is not None]
-        for split in splits:
-            _say(rank0, split.describe())
-
-        layout = _layout(cfg)
-        model = _build_policy(cfg, algorithm, arch, layout, runtime)
-        if precomputed:
-            _attach_precomputed_reference(cfg, algorithm, model, splits, arch, runtime, log_dir)
-        loop_cfg = cfg.trainer.kto if algorithm == "kto" else cfg.trainer.dpo
-        loop = resolve_loop(
-            loop_cfg,
-            train.num_global_batches,
-            val.num_global_batches if val is not None else 0,
-            m.global_batch_size,
-            cfg.trainer.log_every_n_steps,
-            max_time,
-        )
-        optimizer, scheduler = _build_optimization(
-            cfg, algorithm, model.chunks, loop, layout.precision == "bf16"
-        )
-
-        manager = None
-        state = TrainerState()
-        if e.create_checkpoint_callback:
-            manager = CheckpointManager(
-                log_dir / "checkpoints", keep_last=e.checkpoint_callback_params.save_top_k
+        rank0 = runtime.is_rank0
+        try:
+            tokenizer = load_tokenizer(
+                m.tokenizer.library, str(resolve_path(m.tokenizer.model)), m.tokenizer.chat_template
             )
-            restored = (
-                manager.load_latest(model.chunks, optimizer, scheduler)
-                if e.resume_if_exists
-                else None
+            arch = _architecture(cfg, tokenizer.vocab_size)
+            max_length = m.data.max_length or arch.encoder_seq_length
+            precomputed = (m.kto if algorithm == "kto" else m.dpo).reference_policy == "precomputed"
+            train = build_split(
+                cfg,
+                "train",
+                algorithm,
+                tokenizer,
+                runtime,
+                max_length,
+                index_offset=0 if precomputed else None,
             )
-            if restored is not None:
-                state = TrainerState(
-                    step=restored["step"],
-                    epoch=restored["epoch"],
-                    consumed_samples=restored["consumed_samples"],
-                )
-                _say(rank0, f"resumed from step {state.step} ({state.consumed_samples} samples)")
-        logger = MetricsLogger(
-            log_dir,
-            rank0=rank0,
-            tensorboard=e.create_tensorboard_logger,
-            wandb=dict(e.wandb_logger_kwargs) if e.create_wandb_logger else None,
-        )
-        if rank0:
-            logger.truncate_after(state.step)
-        peak = cfg.trainer.peak_flops_per_device or measure_peak_flops(
-            runtime.device, torch.bfloat16 if layout.precision == "bf16" else torch.float32
-        )
-        config_yaml = OmegaConf.to_yaml(cfg)
+            val = build_split(
+                cfg,
+                "validation",
+                algorithm,
+                tokenizer,
+                runtime,
+                max_length,
+                index_offset=len(train.dataset) if precomputed else None,
+            )
+            splits = [s for s in (train, val) if s is not None]
+            for split in splits:
+                _say(rank0, split.describe())
 
-        def checkpoint_hook(s: TrainerState, final: bool) -> None:
-            if manager is not None:
-                manager.save(
-                    s.step,
-                    model.chunks,
-                    optimizer,
-                    scheduler,
-                    trainer.state_dict(),
-                    config_yaml,
-                    arch,
-                )
+            layout = _layout(cfg)
+            model = _build_policy(cfg, algorithm, arch, layout, runtime)
+            if precomputed:
+                _attach_precomputed_reference(cfg, algorithm, model, splits, arch, runtime, log_dir)
+            loop_cfg = cfg.trainer.kto if algorithm == "kto" else cfg.trainer.dpo
+            loop = resolve_loop(
+                loop_cfg,
+                train.num_global_batches,
+                val.num_global_batches if val is not None else 0,
+                m.global_batch_size,
+                cfg.trainer.log_every_n_steps,
+                max_time,
+            )
+            optimizer, scheduler = _build_optimization(
+                cfg, algorithm, model.chunks, loop, layout.precision == "bf16"
+            )
 
-        with PreemptionHandler() as preemption:
+            manager = None
+            state = TrainerState()
+            if e.create_checkpoint_callback:
+                manager = CheckpointManager(
+                    log_dir / "checkpoints", keep_last=e.checkpoint_callback_params.save_top_k
+                )
+                restored = (
+                    manager.load_latest(model.chunks, optimizer, scheduler)
+                    if e.resume_if_exists
+                    else None
+                )
+                if restored is not None:
+                    _check_reference_reproducible(cfg, algorithm, manager.loaded_from)
+                    state = TrainerState(
+                        step=restored["step"],
+                        epoch=restored["epoch"],
+                        consumed_samples=restored["consumed_samples"],
+                    )
+                    _say(
+                        rank0, f"resumed from step {state.step} ({state.consumed_samples} samples)"
+                    )
+            logger = MetricsLogger(
+                log_dir,
+                rank0=rank0,
+                tensorboard=e.create_tensorboard_logger,
+                wandb=dict(e.wandb_logger_kwargs) if e.create_wandb_logger else None,
+            )
+            if rank0:
+                logger.truncate_after(state.step)
+            peak = cfg.trainer.peak_flops_per_device or measure_peak_flops(
+                runtime.device, torch.bfloat16 if layout.precision == "bf16" else torch.float32
+            )
+            config_yaml = OmegaConf.to_yaml(cfg)
+
+            def checkpoint_hook(s: TrainerState, final: bool) -> None:
+                if manager is not None:
+                    manager.save(
+                        s.step,
+                        model.chunks,
+                        optimizer,
+                        scheduler,
+                        trainer.state_dict(),
+                        config_yaml,
+                        arch,
+                    )
+
             trainer = (KTOTrainer if algorithm == "kto" else DPOTrainer)(
                 model,
                 optimizer,
@@ -331,14 +371,14 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
                 state=state,
             )
             final = trainer.fit()
-        logger.close()
-        _say(
-            rank0,
-            f"done: step {final.step}, consumed {final.consumed_samples} samples; outputs in {log_dir}",
-        )
-        return final
-    finally:
-        teardown()
+            logger.close()
+            _say(
+                rank0,
+                f"done: step {final.step}, consumed {final.consumed_samples} samples; outputs in {log_dir}",
+            )
+            return final
+        finally:
+            teardown()
 
 
 def _flops_per_token(arch, seq_len: int, padded_vocab: int) -> float:

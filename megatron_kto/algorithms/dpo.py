@@ -247,7 +247,8 @@ class DPOTrainer:
     def fit(self) -> TrainerState:
         """Train until `max_steps`, the time limit, or a preemption signal; returns the final state."""
         s, loop = self.state, self.loop
-        stopped_early = False
+        # A signal that arrived during start-up stops the run before it trains anything.
+        stopped_early = s.step < loop.max_steps and self._should_stop()
         while s.step < loop.max_steps and not stopped_early:
             s.epoch = s.step // loop.steps_per_epoch
             done_in_epoch = s.step % loop.steps_per_epoch
@@ -285,7 +286,9 @@ class DPOTrainer:
             if not stopped_early and self._should_stop() and s.step < loop.max_steps:
                 stopped_early = True
         s.epoch = s.step // loop.steps_per_epoch
-        if self.checkpoint_hook:
+        # Step 0 has nothing to save: the weights are the initial ones, and an optimizer that
+        # has never stepped has no state to resume.
+        if self.checkpoint_hook and s.step > 0:
             self.checkpoint_hook(s, True)
         self.progress.close()
         return s

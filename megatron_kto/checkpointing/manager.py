@@ -23,7 +23,11 @@ from megatron.core import dist_checkpointing, package_info, parallel_state
 
 from megatron_kto.checkpointing import files, optimizer_state, rng
 from megatron_kto.checkpointing.errors import CheckpointError
-from megatron_kto.checkpointing.model_io import model_sharded_state_dict, write_architecture
+from megatron_kto.checkpointing.model_io import (
+    model_sharded_state_dict,
+    save_sharded,
+    write_architecture,
+)
 from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir, restore_pretrained
 from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.builder import unwrap
@@ -78,6 +82,20 @@ def load_scheduler_state(scheduler: Any, state: dict[str, Any]) -> None:
     loading into a scheduler that has already stepped (a fallback after a failed load, or a
     reload within one process) would overshoot. Start from 0.
     """
+    current = scheduler.state_dict()
+    changed = {
+        k: (state[k], v)
+        for k, v in current.items()
+        if k != "num_steps" and k in state and state[k] != v
+    }
+    if changed and (not dist.is_initialized() or dist.get_rank() == 0):
+        # megatron-core keeps the checkpoint's values (use_checkpoint_opt_param_scheduler);
+        # say so, or a changed model.optim.* or max_steps would be ignored without a word.
+        logger.warning(
+            "the LR schedule of this run differs from the checkpoint's (%s); resuming with the "
+            "checkpoint's schedule, as megatron-core does",
+            ", ".join(f"{k}: checkpoint {a}, config {b}" for k, (a, b) in sorted(changed.items())),
+        )
     scheduler.num_steps = 0
     scheduler.load_state_dict(state)
     # load_state_dict sets the LR/WD before it reads the checkpoint's weight-decay settings;
@@ -176,7 +194,7 @@ class CheckpointManager:
         kind = optimizer_state.optimizer_kind(optimizer)
         if optimizer is not None:
             sharded["optimizer"] = optimizer_state.sharded_state_dict(optimizer, model_sd, False)
-        dist_checkpointing.save(sharded, str(tmp))
+        save_sharded(sharded, tmp)
 
         error = None
         try:

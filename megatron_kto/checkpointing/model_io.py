@@ -13,11 +13,13 @@ TP/PP/VPP layout loads under any other.
 from __future__ import annotations
 
 import json
+import queue
 from pathlib import Path
 from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.models.architecture import GPTArchitecture
@@ -30,6 +32,7 @@ __all__ = [
     "model_sharded_state_dict",
     "read_architecture",
     "save_model",
+    "save_sharded",
     "write_architecture",
 ]
 
@@ -45,6 +48,24 @@ def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
     if len(chunks) == 1:
         return {"model": unwrap(chunks[0]).sharded_state_dict()}
     return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def save_sharded(sharded_state_dict: dict[str, Any], ckpt_dir: str | Path) -> None:
+    """`dist_checkpointing.save` (synchronous, torch_dist), collective over all ranks.
+
+    Workaround: megatron-core 0.16.1's torch_dist writer hands its write results back through a
+    queue served by a `multiprocessing` Manager started with the *spawn* context
+    (`filesystem_async._get_write_results_queue`). Spawning it re-imports the main script, and
+    unpickling the results there imports torch: the first save of every process waited ~5 s on
+    it (measured on a 2-core CPU box; per rank, so every run paid it once). The queue only has to
+    cross a process boundary for asynchronous saves; ours are synchronous — the writer's fork
+    workers report through their own queue and the results are collected back in this process
+    — so an in-process queue carries them. It is installed only where megatron has not created
+    its own yet.
+    """
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+    dist_checkpointing.save(sharded_state_dict, str(ckpt_dir))
 
 
 def write_architecture(ckpt_dir: str | Path, arch: GPTArchitecture) -> None:
@@ -77,7 +98,7 @@ def save_model(ckpt_dir: str | Path, chunks: list[torch.nn.Module], arch: GPTArc
         arch: the model's architecture record.
     """
     ckpt_dir = Path(ckpt_dir)
-    dist_checkpointing.save(model_sharded_state_dict(chunks), str(ckpt_dir))
+    save_sharded(model_sharded_state_dict(chunks), ckpt_dir)
     if torch.distributed.get_rank() == 0:
         write_architecture(ckpt_dir, arch)
     torch.distributed.barrier()

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -230,4 +231,10 @@ def build_dataloader(
         collate_fn=collate_fn,
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
+        # Every iterator over a DataLoader draws its workers' base seed from `generator`, by
+        # default torch's global generator — the one dropout uses. A resumed run creates its
+        # first iterator mid-epoch, where an uninterrupted run did not, so that draw would shift
+        # every later dropout mask. A private (fixed-seed) generator keeps the global stream
+        # untouched; the samplers above do the shuffling with their own seeded generator anyway.
+        generator=torch.Generator(),
     )
