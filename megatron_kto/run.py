@@ -138,11 +138,13 @@ def _build_policy(cfg: Any, algorithm: str, arch, layout: ParallelLayout, runtim
 
 
 def _attach_precomputed_reference(
-    cfg, algorithm, model, splits, arch, runtime, log_dir: Path
+    cfg, algorithm, model, splits, arch, runtime, log_dir: Path, loop
 ) -> None:
-    from megatron_kto.algorithms.precompute import load_or_compute
+    from megatron_kto.algorithms.precompute import Coverage, load_or_compute
     from megatron_kto.data.cache import content_hash
 
+    # Everything the looked-up rows depend on: data, weights, and (KTO) the batch order that
+    # picks the KL partners; how many steps are covered is checked separately.
     fingerprint = {
         "algorithm": algorithm,
         "files": [[str(p) for p in s.stats.files] for s in splits],
@@ -150,6 +152,8 @@ def _attach_precomputed_reference(
         "examples": [len(s.dataset) for s in splits],
         "restore_from_path": cfg.pretrained_checkpoint.restore_from_path,
         "seed": cfg.model.seed,
+        "shuffle": cfg.model.data.shuffle,
+        "global_batch_size": cfg.model.global_batch_size,
         "architecture": arch.to_dict(),
         "settings": repr(model.settings),
     }
@@ -162,7 +166,7 @@ def _attach_precomputed_reference(
         model,
         splits,
         runtime,
-        model.settings.forward_micro_batch_size,
+        Coverage(loop.max_steps, loop.steps_per_epoch, loop.limit_val_batches),
         log_dir / "reference_logps",
         fingerprint,
         resuming,
@@ -290,8 +294,6 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
 
             layout = _layout(cfg)
             model = _build_policy(cfg, algorithm, arch, layout, runtime)
-            if precomputed:
-                _attach_precomputed_reference(cfg, algorithm, model, splits, arch, runtime, log_dir)
             loop_cfg = cfg.trainer.kto if algorithm == "kto" else cfg.trainer.dpo
             loop = resolve_loop(
                 loop_cfg,
@@ -301,6 +303,10 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
                 cfg.trainer.log_every_n_steps,
                 max_time,
             )
+            if precomputed:
+                _attach_precomputed_reference(
+                    cfg, algorithm, model, splits, arch, runtime, log_dir, loop
+                )
             optimizer, scheduler = _build_optimization(
                 cfg, algorithm, model.chunks, loop, layout.precision == "bf16"
             )

@@ -18,9 +18,9 @@ from megatron_kto.data.tokenizers import load_tokenizer
 REPO = Path(__file__).resolve().parents[1]
 SP_MODEL = str(REPO / "examples" / "data" / "tokenizer" / "tiny_sp.model")
 ROWS = [
-    {"prompt": "Name two fruit words .", "completion": "apple , plum .", "label": True},
-    {"prompt": "Name two tool words .", "completion": "rain , fog .", "label": False},
-    {"prompt": "Name three color words .", "completion": "red , blue , pink .", "label": True},
+    {"prompt": "Name two fruit words .", "completion": " apple , plum .", "label": True},
+    {"prompt": "Name two tool words .", "completion": " rain , fog .", "label": False},
+    {"prompt": "Name three color words .", "completion": " red , blue , pink .", "label": True},
 ]
 
 
@@ -68,6 +68,7 @@ def test_miss_then_hit_gives_identical_data_from_memory_maps(data, tok, monkeypa
         "tokens.npy",
         "offsets.npy",
         "labels.npy",
+        "prompt_keys.npy",
         "meta.json",
     }
     second, stats2 = build_kto_dataset(data, tok, max_length=64)
@@ -89,7 +90,7 @@ def test_content_change_invalidates_even_with_same_size_and_mtime(data, tok, mon
     assert data.stat().st_size == stat.st_size
     ds, _ = build_kto_dataset(data, tok, max_length=64)
     assert counter.calls == 2 and len(entries(data)) == 2
-    assert ds[0]["completion_ids"][0] == tok.encode("mango")[0]
+    assert ds[0]["completion_ids"][0] == tok.encode(" mango")[0]
 
 
 def test_tokenizer_and_length_settings_are_part_of_the_key(data, tok, monkeypatch):

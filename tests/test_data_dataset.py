@@ -38,8 +38,8 @@ def test_kto_items_and_stats(tmp_path, tok):
     path = write_jsonl(
         tmp_path / "d.jsonl",
         [
-            {"prompt": "Name two fruit words .", "completion": "apple , plum .", "label": True},
-            {"prompt": "Name two tool words .", "completion": "rain , fog .", "label": False},
+            {"prompt": "Name two fruit words .", "completion": " apple , plum .", "label": True},
+            {"prompt": "Name two tool words .", "completion": " rain , fog .", "label": False},
         ],
     )
     dataset, stats = build_kto_dataset(path, tok, max_length=64, use_cache=False)
@@ -47,7 +47,7 @@ def test_kto_items_and_stats(tmp_path, tok):
     item = dataset[0]
     assert set(item) == {"prompt_ids", "completion_ids", "label"}
     assert item["prompt_ids"] == [tok.bos_id, *tok.encode("Name two fruit words .")]
-    assert item["completion_ids"] == [*tok.encode("apple , plum ."), tok.eos_id]
+    assert item["completion_ids"] == [*tok.encode(" apple , plum ."), tok.eos_id]
     assert item["label"] is True and dataset[-1]["label"] is False
     assert all(isinstance(i, int) for i in item["prompt_ids"])
     assert dataset.labels.tolist() == [True, False]
@@ -63,8 +63,8 @@ def test_paired_rows_become_two_kto_rows_and_one_dpo_pair(tmp_path, tok):
         [
             {
                 "prompt": "Name two fruit words .",
-                "chosen": "apple , plum .",
-                "rejected": "car , bus .",
+                "chosen": " apple , plum .",
+                "rejected": " car , bus .",
             }
         ],
     )
@@ -93,13 +93,13 @@ def test_length_policy_drops_are_counted_and_reported(tmp_path, tok):
     path = write_jsonl(
         tmp_path / "d.jsonl",
         [
-            {"prompt": long_prompt, "completion": "plum .", "label": True},
+            {"prompt": long_prompt, "completion": " plum .", "label": True},
             {
                 "prompt": "Name two fruit words .",
-                "completion": "apple , plum , peach , mango .",
+                "completion": " apple , plum , peach , mango .",
                 "label": False,
             },
-            {"prompt": "Name two fruit words .", "completion": "apple .", "label": True},
+            {"prompt": "Name two fruit words .", "completion": " apple .", "label": True},
         ],
     )
     dataset, stats = build_kto_dataset(path, tok, max_length=10, use_cache=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 
+import numpy as np
 import pytest
 
 from megatron_kto.data.collate import kto_custom_collate
@@ -118,40 +119,48 @@ def test_dataloader_yields_one_collated_share_per_global_batch():
 @pytest.mark.parametrize("dp", [1, 2, 3, 6])
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_kl_partners_are_the_global_batch_shift_for_every_dp(dp, shuffle):
-    """Each row's KL partner is the next row of the *global* batch (mod G), so the ranks'
-    shares together hold exactly the DP=1 pairs and no row is its own partner."""
-    for b, batch in enumerate(global_batches(dp, 10, shuffle=shuffle, kl_partners=True)):
-        rows = [i for i, _ in batch]
-        assert rows == global_batches(1, 10, shuffle=shuffle)[b]
-        assert [p for _, p in batch] == rows[1:] + rows[:1]
-    shares = [list(ValidationBatchSampler(N, G, r, dp, kl_partners=True))[0] for r in range(dp)]
-    rows = [i for share in shares for i, _ in share]
-    assert [p for share in shares for _, p in share] == rows[1:] + rows[:1]
+    """With distinct prompts each row's KL partner is the next row of the *global* batch
+    (mod G), so the ranks' shares together hold exactly the DP=1 pairs and no row is its own
+    partner; the epoch travels with each entry."""
+    keys = np.arange(N)  # every prompt distinct
+    kwargs = {"shuffle": shuffle, "kl_prompt_keys": keys, "max_epochs": 2}
+    expected = global_batches(1, 10, shuffle=shuffle, max_epochs=2)
+    for b, batch in enumerate(global_batches(dp, 10, **kwargs)):
+        rows = [i for i, _, _ in batch]
+        assert rows == expected[b]
+        assert [p for _, p, _ in batch] == rows[1:] + rows[:1]
+        assert {e for _, _, e in batch} == {b // 8}  # 8 global batches per epoch
+    shares = [list(ValidationBatchSampler(N, G, r, dp, keys))[0] for r in range(dp)]
+    rows = [i for share in shares for i, _, _ in share]
+    assert [p for share in shares for _, p, _ in share] == rows[1:] + rows[:1]
 
 
 def test_kl_rows_do_not_depend_on_the_data_parallel_size():
     """Collated through `BatchKLPartners`, the KL rows of DP=3 shares, stacked, are the DP=1
-    rows — including a share of one row, which the in-batch shift could not pair."""
+    rows — including a share of one row, which the in-batch shift could not pair — also when
+    rows share prompts (pairs of rows with one prompt, as paired data expands)."""
     from megatron_kto.data.kl_pairs import BatchKLPartners
 
-    dataset = BatchKLPartners(
-        [
-            {"prompt_ids": [1, i], "completion_ids": [i, i + 50], "label": i % 2 == 0}
-            for i in range(36)
-        ]
-    )
+    rows = [
+        {"prompt_ids": [1, i // 2], "completion_ids": [i, i + 50], "label": i % 2 == 0}
+        for i in range(36)
+    ]
+    keys = np.asarray([i // 2 for i in range(36)])
+    dataset = BatchKLPartners(rows)
     collate = functools.partial(kto_custom_collate, pad_id=0)
 
-    def kl_rows(dp: int, g: int) -> list[list[int]]:
+    def kl_rows(dp: int, g: int, shuffle: bool) -> list[list[int]]:
         out = []
         for r in range(dp):
             sampler = TrainingBatchSampler(
-                36, g, r, dp, shuffle=True, max_epochs=1, kl_partners=True
+                36, g, r, dp, shuffle=shuffle, max_epochs=1, kl_prompt_keys=keys
             )
             out += next(iter(build_dataloader(dataset, sampler, collate)))["kl_samples"].tolist()
         return out
 
-    single = kl_rows(1, 6)
-    assert kl_rows(3, 6) == single
-    assert kl_rows(6, 6) == single  # one row per rank
-    assert all(row[2] != row[1] for row in single)  # never its own completion
+    for shuffle in (False, True):
+        single = kl_rows(1, 6, shuffle)
+        assert kl_rows(3, 6, shuffle) == single
+        assert kl_rows(6, 6, shuffle) == single  # one row per rank
+        # Never a completion written for the row's own prompt (completion i answers i // 2).
+        assert all(row[2] // 2 != row[1] for row in single)

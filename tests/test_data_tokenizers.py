@@ -1,9 +1,12 @@
 """Tokenizers (bundled SentencePiece model, a tiny HF tokenizer.json built here), chat templates,
-and the prompt/completion encoding rules (exact boundary, BOS/EOS, conversational split)."""
+and the prompt/completion encoding rules (TRL's: whole text, completion after the common prefix;
+BOS/EOS as the tokenizer adds them). Parity with `transformers`/TRL on several tokenizer
+conventions is in `test_data_tokenization_trl.py`."""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -77,6 +80,13 @@ def test_bundled_sentencepiece_model(sp):
     assert (sp.pad_id, sp.bos_id, sp.eos_id, sp.vocab_size) == (0, 2, 3, 384)
     ids = sp.encode("Name two fruit words .")
     assert sp.decode(ids) == "Name two fruit words ."
+    # SentencePiece rule: BOS first when the model has one, never EOS.
+    assert sp.adds_bos and sp.encode("Name two", add_special_tokens=True) == [
+        2,
+        *sp.encode("Name two"),
+    ]
+    assert sp.encode_batch(["a b"], add_special_tokens=True) == [[2, *sp.encode("a b")]]
+    assert sp.eos_token == "</s>"
     assert sp.encode_batch(["a b", "apple ."]) == [sp.encode("a b"), sp.encode("apple .")]
     # Special-token strings in text become their single id, as in Hugging Face tokenizers.
     assert sp.encode("<s>apple</s>") == [2, *sp.encode("apple"), 3]
@@ -90,6 +100,8 @@ def test_huggingface_directory_with_config(hf_dir):
     assert tok.vocab_size == len(vocab)
     ids = tok.encode("hello world")
     assert tok.decode(ids) == "hello world" and tok.bos_id not in ids  # no automatic specials
+    # bos_token is set but the post-processor adds nothing: neither do we (transformers 5).
+    assert not tok.adds_bos and tok.encode("hello world", add_special_tokens=True) == ids
     assert tok.encode("<|im_end|>") == [vocab["<|im_end|>"]]
     assert tok.encode_batch(["hello", "world"]) == [tok.encode("hello"), tok.encode("world")]
     # The file itself also works, and picks up the config beside it.
@@ -98,17 +110,23 @@ def test_huggingface_directory_with_config(hf_dir):
     )
 
 
-def test_huggingface_config_variants(tmp_path):
+def test_huggingface_config_variants(tmp_path, caplog):
     bare = build_hf_tokenizer(tmp_path / "bare")  # no tokenizer_config.json: <s>/</s>/<pad> names
     tok = load_tokenizer("huggingface", str(bare))
-    assert tok.bos_id is not None and tok.eos_id is not None
+    assert tok.bos_id is not None and tok.eos_id is not None and not tok.adds_bos
     no_bos = build_hf_tokenizer(tmp_path / "nobos", {"eos_token": "</s>", "bos_token": None})
     tok = load_tokenizer("huggingface", str(no_bos))
     assert tok.bos_id is None and tok.pad_id == tok.eos_id  # pad falls back to EOS
-    off = build_hf_tokenizer(
-        tmp_path / "off", {"eos_token": "</s>", "bos_token": "<s>", "add_bos_token": False}
+    # add_bos_token in the config does not override tokenizer.json (as in transformers >= 5);
+    # a contradiction is logged.
+    on = build_hf_tokenizer(
+        tmp_path / "on", {"eos_token": "</s>", "bos_token": "<s>", "add_bos_token": True}
     )
-    assert load_tokenizer("huggingface", str(off)).bos_id is None
+    with caplog.at_level(logging.WARNING):
+        assert not load_tokenizer("huggingface", str(on)).adds_bos
+    assert "add_bos_token is True, but the post-processor of tokenizer.json does not add it" in (
+        caplog.text
+    )
     bad = build_hf_tokenizer(tmp_path / "bad", {"eos_token": "<|eot|>"})
     with pytest.raises(ValueError, match="eos_token '<\\|eot\\|>' is not in the vocabulary"):
         load_tokenizer("huggingface", str(bad))
@@ -163,40 +181,47 @@ def test_sentencepiece_needs_an_explicit_chat_template(sp):
 # ----------------------------------------------------------------------------- encoding
 
 
-def test_boundary_is_exact_no_token_straddles_it(hf_dir):
+def test_whole_text_is_tokenised_and_the_completion_starts_at_the_common_prefix(hf_dir):
     tok = load_tokenizer("huggingface", str(hf_dir))
-    prompt, completion = "hello wor", "ld again"
-    prompt_ids, completion_ids = encode(tok, prompt, completion)
-    assert prompt_ids == [tok.bos_id, *tok.encode(prompt)]
-    assert completion_ids == [*tok.encode(completion), tok.eos_id]
-    assert tok.decode(prompt_ids[1:]) == prompt and tok.decode(completion_ids[:-1]) == completion
-    # Joint tokenisation would merge across the boundary; separate tokenisation must not.
-    assert tok.encode(prompt + completion) != prompt_ids[1:] + completion_ids[:-1]
+    # A space-separated completion: the prompt's ids are a prefix of the whole text's.
+    prompt_ids, completion_ids = encode(tok, "hello world", " again")
+    assert prompt_ids == tok.encode("hello world", add_special_tokens=True)
+    assert prompt_ids + completion_ids == tok.encode("hello world again</s>", True)
+    assert completion_ids[-1] == tok.eos_id and completion_ids.count(tok.eos_id) == 1
+    # Tokens merging across the seam: the sequence is still the whole text's tokenisation (as
+    # TRL trains on), and the prompt keeps only the ids it shares with it.
+    rendered = render_example(tok, "hello wor", ["ld again"], WHERE, ["completion"])
+    (encoded,) = encode_rendered(tok, [rendered])
+    whole = tok.encode("hello world again</s>", True)
+    assert encoded.prompt_ids + encoded.completion_ids[0] == whole and encoded.merged
+    alone = tok.encode("hello wor", True)
+    assert encoded.prompt_ids == alone[: len(encoded.prompt_ids)] != alone
 
 
 def test_sentencepiece_bos_and_eos_added_once(sp):
-    prompt_ids, completion_ids = encode(sp, "Name two fruit words .", "apple , plum .")
-    assert prompt_ids[0] == sp.bos_id and prompt_ids.count(sp.bos_id) == 1
-    assert completion_ids[-1] == sp.eos_id and completion_ids.count(sp.eos_id) == 1
-    # Text that already carries them is not doubled.
-    prompt_ids2, completion_ids2 = encode(sp, "<s>Name two fruit words .", "apple , plum .</s>")
-    assert prompt_ids2 == prompt_ids and completion_ids2 == completion_ids
+    prompt_ids, completion_ids = encode(sp, "Name two fruit words .", " apple , plum .")
+    assert prompt_ids == [sp.bos_id, *sp.encode("Name two fruit words .")]
+    assert completion_ids == [*sp.encode(" apple , plum ."), sp.eos_id]
+    # A completion that already ends with the EOS string does not get a second one (TRL).
+    assert encode(sp, "Name two fruit words .", " apple , plum .</s>") == (
+        prompt_ids,
+        completion_ids,
+    )
 
 
-def test_conversational_split_with_template_bos(hf_dir):
+def test_conversational_rows_are_what_the_template_renders(hf_dir):
     tok = load_tokenizer("huggingface", str(hf_dir))
     prompt = [{"role": "user", "content": "hello"}]
     completion = [{"role": "assistant", "content": "world"}]
     rendered = render_example(tok, prompt, [completion], WHERE, ["completion"])
+    assert rendered.chat
     assert rendered.prompt == "<s><|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
-    assert rendered.completions == ("world<|im_end|>\n",)
+    assert rendered.fulls == (rendered.prompt + "world<|im_end|>\n",)
     prompt_ids, completion_ids = encode(tok, prompt, completion)
     assert prompt_ids.count(tok.bos_id) == 1 and prompt_ids[0] == tok.bos_id  # template's BOS
-    assert completion_ids[-1] == tok.eos_id
-    assert (
-        tok.decode(prompt_ids + completion_ids)
-        == rendered.prompt + rendered.completions[0] + "</s>"
-    )
+    # The template's end of turn ends the completion; no EOS is appended after it.
+    assert tok.decode(completion_ids) == "world<|im_end|>\n" and tok.eos_id not in completion_ids
+    assert prompt_ids + completion_ids == tok.encode(rendered.fulls[0])
 
 
 def test_conversational_with_sentencepiece_and_explicit_template(sp):
@@ -211,15 +236,27 @@ def test_conversational_with_sentencepiece_and_explicit_template(sp):
     assert prompt_ids[0] == tok.bos_id and prompt_ids.count(tok.bos_id) == 1
 
 
-def test_template_that_breaks_the_prompt_prefix_is_an_error(hf_dir):
-    tok = load_tokenizer(
-        "huggingface",
-        str(hf_dir),
-        chat_template="{% if add_generation_prompt %}GEN:{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+def test_template_rendering_the_prompt_differently_keeps_the_common_prefix(hf_dir, tmp_path):
+    from megatron_kto.data.dataset import build_kto_dataset
+
+    template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: (thinking)\n{% endif %}"
     )
-    with pytest.raises(DataFormatError) as err:
-        encode(tok, [{"role": "user", "content": "q"}], [{"role": "assistant", "content": "a"}])
-    assert str(err.value).startswith("data.jsonl:7: completion: the chat template renders")
+    tok = load_tokenizer("huggingface", str(hf_dir), chat_template=template)
+    row = {
+        "prompt": [{"role": "user", "content": "hello"}],
+        "completion": [{"role": "assistant", "content": "world"}],
+        "label": True,
+    }
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    dataset, stats = build_kto_dataset(path, tok, None, use_cache=False)
+    whole = tok.encode("user: hello\nassistant: world\n")
+    assert dataset[0]["prompt_ids"] + dataset[0]["completion_ids"] == whole
+    assert stats.prompts_merged == 1 and "WARNING: 1 examples: the tokenised prompt" in (
+        stats.summary()
+    )
 
 
 def test_template_refusal_names_the_row(hf_dir):
@@ -261,4 +298,4 @@ def test_conversational_kto_dataset_end_to_end(hf_dir, tmp_path):
     item = dataset[0]
     expected_prompt = tok.apply_chat_template(prompt, add_generation_prompt=True)
     assert tok.decode(item["prompt_ids"]) == expected_prompt
-    assert tok.decode(item["completion_ids"]) == "world<|im_end|>\n</s>"
+    assert tok.decode(item["completion_ids"]) == "world<|im_end|>\n"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from e2e_cli import TOKENIZER, TRAIN_DATA, tiny_architecture
@@ -32,7 +33,7 @@ def _step_metrics(tp: int, pp: int, ckpt_dir: str) -> dict[str, float]:
     from megatron_kto.checkpointing.model_io import load_model, read_architecture
     from megatron_kto.data.collate import kto_custom_collate
     from megatron_kto.data.dataset import build_kto_dataset
-    from megatron_kto.data.kl_pairs import BatchKLPartners
+    from megatron_kto.data.kl_pairs import BatchKLPartners, batch_partners
     from megatron_kto.data.samplers import rank_share
     from megatron_kto.data.tokenizers import load_tokenizer
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
@@ -66,7 +67,9 @@ def _step_metrics(tp: int, pp: int, ckpt_dir: str) -> dict[str, float]:
 
     tok = load_tokenizer("sentencepiece", str(TOKENIZER))
     dataset, _ = build_kto_dataset([TRAIN_DATA], tok, 64, use_cache=False)
-    keys = rank_share(list(range(GLOBAL_BATCH)), rt.data_parallel_rank, rt.data_parallel_size, True)
+    rows = list(range(GLOBAL_BATCH))
+    partners = batch_partners(np.arange(GLOBAL_BATCH), 0, GLOBAL_BATCH, dataset.prompt_keys)
+    keys = rank_share(rows, rt.data_parallel_rank, rt.data_parallel_size, partners)
     data = BatchKLPartners(dataset)
     collate = functools.partial(kto_custom_collate, pad_id=tok.pad_id, max_length=64)
     batch = to_device(collate([data[k] for k in keys]), rt.device)

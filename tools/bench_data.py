@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         items = BatchKLPartners(dataset)
         n = COLLATE_BATCH
         starts = range(0, min(len(dataset) // n, 100) * n, n)  # up to 100 batches
-        keys = [[(b + i, b + (i + 1) % n) for i in range(n)] for b in starts]
+        keys = [[(b + i, b + (i + 1) % n, 0) for i in range(n)] for b in starts]
         _, collated = _timed(lambda: [collate([items[k] for k in batch]) for batch in keys])
         print(
             f"fetch + kto_custom_collate, batch {n}: {len(keys) / collated:,.0f} batches/s "

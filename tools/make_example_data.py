@@ -49,6 +49,8 @@ def make_example_data(out: Path) -> dict[str, int]:
     written = {name: synthetic.write_jsonl(rows, out / name) for name, rows in files.items()}
     texts = [r["prompt"] for r in kto_train] + [r["completion"] for r in kto_train]
     texts += [r[k] for r in dpo_train for k in ("prompt", "chosen", "rejected")]
+    # Completions start with their separating space; the tokenizer is trained on bare sentences.
+    texts = [t.strip() for t in texts]
     synthetic.train_sentencepiece(texts, out / "tokenizer" / "tiny_sp.model", VOCAB_SIZE)
     return written
 

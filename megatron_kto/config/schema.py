@@ -118,7 +118,7 @@ class KTOLossConfig:
     """Weight of the NLL of desirable completions added to the loss."""
     reference_policy: str = "cpu_swap"
     """'cpu_swap' (host copy swapped in), 'separate' (second model on the device), or
-    'precomputed' (one pass over the data before training; KL partners fixed by dataset index)."""
+    'precomputed' (the run's reference passes done before training; same KL partners as cpu_swap)."""
     log_prob_forward_micro_batch_size: int | None = None
     """Rows per micro-batch in forward-only passes; None means model.micro_batch_size."""
 

@@ -1,7 +1,7 @@
 """On-disk cache of tokenised shards, so tokenisation runs once per (data, tokenizer, limits).
 
 Layout: ``<cache root>/<key>/`` with ``tokens.npy`` (int32), ``offsets.npy`` (int64),
-``labels.npy`` (uint8, KTO only) and ``meta.json``. The cache root is
+``labels.npy`` (uint8, KTO only), ``prompt_keys.npy`` (int64, KTO only) and ``meta.json``. The cache root is
 ``<data file>.mkto_cache/`` beside the data, or ``<cache_dir>/<file name>.mkto_cache/``.
 Arrays are plain ``.npy`` files (never pickle) and are memory-mapped on load, so start-up from
 the cache costs a content hash and a few ``open`` calls, whatever the dataset size.
@@ -34,7 +34,9 @@ from megatron_kto.data.length_policy import LengthPolicy
 from megatron_kto.data.shards import TokenizedShard
 from megatron_kto.data.stats import DatasetStats
 
-CACHE_VERSION = 1
+#: 2: TRL's tokenisation rule (whole text, completion after the common prefix) and per-example
+#: prompt keys for KL pairing.
+CACHE_VERSION = 2
 CACHE_SUFFIX = ".mkto_cache"
 _HASH_CHUNK = 1 << 22
 
@@ -122,15 +124,20 @@ def load_shard(entry: Path, key: dict[str, Any]) -> TokenizedShard | None:
             return None
         tokens = np.load(entry / "tokens.npy", mmap_mode="r", allow_pickle=False)
         offsets = np.load(entry / "offsets.npy", mmap_mode="r", allow_pickle=False)
-        labels = None
+        labels = prompt_keys = None
         if key["kind"] == "kto":
             labels = np.load(entry / "labels.npy", mmap_mode="r", allow_pickle=False)
+            prompt_keys = np.load(entry / "prompt_keys.npy", mmap_mode="r", allow_pickle=False)
         stats = DatasetStats.from_dict(meta["stats"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if offsets.shape[0] != meta.get("num_examples") or tokens.shape[0] != meta.get("num_tokens"):
         return None
-    return TokenizedShard(tokens=tokens, offsets=offsets, labels=labels, stats=stats)
+    if prompt_keys is not None and prompt_keys.shape[0] != offsets.shape[0]:
+        return None
+    return TokenizedShard(
+        tokens=tokens, offsets=offsets, labels=labels, stats=stats, prompt_keys=prompt_keys
+    )
 
 
 def save_shard(shard: TokenizedShard, entry: Path, key: dict[str, Any]) -> None:
@@ -151,6 +158,8 @@ def save_shard(shard: TokenizedShard, entry: Path, key: dict[str, Any]) -> None:
         np.save(tmp / "offsets.npy", np.ascontiguousarray(shard.offsets, dtype=np.int64))
         if shard.labels is not None:
             np.save(tmp / "labels.npy", np.ascontiguousarray(shard.labels, dtype=np.uint8))
+        if shard.prompt_keys is not None:
+            np.save(tmp / "prompt_keys.npy", np.ascontiguousarray(shard.prompt_keys, np.int64))
         meta = {
             "key": key,
             "num_examples": int(shard.offsets.shape[0]),

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megatron_kto.data.kl_pairs import partner_positions
+
 IGNORE_INDEX = -100
 
 
@@ -79,11 +81,31 @@ def kl_completion(
 
 
 def _with_index(examples: Sequence[dict[str, Any]], batch: dict[str, Tensor]) -> dict[str, Tensor]:
-    # Examples from `data.kl_pairs.IndexedExamples` carry their dataset index, which precomputed
-    # reference log-probs are looked up by.
-    if "index" in examples[0]:
-        batch["index"] = torch.tensor([int(e["index"]) for e in examples], dtype=torch.long)
+    # Examples for a precomputed reference (`data.kl_pairs`) carry their dataset index (and, for
+    # KTO, the epoch of their KL partner), the keys of the precomputed log-probs.
+    for key in ("index", "epoch"):
+        if key in examples[0]:
+            batch[key] = torch.tensor([int(e[key]) for e in examples], dtype=torch.long)
     return batch
+
+
+def in_batch_partners(prompts: Sequence[Sequence[int]]) -> list[int]:
+    """KL partner position of each row of a batch: `data.kl_pairs.partner_positions` with
+    prompts identified by their token ids.
+
+    Raises:
+        ValueError: every row has the same prompt.
+    """
+    ids: dict[tuple[int, ...], int] = {}
+    keys = [ids.setdefault(tuple(p), len(ids)) for p in prompts]
+    positions = partner_positions(keys)
+    if positions is None:
+        raise ValueError(
+            f"all {len(prompts)} examples of the batch have the same prompt, so no KL row can "
+            "pair a prompt with a completion written for another one; mix prompts in the batch "
+            "or give fixed partners (data.kl_pairs)"
+        )
+    return positions.tolist()
 
 
 def kto_custom_collate(
@@ -94,16 +116,18 @@ def kto_custom_collate(
 ) -> dict[str, Tensor]:
     """Collate KTO examples with their KL rows.
 
-    KL row ``i`` is ``prompt_i + completion_{(i+1) mod B}`` — a circular shift, so the KL
-    completions are exactly the batch's completions, permuted, and no row is paired with its
-    own completion (a reversal would pair the middle row with itself for odd B). Samples and
-    KL rows are padded together to one length T.
+    KL row ``i`` is ``prompt_i + completion_j`` with j chosen by the rule of ``data.kl_pairs``:
+    ``(i + 1) mod B`` — a circular shift, so the KL completions are exactly the batch's
+    completions, permuted (a reversal would pair the middle row with itself for odd B) —
+    unless that would give a row a completion written for its own prompt (equal prompt ids),
+    e.g. the two rows of one paired example. Samples and KL rows are padded together to one
+    length T.
 
     Args:
         examples: ``{"prompt_ids", "completion_ids", "label"}`` dicts (B >= 2). Examples that
-            also carry ``kl_completion_ids`` (fixed, order-independent KL partners, see
-            ``data.kl_pairs``) use those instead of the circular shift, and B = 1 is allowed;
-            an ``index`` key is passed through as ``index`` [B].
+            also carry ``kl_completion_ids`` (partners chosen over the global batch, see
+            ``data.kl_pairs``) use those instead, and B = 1 is allowed; ``index`` and
+            ``epoch`` keys are passed through as LongTensors [B].
         pad_id: token id used for padding.
         pad_to_multiple_of: T is rounded up to a multiple of this.
         max_length: most tokens of a KL row's prompt + completion; its completion is cut from
@@ -115,7 +139,7 @@ def kto_custom_collate(
         ``kl_sample_lengths``: LongTensor [B].
 
     Raises:
-        ValueError: B < 2 (no KL pair exists).
+        ValueError: B < 2, or all rows share one prompt (no KL pair exists).
     """
     batch = len(examples)
     # Training and precomputed-reference runs give each row its KL partner (`data.kl_pairs`:
@@ -133,7 +157,7 @@ def kto_custom_collate(
     if fixed_pairs:
         kl_sources = [list(e["kl_completion_ids"]) for e in examples]
     else:
-        kl_sources = [completions[(i + 1) % batch] for i in range(batch)]
+        kl_sources = [completions[j] for j in in_batch_partners(prompts)]
     kl_rows = [
         inputs_and_labels(p, kl_completion(p, kl_sources[i], max_length))
         for i, p in enumerate(prompts)

@@ -75,6 +75,13 @@ class KTODataset(_ShardedDataset):
             return np.zeros(0, dtype=bool)
         return np.concatenate([np.asarray(s.labels, dtype=bool) for s in self.shards])
 
+    @property
+    def prompt_keys(self) -> np.ndarray:
+        """int64 [n]: prompt identities; equal keys mean the same prompt (for KL pairing)."""
+        if not self.shards:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.asarray(s.prompt_keys, dtype=np.int64) for s in self.shards])
+
 
 class DPODataset(_ShardedDataset):
     """DPO pairs: ``{"prompt_ids", "chosen_ids", "rejected_ids"}`` (lists of ints)."""

@@ -1,21 +1,32 @@
-"""Turn normalised examples into prompt and completion token ids with an exact boundary.
+"""Turn normalised examples into prompt and completion token ids, as TRL 1.16 does.
 
-Prompt and completion are tokenised *separately* and the id lists are concatenated, so no token
-ever straddles the prompt/completion boundary and the loss mask is exact.
+The training sequence of a (prompt, completion) row is what the tokenizer makes of the whole
+text, and the prompt is tokenised alone only to find where the completion starts:
 
-* Plain-text rows are used as they are (no chat template).
-* Conversational rows: ``prompt_text = template(prompt, add_generation_prompt=True)`` and
-  ``completion_text = template(prompt + completion)[len(prompt_text):]``; a template whose
-  full rendering does not start with the prompt rendering is an error, because the boundary
-  would be undefined.
-* BOS is prepended to the prompt when the tokenizer has one and the ids do not already start
-  with it (chat templates often render ``bos_token`` themselves).
-* EOS is appended to each completion unless its ids already end with it (some templates render
-  ``eos_token`` at the end of the assistant turn).
+* Plain-text rows: the completion gets the ``eos_token`` string appended unless it already
+  ends with it; then ``prompt_ids = encode(prompt)`` and ``full_ids = encode(prompt +
+  completion)``, both with the special tokens the tokenizer itself adds (BOS for Llama-style
+  tokenizers, nothing for ChatML/GPT-2-style ones; see ``tokenizers.py``). Prompt and completion
+  are joined as given, with no separator: put the space that separates them in the data
+  (``"completion": " The answer"``), as TRL expects.
+* Conversational rows: ``prompt_ids = encode(template(prompt, add_generation_prompt=True))``
+  and ``full_ids = encode(template(prompt + completion))``, without added special tokens (the
+  template renders them). What the template renders is the sequence: its own end of turn
+  (e.g. ``<|im_end|>\\n``) ends the completion, and no EOS is added.
+* The completion starts where ``prompt_ids`` and ``full_ids`` first differ (TRL's
+  ``common_prefix_length``). Usually that is ``len(prompt_ids)``; when a token merges across
+  the seam, or a template renders the prompt differently alone, the prompt keeps only the common
+  part and the example is counted in ``DatasetStats.prompts_merged`` (TRL warns once).
+* For DPO the prompt ends at the shorter of the two common prefixes (chosen and rejected), as
+  in TRL's DPO trainer.
+
+So ``prompt_ids + completion_ids`` always equals ``full_ids`` — the ids ``transformers``/TRL
+train on — and the loss mask covers exactly the completion.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,12 +41,14 @@ class RenderedExample:
     """An example as plain strings, ready for the tokenizer.
 
     Attributes:
-        prompt: prompt text.
-        completions: completion texts (one for KTO; chosen, rejected for DPO).
+        prompt: prompt text (rendered with the generation prompt for conversational rows).
+        fulls: prompt + completion texts (one for KTO; chosen, rejected for DPO).
+        chat: rendered by a chat template (encoded without added special tokens).
     """
 
     prompt: str
-    completions: tuple[str, ...]
+    fulls: tuple[str, ...]
+    chat: bool = False
 
 
 @dataclass(frozen=True)
@@ -43,12 +56,17 @@ class EncodedExample:
     """Token ids of one example (before the length policy).
 
     Attributes:
-        prompt_ids: prompt ids, BOS first when the tokenizer has one.
-        completion_ids: ids of each completion, each ending with EOS.
+        prompt_ids: the prompt's ids (BOS first when the tokenizer or template puts it there).
+        completion_ids: ids of each completion (plain text: ending with EOS).
+        prompt_key: identity of the prompt (a hash of its text): rows with equal keys answer
+            the same prompt, so one's completion is never the other's KL completion.
+        merged: the tokenised prompt alone is not a prefix of prompt + completion.
     """
 
     prompt_ids: list[int]
     completion_ids: tuple[list[int], ...]
+    prompt_key: int
+    merged: bool = False
 
 
 def completion_fields(example: UnpairedExample | PairedExample) -> tuple[str, ...]:
@@ -67,10 +85,10 @@ def render_example(
     where: RowLocation,
     fields: Sequence[str],
 ) -> RenderedExample:
-    """Render an example's texts, applying the chat template to conversational rows.
+    """Render an example's texts: plain rows joined with EOS, conversational rows templated.
 
     Args:
-        tokenizer: supplies the chat template.
+        tokenizer: supplies the chat template and the EOS string.
         prompt: prompt text or messages.
         completions: completion texts or message lists (same kind as ``prompt``).
         where: the row, for errors.
@@ -80,45 +98,42 @@ def render_example(
         The rendered strings.
 
     Raises:
-        DataFormatError: the template refused the messages or breaks the prompt prefix.
+        DataFormatError: the template refused the messages or rendered an empty completion.
     """
     if isinstance(prompt, str):
-        return RenderedExample(prompt, tuple(completions))  # type: ignore[arg-type]
+        eos = tokenizer.eos_token
+        fulls = tuple(prompt + c + ("" if c.endswith(eos) else eos) for c in completions)  # type: ignore[operator]
+        return RenderedExample(prompt, fulls)
     try:
         prompt_text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
     except ChatTemplateError as err:
         raise where.error("prompt", str(err)) from None
-    texts = []
+    fulls = []
     for completion, field in zip(completions, fields):
         try:
             full = tokenizer.apply_chat_template(prompt + list(completion), False)
         except ChatTemplateError as err:
             raise where.error(field, str(err)) from None
-        if not full.startswith(prompt_text):
-            raise where.error(
-                field,
-                "the chat template renders prompt+completion so that it does not start with the "
-                "rendered prompt (add_generation_prompt=True), so the prompt/completion boundary "
-                "is undefined; fix the template or give the texts as plain strings",
-            )
-        if not full[len(prompt_text) :].strip():
+        if full == prompt_text or not full.strip():
             raise where.error(field, "the chat template renders this completion as empty text")
-        texts.append(full[len(prompt_text) :])
-    return RenderedExample(prompt_text, tuple(texts))
+        fulls.append(full)
+    return RenderedExample(prompt_text, tuple(fulls), chat=True)
 
 
-def add_bos(ids: list[int], bos_id: int | None) -> list[int]:
-    """Prepend ``bos_id`` unless it is None or already first."""
-    if bos_id is None or (ids and ids[0] == bos_id):
-        return ids
-    return [bos_id, *ids]
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Number of leading ids ``a`` and ``b`` have in common."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
-def add_eos(ids: list[int], eos_id: int) -> list[int]:
-    """Append ``eos_id`` unless already last."""
-    if ids and ids[-1] == eos_id:
-        return ids
-    return [*ids, eos_id]
+def prompt_key(text: str) -> int:
+    """A 63-bit identity of a (rendered) prompt text, stable across processes and runs."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def encode_rendered(
@@ -131,20 +146,27 @@ def encode_rendered(
         rendered: examples as strings; all must have the same number of completions.
 
     Returns:
-        The encoded examples, in order.
+        The encoded examples, in order. An empty completion (a ``full`` that tokenises to the
+        prompt's ids) comes back empty and is dropped by the length policy's callers.
     """
     if not rendered:
         return []
-    per_example = len(rendered[0].completions)
-    prompts = tokenizer.encode_batch([r.prompt for r in rendered])
-    flat = tokenizer.encode_batch([c for r in rendered for c in r.completions])
-    encoded = []
-    for i, prompt_ids in enumerate(prompts):
-        completions = flat[i * per_example : (i + 1) * per_example]
-        encoded.append(
-            EncodedExample(
-                add_bos(list(prompt_ids), tokenizer.bos_id),
-                tuple(add_eos(list(c), tokenizer.eos_id) for c in completions),
+    per_example = len(rendered[0].fulls)
+    out: list[EncodedExample | None] = [None] * len(rendered)
+    for chat in (False, True):
+        group = [i for i, r in enumerate(rendered) if r.chat is chat]
+        if not group:
+            continue
+        special = not chat  # a template renders its special tokens itself
+        prompts = tokenizer.encode_batch([rendered[i].prompt for i in group], special)
+        flat = tokenizer.encode_batch([f for i in group for f in rendered[i].fulls], special)
+        for j, (i, prompt_ids) in enumerate(zip(group, prompts)):
+            fulls = flat[j * per_example : (j + 1) * per_example]
+            boundary = min(common_prefix_length(prompt_ids, full) for full in fulls)
+            out[i] = EncodedExample(
+                prompt_ids=list(fulls[0][:boundary]),
+                completion_ids=tuple(list(full[boundary:]) for full in fulls),
+                prompt_key=prompt_key(rendered[i].prompt),
+                merged=boundary < len(prompt_ids),
             )
-        )
-    return encoded
+    return out  # type: ignore[return-value]

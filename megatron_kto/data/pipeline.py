@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from megatron_kto.config.validate import ConfigError
 from megatron_kto.data.collate import dpo_custom_collate, kto_custom_collate
 from megatron_kto.data.dataset import build_dpo_dataset, build_kto_dataset
-from megatron_kto.data.kl_pairs import BatchKLPartners, IndexedExamples
+from megatron_kto.data.kl_pairs import BatchKLPartners, IndexedExamples, check_distinct_prompts
 from megatron_kto.data.samplers import (
     TrainingBatchSampler,
     ValidationBatchSampler,
@@ -49,8 +50,9 @@ class Split:
     shuffle: bool
     seed: int
     num_workers: int
-    kl_partners: bool = False
-    """The sampler yields (index, global-batch partner) pairs (`data.kl_pairs.BatchKLPartners`)."""
+    kl_prompt_keys: np.ndarray | None = None
+    """KTO: prompt keys by dataset index; the sampler then yields (index, KL partner, epoch)
+    entries chosen over the global batch (`data.kl_pairs`)."""
 
     @property
     def num_global_batches(self) -> int:
@@ -69,7 +71,7 @@ class Split:
                 self.global_batch_size,
                 self.data_parallel_rank,
                 self.data_parallel_size,
-                kl_partners=self.kl_partners,
+                kl_prompt_keys=self.kl_prompt_keys,
             )
         else:
             samples_per_epoch = self.num_global_batches * self.global_batch_size
@@ -82,9 +84,34 @@ class Split:
                 shuffle=self.shuffle,
                 seed=self.seed,
                 max_epochs=epoch + 1,
-                kl_partners=self.kl_partners,
+                kl_prompt_keys=self.kl_prompt_keys,
             )
         return build_dataloader(self.dataset, sampler, self.collate, self.num_workers)
+
+    def global_batches(
+        self, epoch: int, count: int
+    ) -> Iterator[tuple[list[int], list[int] | None]]:
+        """The first `count` global batches of `epoch` (all DP ranks' rows, in order) and their
+        KL partners — what `loader` deals out, for precomputing the reference."""
+        if self.name != "train":
+            sampler: Any = ValidationBatchSampler(
+                len(self.dataset), self.global_batch_size, 0, 1, self.kl_prompt_keys
+            )
+            for b in range(count):
+                yield sampler.global_batch(b)
+            return
+        sampler = TrainingBatchSampler(
+            len(self.dataset),
+            self.global_batch_size,
+            0,
+            1,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            kl_prompt_keys=self.kl_prompt_keys,
+        )
+        order = sampler.epoch_order(epoch)
+        for b in range(count):
+            yield sampler.batch_of_order(order, b)
 
     def describe(self) -> str:
         """Start-up report: counts, drops by the length policy, class-balance warnings."""
@@ -102,8 +129,9 @@ def build_split(
 ) -> Split | None:
     """Build the `split` ("train" or "validation") of a run, or None if it has no files.
 
-    With `index_offset` set (precomputed reference), items carry `index` = offset + dataset index
-    and KTO rows get dataset-level KL partners (`data.kl_pairs`).
+    KTO rows get their KL partners over the global batch (`data.kl_pairs`). With `index_offset`
+    set (precomputed reference), items also carry `index` = offset + dataset index (and, for KTO,
+    the `epoch` of the KL partner): the keys of the precomputed reference log-probs.
 
     Tokenisation is cached beside the data; local rank 0 of each node writes the cache while the
     other ranks wait at a barrier.
@@ -128,13 +156,22 @@ def build_split(
         barrier=torch.distributed.barrier if torch.distributed.is_initialized() else None,
         use_cache=d.use_cache,
     )
-    # KTO KL partners: by dataset order for a precomputed reference, else the next row of the
-    # global batch (so KL rows and z0 do not depend on the data-parallel size).
-    kl_partners = algorithm == "kto" and index_offset is None
-    if index_offset is not None:
-        dataset = IndexedExamples(dataset, index_offset, fixed_kl_pairs=algorithm == "kto")
-    elif kl_partners:
-        dataset = BatchKLPartners(dataset)
+    # KTO KL partners are chosen over the global batch (so KL rows and z0 do not depend on the
+    # data-parallel size), never among rows that answer the same prompt.
+    keys = None
+    if algorithm == "kto":
+        keys = np.asarray(dataset.prompt_keys)
+        try:
+            check_distinct_prompts(keys, f"model.data.data_prefix.{split}")
+        except ValueError as err:
+            if m.kto.loss_type != "apo_zero_unpaired":
+                raise ConfigError(str(err)) from None
+            # This loss has no KL term (its KL rows only feed the reported `kl`): with a single
+            # prompt, rows are told apart by position.
+            keys = np.arange(len(keys), dtype=np.int64)
+        dataset = BatchKLPartners(dataset, index_offset)
+    elif index_offset is not None:
+        dataset = IndexedExamples(dataset, index_offset)
     if algorithm == "kto":
         collate = partial(
             kto_custom_collate,
@@ -157,5 +194,5 @@ def build_split(
         shuffle=d.shuffle,
         seed=m.seed,
         num_workers=d.num_workers,
-        kl_partners=kl_partners,
+        kl_prompt_keys=keys,
     )

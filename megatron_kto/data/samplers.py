@@ -12,11 +12,11 @@ batches: the last ``len(dataset) % G`` samples of the epoch's order are dropped.
 order the permutation changes every epoch (seed + epoch), so different samples are left out
 each time.
 
-With ``kl_partners=True`` (KTO) each yielded entry is a pair ``(index, partner)``, where the
-partner is the next row of the *global* batch, circularly: KL row ``i`` of the global batch is
-``prompt_i + completion_{(i+1) mod G}`` whatever the data-parallel size, so z₀ — a mean over
-the global batch's KL rows — does not change with DP (``data.kl_pairs.BatchKLPartners``
-resolves the pairs).
+With ``kl_prompt_keys`` (KTO: the dataset's prompt keys) each yielded entry is a triple
+``(index, partner, epoch)``: the partner is chosen over the *global* batch by the rule of
+``data.kl_pairs`` (the circular shift of DESIGN §1, never onto a row answering the same
+prompt), whatever the data-parallel size, so z₀ — a mean over the global batch's KL rows —
+does not change with DP (``data.kl_pairs.BatchKLPartners`` resolves the entries).
 
 Validation (:class:`ValidationBatchSampler`) is one sequential pass over full global batches;
 the tail of ``len(dataset) % G`` samples is not evaluated (``num_dropped`` says how many), which
@@ -25,12 +25,14 @@ keeps every validation batch the same shape as a training batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from megatron_kto.data.kl_pairs import batch_partners
 
 
 def _check_layout(num_samples: int, global_batch_size: int, rank: int, size: int) -> None:
@@ -50,23 +52,50 @@ def _check_layout(num_samples: int, global_batch_size: int, rank: int, size: int
         )
 
 
-Share = list[int] | list[tuple[int, int]]
+def _checked_keys(keys: np.ndarray | None, num_samples: int) -> np.ndarray | None:
+    if keys is None:
+        return None
+    keys = np.asarray(keys)
+    if keys.shape != (num_samples,):
+        raise ValueError(f"kl_prompt_keys: expected {num_samples} keys, got {keys.shape}")
+    return keys
 
 
-def rank_share(global_batch: list[int], rank: int, size: int, kl_partners: bool) -> Share:
+def _global_batch(
+    order: np.ndarray, batch: int, size: int, keys: np.ndarray | None
+) -> tuple[list[int], list[int] | None]:
+    start = batch * size
+    indices = order[start : start + size].tolist()
+    partners = None if keys is None else batch_partners(order, start, size, keys)
+    return indices, partners
+
+
+Share = list[int] | list[tuple[int, int, int]]
+
+
+def rank_share(
+    global_batch: list[int],
+    rank: int,
+    size: int,
+    partners: Sequence[int] | None = None,
+    epoch: int = 0,
+) -> Share:
     """Data-parallel rank ``rank``'s contiguous slice of a global batch.
 
     Args:
         global_batch: the G dataset indices of one optimizer step, in order.
         rank, size: this rank's DP index and the DP size (must divide G).
-        kl_partners: pair each index with the next index of the global batch (mod G).
+        partners: the KL partner (dataset index) of each row of the global batch, or None.
+        epoch: the pass the batch belongs to (carried along with partners).
+
+    Returns:
+        The indices, or ``(index, partner, epoch)`` triples when ``partners`` is given.
     """
     per_rank = len(global_batch) // size
     start, stop = rank * per_rank, (rank + 1) * per_rank
-    if not kl_partners:
+    if partners is None:
         return global_batch[start:stop]
-    partners = global_batch[1:] + global_batch[:1]
-    return list(zip(global_batch[start:stop], partners[start:stop]))
+    return [(i, p, epoch) for i, p in zip(global_batch[start:stop], partners[start:stop])]
 
 
 class TrainingBatchSampler:
@@ -88,7 +117,7 @@ class TrainingBatchSampler:
         shuffle: bool = True,
         seed: int = 1234,
         max_epochs: int | None = None,
-        kl_partners: bool = False,
+        kl_prompt_keys: np.ndarray | None = None,
     ) -> None:
         """Check the layout and remember where to start.
 
@@ -101,7 +130,8 @@ class TrainingBatchSampler:
             shuffle: random order, reshuffled every epoch with ``seed + epoch``; else sequential.
             seed: the shuffling seed (the same on every rank).
             max_epochs: stop after this many epochs (None: never stop).
-            kl_partners: yield ``(index, next index in the global batch)`` pairs (KTO).
+            kl_prompt_keys: [num_samples] prompt keys: yield ``(index, KL partner, epoch)``
+                triples (KTO; see ``data.kl_pairs``).
         """
         _check_layout(num_samples, global_batch_size, data_parallel_rank, data_parallel_size)
         if consumed_samples < 0 or consumed_samples % global_batch_size:
@@ -117,7 +147,7 @@ class TrainingBatchSampler:
         self.shuffle = shuffle
         self.seed = seed
         self.max_epochs = max_epochs
-        self.kl_partners = kl_partners
+        self.kl_prompt_keys = _checked_keys(kl_prompt_keys, num_samples)
         self.epoch = self.epoch_of(consumed_samples)
 
     @property
@@ -142,10 +172,14 @@ class TrainingBatchSampler:
             order = np.arange(self.num_samples)
         return order[: self.samples_per_epoch]
 
-    def _share(self, order: np.ndarray, batch: int) -> Share:
-        start = batch * self.global_batch_size
-        global_batch = order[start : start + self.global_batch_size].tolist()
-        return rank_share(global_batch, self.rank, self.size, self.kl_partners)
+    def batch_of_order(self, order: np.ndarray, batch: int) -> tuple[list[int], list[int] | None]:
+        """Dataset indices of global batch ``batch`` of an epoch (``order = epoch_order(e)``)
+        and their KL partners (None without ``kl_prompt_keys``)."""
+        return _global_batch(order, batch, self.global_batch_size, self.kl_prompt_keys)
+
+    def _share(self, order: np.ndarray, batch: int, epoch: int) -> Share:
+        indices, partners = self.batch_of_order(order, batch)
+        return rank_share(indices, self.rank, self.size, partners, epoch)
 
     def __iter__(self) -> Iterator[Share]:
         consumed = self.consumed_samples
@@ -155,7 +189,7 @@ class TrainingBatchSampler:
             order = self.epoch_order(epoch)
             first = (consumed - epoch * self.samples_per_epoch) // self.global_batch_size
             for batch in range(first, self.batches_per_epoch):
-                yield self._share(order, batch)
+                yield self._share(order, batch, epoch)
                 consumed += self.global_batch_size
 
     def __len__(self) -> int:
@@ -175,7 +209,7 @@ class ValidationBatchSampler:
         global_batch_size: int,
         data_parallel_rank: int,
         data_parallel_size: int,
-        kl_partners: bool = False,
+        kl_prompt_keys: np.ndarray | None = None,
     ) -> None:
         """Check the layout.
 
@@ -184,25 +218,32 @@ class ValidationBatchSampler:
             global_batch_size: G.
             data_parallel_rank: this rank's DP index.
             data_parallel_size: DP (must divide G).
-            kl_partners: yield ``(index, next index in the global batch)`` pairs (KTO).
+            kl_prompt_keys: [num_samples] prompt keys: yield ``(index, KL partner, 0)``
+                triples (KTO; see ``data.kl_pairs``).
         """
         _check_layout(num_samples, global_batch_size, data_parallel_rank, data_parallel_size)
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
         self.rank = data_parallel_rank
         self.size = data_parallel_size
-        self.kl_partners = kl_partners
+        self.kl_prompt_keys = _checked_keys(kl_prompt_keys, num_samples)
 
     @property
     def num_dropped(self) -> int:
         """Samples in the incomplete last global batch, which are not evaluated."""
         return self.num_samples % self.global_batch_size
 
+    def global_batch(self, batch: int) -> tuple[list[int], list[int] | None]:
+        """Dataset indices of global batch ``batch`` and their KL partners (None without keys).
+
+        The pass order for KL partners is the whole dataset (the dropped tail included)."""
+        order = np.arange(self.num_samples)
+        return _global_batch(order, batch, self.global_batch_size, self.kl_prompt_keys)
+
     def __iter__(self) -> Iterator[Share]:
-        g = self.global_batch_size
         for batch in range(len(self)):
-            global_batch = list(range(batch * g, (batch + 1) * g))
-            yield rank_share(global_batch, self.rank, self.size, self.kl_partners)
+            indices, partners = self.global_batch(batch)
+            yield rank_share(indices, self.rank, self.size, partners, 0)
 
     def __len__(self) -> int:
         return self.num_samples // self.global_batch_size

@@ -5,7 +5,8 @@ A shard stores example ``i`` as consecutive segments of one int32 buffer:
     KTO: tokens[offsets[i,0]:offsets[i,1]] = prompt, tokens[offsets[i,1]:offsets[i,2]] = completion
     DPO: prompt, chosen, rejected between offsets[i,0..3]
 
-plus, for KTO, ``labels[i]`` (1 desirable, 0 undesirable). The file is read as a stream and
+plus, for KTO, ``labels[i]`` (1 desirable, 0 undesirable) and ``prompt_keys[i]`` (a hash of
+the prompt text: rows with equal keys answer the same prompt, which KL pairing must know). The file is read as a stream and
 tokenised in chunks (so the tokenizer's batch encoder is used) straight into ``array`` buffers:
 memory grows with the number of tokens, not with Python objects per row. The same layout is
 what the cache stores on disk and memory-maps on load.
@@ -49,6 +50,7 @@ class TokenizedShard:
         offsets: int64 [n, S+1] segment boundaries per example (S = 2 for KTO, 3 for DPO).
         labels: uint8 [n] KTO labels (1 desirable), or None for DPO.
         stats: what tokenising this file did.
+        prompt_keys: int64 [n] prompt identities (``encoding.prompt_key``), or None for DPO.
         raw_lengths: int64 [m, S] token lengths of *every* example before the length policy
             (dropped ones included), only when requested; used by the ``stats`` tool.
     """
@@ -57,6 +59,7 @@ class TokenizedShard:
     offsets: np.ndarray
     labels: np.ndarray | None
     stats: DatasetStats
+    prompt_keys: np.ndarray | None = None
     raw_lengths: np.ndarray | None = None
 
     def __len__(self) -> int:
@@ -98,6 +101,7 @@ class _ShardWriter:
         self.tokens = array("i")
         self.offsets = array("q")
         self.labels = array("B")
+        self.prompt_keys = array("q")
         self.raw = array("q") if record_lengths else None
 
     def add_chunk(
@@ -105,6 +109,13 @@ class _ShardWriter:
     ) -> None:
         for item, encoded in zip(items, encode_rendered(self.tokenizer, rendered)):
             prompt, completions = encoded.prompt_ids, encoded.completion_ids
+            for ids, field in zip(completions, completion_fields(item)):
+                if not ids:
+                    raise item.where.error(
+                        field,
+                        "the completion has no tokens of its own after tokenisation (the "
+                        "tokenised prompt + completion adds nothing to the tokenised prompt)",
+                    )
             if self.raw is not None:
                 self.raw.extend([len(prompt), *(len(c) for c in completions)])
             plan = plan_lengths(self.policy, len(prompt), [len(c) for c in completions])
@@ -113,6 +124,7 @@ class _ShardWriter:
                 continue
             self.stats.prompts_truncated += plan.prompt_truncated
             self.stats.completions_truncated += plan.completion_truncated
+            self.stats.prompts_merged += encoded.merged
             prompt = truncate_prompt(
                 prompt, plan.prompt_length, self.policy.truncation_mode, self.tokenizer.bos_id
             )
@@ -126,6 +138,7 @@ class _ShardWriter:
             self.stats.examples += 1
             if isinstance(item, UnpairedExample):
                 self.labels.append(int(item.label))
+                self.prompt_keys.append(encoded.prompt_key)
                 if item.label:
                     self.stats.desirable += 1
                 else:
@@ -142,6 +155,9 @@ class _ShardWriter:
             offsets=offsets,
             labels=np.frombuffer(self.labels, dtype=np.uint8) if self.kind == "kto" else None,
             stats=self.stats,
+            prompt_keys=np.frombuffer(self.prompt_keys, dtype=np.int64)
+            if self.kind == "kto"
+            else None,
             raw_lengths=raw,
         )
 

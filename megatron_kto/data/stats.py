@@ -35,6 +35,9 @@ class DatasetStats:
         dropped: examples dropped by the length policy, per reason.
         prompts_truncated: kept examples whose prompt was truncated.
         completions_truncated: kept examples with a truncated completion.
+        prompts_merged: kept examples whose tokenised prompt is not a prefix of the tokenised
+            prompt + completion (a token merges across the seam, or the chat template renders
+            the prompt differently alone): the completion starts where they diverge, as in TRL.
     """
 
     kind: str
@@ -46,6 +49,7 @@ class DatasetStats:
     dropped: dict[str, int] = field(default_factory=dict)
     prompts_truncated: int = 0
     completions_truncated: int = 0
+    prompts_merged: int = 0
 
     @property
     def dropped_total(self) -> int:
@@ -95,6 +99,14 @@ class DatasetStats:
             f"  truncated: {self.prompts_truncated} prompts, "
             f"{self.completions_truncated} completions"
         )
+        if self.prompts_merged:
+            lines.append(
+                f"  WARNING: {self.prompts_merged} examples: the tokenised prompt is not a prefix "
+                "of the tokenised prompt + completion (a token merges across the seam, or the "
+                "chat template renders the prompt differently alone); their completion starts "
+                "where the two diverge, as in TRL. For plain text, start completions with the "
+                "separating space."
+            )
         if self.kind == "kto":
             warnings = class_balance_warnings(self, desirable_weight, undesirable_weight)
             lines.extend(f"  WARNING: {w}" for w in warnings)
@@ -115,6 +127,7 @@ def merge_stats(parts: Iterable[DatasetStats]) -> DatasetStats:
         total.undesirable += part.undesirable
         total.prompts_truncated += part.prompts_truncated
         total.completions_truncated += part.completions_truncated
+        total.prompts_merged += part.prompts_merged
         for reason, count in part.dropped.items():
             total.dropped[reason] = total.dropped.get(reason, 0) + count
     return total

@@ -58,7 +58,9 @@ def _completion(rng: random.Random, category: str, count: int) -> str:
     words = rng.sample({**CATEGORIES, **OFF_TOPIC}[category], count)
     lead = rng.choice(LEAD_INS)
     body = " , ".join(words) + " ."
-    return f"{lead} {body}" if lead else body
+    # Leading space: prompt and completion are joined as given (TRL's plain-text convention),
+    # so the completion carries the space that separates it from the prompt.
+    return f" {lead} {body}" if lead else f" {body}"
 
 
 def _wrong_category(rng: random.Random, category: str) -> str:

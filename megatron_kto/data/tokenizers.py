@@ -2,23 +2,35 @@
 
 Conventions shared by both backends:
 
-* ``encode`` never adds special tokens by itself; the data pipeline decides where BOS/EOS go.
+* ``encode(text)`` adds no special tokens; ``encode(text, add_special_tokens=True)`` adds what
+  the tokenizer itself adds to a plain text — what ``transformers``' ``tokenizer(text)`` gives:
+
+  - Hugging Face ``tokenizer.json``: exactly what its ``post_processor`` adds (e.g. Llama-3's
+    ``TemplateProcessing`` puts ``<|begin_of_text|>`` first; ChatML/Qwen/SmolLM and GPT-2/NeoX
+    style files add nothing, whatever ``bos_token`` says). ``transformers`` >= 5 does the same:
+    it drops ``add_bos_token``/``add_eos_token`` from ``tokenizer_config.json`` when a
+    ``tokenizer.json`` exists, so we ignore them too (and warn when they contradict the file).
+  - SentencePiece ``.model``: BOS first when the model defines one, never EOS — the convention
+    of SentencePiece-based Llama/Mistral tokenizers (``add_bos_token=True``,
+    ``add_eos_token=False``). A ``.model`` file carries no post-processing rule of its own.
+
   Special-token *strings* inside the text (e.g. a chat template's ``<s>`` or ``<|im_end|>``)
   are encoded as their single special id, as Hugging Face tokenizers do.
-* ``bos_id`` is None when the tokenizer does not put a BOS token in front of prompts (no BOS
-  token, or ``add_bos_token: false`` in ``tokenizer_config.json``).
-* ``eos_id`` is required: every completion ends with it, so a tokenizer without one is rejected
-  at load time.
+* ``bos_id`` is the BOS token's id (None without one) and ``adds_bos`` says whether
+  ``add_special_tokens=True`` puts it first.
+* ``eos_id``/``eos_token`` are required: plain-text completions end with EOS (TRL appends the
+  ``eos_token`` string), so a tokenizer without one is rejected at load time.
 * ``pad_id`` falls back to ``eos_id`` when the tokenizer defines no padding token; padding is
   always masked by the labels, so any valid id works.
 * ``fingerprint`` identifies everything that affects token ids (model file, special tokens,
-  chat template); the tokenised-data cache is keyed by it.
+  chat template, the rule version); the tokenised-data cache is keyed by it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +40,8 @@ from megatron_kto.data.chat_template import ChatTemplate, ChatTemplateError
 
 TOKENIZER_LIBRARIES = ("sentencepiece", "huggingface")
 
+logger = logging.getLogger(__name__)
+
 
 @runtime_checkable
 class Tokenizer(Protocol):
@@ -35,11 +49,19 @@ class Tokenizer(Protocol):
 
     @property
     def bos_id(self) -> int | None:
-        """Id prepended to prompts, or None."""
+        """Id of the BOS token, or None when the tokenizer has none."""
+
+    @property
+    def adds_bos(self) -> bool:
+        """Whether ``encode(text, add_special_tokens=True)`` puts BOS first."""
 
     @property
     def eos_id(self) -> int:
-        """Id appended to completions."""
+        """Id of the EOS token."""
+
+    @property
+    def eos_token(self) -> str:
+        """The EOS token's string (TRL appends it to plain-text completions)."""
 
     @property
     def pad_id(self) -> int:
@@ -53,11 +75,13 @@ class Tokenizer(Protocol):
     def fingerprint(self) -> str:
         """Hex digest of everything that determines the token ids."""
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, without added BOS/EOS."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens`` also what the tokenizer adds."""
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """``[encode(t) for t in texts]``, possibly faster."""
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = False
+    ) -> list[list[int]]:
+        """``[encode(t, add_special_tokens) for t in texts]``, possibly faster."""
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``."""
@@ -66,6 +90,11 @@ class Tokenizer(Protocol):
         self, messages: list[dict[str, Any]], add_generation_prompt: bool
     ) -> str:
         """Render chat messages with the tokenizer's chat template."""
+
+
+#: Bumped whenever the rule for which special tokens `encode` adds changes (part of the
+#: fingerprint, so tokenised-data caches built under an older rule are not reused).
+ENCODING_RULE = "special-tokens-as-the-tokenizer-adds-them/2"
 
 
 def _digest(*parts: bytes | str) -> str:
@@ -155,15 +184,24 @@ class SentencePieceTokenizer(_ChatTemplateMixin):
         bos = piece(self._bos_id) if self._bos_id is not None else ""
         template = resolve_chat_template(chat_template)
         self._chat_template = ChatTemplate(template, bos, piece(self.eos_id)) if template else None
-        self._fingerprint = _digest("sentencepiece", data, template or "")
+        self._fingerprint = _digest("sentencepiece", data, template or "", ENCODING_RULE)
 
     @property
     def bos_id(self) -> int | None:
         return self._bos_id
 
     @property
+    def adds_bos(self) -> bool:
+        # SentencePiece-based Llama/Mistral tokenizers put BOS first (add_bos_token=True).
+        return self._bos_id is not None
+
+    @property
     def eos_id(self) -> int:
         return self._sp.eos_id()
+
+    @property
+    def eos_token(self) -> str:
+        return self._sp.id_to_piece(self._sp.eos_id())
 
     @property
     def pad_id(self) -> int:
@@ -186,15 +224,25 @@ class SentencePieceTokenizer(_ChatTemplateMixin):
                 ids.extend(self._sp.encode(part, out_type=int))
         return ids
 
-    def encode(self, text: str) -> list[int]:
-        if self._special_re is not None and self._special_re.search(text):
-            return self._encode_with_specials(text)
-        return self._sp.encode(text, out_type=int)
+    def _with_specials(self, ids: list[int], add_special_tokens: bool) -> list[int]:
+        return [self._bos_id, *ids] if add_special_tokens and self.adds_bos else ids
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if self._special_re is not None and self._special_re.search(text):
+            ids = self._encode_with_specials(text)
+        else:
+            ids = self._sp.encode(text, out_type=int)
+        return self._with_specials(ids, add_special_tokens)
+
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = False
+    ) -> list[list[int]]:
         if self._special_re is not None and any(self._special_re.search(t) for t in texts):
-            return [self.encode(t) for t in texts]
-        return self._sp.encode(list(texts), out_type=int)
+            return [self.encode(t, add_special_tokens) for t in texts]
+        return [
+            self._with_specials(ids, add_special_tokens)
+            for ids in self._sp.encode(list(texts), out_type=int)
+        ]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
@@ -227,6 +275,17 @@ def _find_tokenizer_files(model: Path) -> tuple[Path, dict[str, Any], str | None
     return tokenizer_file, config, template
 
 
+def _added_by_post_processor(tok: Any, bos_id: int | None, eos_id: int) -> tuple[bool, bool]:
+    """(BOS first?, EOS last?) in what ``tok``'s post-processor does to a plain text."""
+    plain = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    if full == plain:
+        return False, False
+    adds_bos = bos_id is not None and full[:1] == [bos_id] and plain[:1] != [bos_id]
+    adds_eos = full[-1:] == [eos_id] and plain[-1:] != [eos_id]
+    return adds_bos, adds_eos
+
+
 class HuggingFaceTokenizer(_ChatTemplateMixin):
     """A Hugging Face ``tokenizer.json`` (fast tokenizer) plus its ``tokenizer_config.json``."""
 
@@ -243,7 +302,8 @@ class HuggingFaceTokenizer(_ChatTemplateMixin):
 
         Special tokens come from ``bos_token``/``eos_token``/``pad_token`` of
         ``tokenizer_config.json``; without that file, tokens spelled ``<s>``, ``</s>`` and
-        ``<pad>`` are used when the vocabulary has them.
+        ``<pad>`` are used when the vocabulary has them. Which of them a plain text gets is
+        decided by ``tokenizer.json``'s post-processor alone (see the module docstring).
         """
         from tokenizers import Tokenizer as _HFTokenizer
 
@@ -270,17 +330,28 @@ class HuggingFaceTokenizer(_ChatTemplateMixin):
                 f"{tokenizer_file}: no EOS token; set eos_token in tokenizer_config.json next to it"
             )
         self._eos_id: int = ids["eos"]  # type: ignore[assignment]
+        self._eos_token: str = names["eos"]  # type: ignore[assignment]
         self._pad_id: int = ids["pad"] if ids["pad"] is not None else self._eos_id
-        # add_bos_token: false means the model was trained without a leading BOS.
-        add_bos = config.get("add_bos_token", True) is not False
-        self._bos_id = ids["bos"] if add_bos else None
+        self._bos_id = ids["bos"]
+        self._adds_bos, adds_eos = _added_by_post_processor(self._tok, self._bos_id, self._eos_id)
+        for key, does in (("add_bos_token", self._adds_bos), ("add_eos_token", adds_eos)):
+            if key in config and bool(config[key]) != does:
+                logger.warning(
+                    "%s: %s is %s, but the post-processor of %s %s it; following tokenizer.json "
+                    "(as transformers >= 5 does)",
+                    tokenizer_file.parent / "tokenizer_config.json",
+                    key,
+                    config[key],
+                    tokenizer_file.name,
+                    "adds" if does else "does not add",
+                )
         template = resolve_chat_template(chat_template) or configured_template
         self._chat_template = (
             ChatTemplate(template, names["bos"] or "", names["eos"] or "") if template else None
         )
-        special = json.dumps([names, add_bos], sort_keys=True)
+        special = json.dumps(names, sort_keys=True)
         self._fingerprint = _digest(
-            "huggingface", tokenizer_file.read_bytes(), special, template or ""
+            "huggingface", tokenizer_file.read_bytes(), special, template or "", ENCODING_RULE
         )
 
     @property
@@ -288,8 +359,16 @@ class HuggingFaceTokenizer(_ChatTemplateMixin):
         return self._bos_id
 
     @property
+    def adds_bos(self) -> bool:
+        return self._adds_bos
+
+    @property
     def eos_id(self) -> int:
         return self._eos_id
+
+    @property
+    def eos_token(self) -> str:
+        return self._eos_token
 
     @property
     def pad_id(self) -> int:
@@ -303,11 +382,14 @@ class HuggingFaceTokenizer(_ChatTemplateMixin):
     def fingerprint(self) -> str:
         return self._fingerprint
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = False
+    ) -> list[list[int]]:
+        encoded = self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return [e.ids for e in encoded]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -6,9 +6,9 @@ Memory cost per rank (P = this rank's parameter bytes):
   policy while the reference is swapped in), +0 device memory; costs two host<->device copies of
   P per global batch.
 - `separate`: +P device memory for a frozen second model; no copies.
-- `precomputed`: +0 parameters anywhere; one reference forward pass over the dataset before
-  training, then 2 floats per example (host memory and a file in the run directory). Needs KL
-  pairs fixed by dataset index rather than by batch order (see `data.kl_pairs`).
+- `precomputed`: +0 parameters anywhere; the run's reference forward passes are done before
+  training (the KL rows of every epoch it will reach), then 1 + epochs floats per example (host
+  memory and a file in the run directory); see `algorithms.precompute`.
 """
 
 from __future__ import annotations
@@ -91,22 +91,35 @@ class SeparateReference:
 
 
 class PrecomputedReference:
-    """Looks reference log-probs up by dataset index (`batch["index"]`) in a precomputed table.
+    """Looks reference log-probs up in a table precomputed before training
+    (`algorithms.precompute`): by example (`batch["index"]`) and, for KTO's KL rows, by the
+    epoch their partner was chosen in (`batch["epoch"]`).
 
     Args:
-        table: [N, R] float32, indexed by (offset) dataset index; R = rows per example (sample
-            and KL row for KTO, chosen and rejected for DPO).
+        table: float32 on the CPU, one row per (offset) example: KTO ``[N, 1 + E]`` (own row,
+            then the KL row of each epoch), DPO ``[N, 2]`` (chosen, rejected). NaN marks entries
+            the run was not expected to need.
     """
 
     def __init__(self, table: torch.Tensor):
         self.table = table
 
     def log_probs(self, batch: dict[str, torch.Tensor], forward: ForwardFn) -> torch.Tensor:
-        """[R * B] log-probs: the batch's first rows, then its second rows (as `forward` would)."""
+        """[2B] log-probs: the batch's first rows, then its second rows (as `forward` would)."""
         if "index" not in batch:
             raise KeyError("reference_policy=precomputed needs batches with an `index` key")
         index = batch["index"].to(torch.long).cpu()
-        return self.table[index].t().reshape(-1).to(batch["index"].device)
+        if "epoch" in batch:  # KTO: the sample row, then the KL row of this epoch
+            columns = 1 + batch["epoch"].to(torch.long).cpu()
+            values = torch.cat([self.table[index, 0], self.table[index, columns]])
+        else:
+            values = self.table[index].t().reshape(-1)
+        if torch.isnan(values).any():  # a CPU check: no device synchronisation
+            raise RuntimeError(
+                "reference_policy=precomputed: no precomputed reference log-prob for examples "
+                f"{index.tolist()} — the run consumed batches the table was not computed for"
+            )
+        return values.to(batch["index"].device)
 
 
 def copy_weights(src: list[torch.nn.Module], dst: list[torch.nn.Module]) -> None:
