@@ -6,8 +6,9 @@ and cosine decay, β 0.1) by `examples/train_gpt_kto.py`; `tools/eval_kto_reward
 scores the held-out validation set (drawn with another seed than the training rows).
 
 Measured on this configuration (deterministic on CPU): train `rewards/margins` mean over steps
-1-10 ≈ 0.10, over steps 31-40 ≈ 1.9; validation margin 1.36 at step 20, 2.18 at step 40;
-held-out AUC 0.90 and sign accuracy 0.91 (policy == reference gives AUC 0.5: all rewards are 0).
+1-10 ≈ 0.12, over steps 31-40 ≈ 1.9; validation margin (all 128 rows) 1.45 at step 20, 2.30 at
+step 40; held-out AUC 0.90 and sign accuracy 0.91 (policy == reference gives AUC 0.5: all
+rewards are 0).
 The thresholds below sit well inside those numbers so that an unrelated numerical change does
 not flip the test, while a model that does not learn (AUC ≈ 0.5, margins ≈ 0) fails it.
 """
@@ -90,8 +91,8 @@ def trained(tmp_path_factory):
             f"trainer.kto.max_steps={STEPS}",
             "trainer.kto.val_check_interval=20",
             "trainer.kto.save_interval=0",
-            # One validation global batch: the first 32 validation rows (cross-checked below).
-            "trainer.kto.limit_val_batches=0.25",
+            # All 4 validation global batches (128 rows; cross-checked with the eval tool below).
+            "trainer.kto.limit_val_batches=1.0",
             f"model.global_batch_size={GLOBAL_BATCH}",
             "model.micro_batch_size=8",
             "model.optim.lr=1e-3",
@@ -165,17 +166,28 @@ def test_implicit_reward_classifies_held_out_examples(trained):
 @pytest.mark.e2e
 def test_eval_agrees_with_training_validation_and_across_ranks(trained):
     """The tool's per-example rewards reproduce the trainer's own validation metrics at the
-    last step (same weights: the final checkpoint) on the one validation batch (rows 0-31), and
-    a 2-rank (DP=2) evaluation gives the same table."""
+    last step (same weights: the final checkpoint) over the whole validation pass — 4 global
+    batches whose class mixes differ, so a mean of per-batch means would not match — and a
+    2-rank (DP=2) evaluation gives the same table."""
     log_dir, _, evals = trained
-    _, rows = evals["dp1"]
+    report, rows = evals["dp1"]
     final_val = read_metrics(log_dir, "val")[-1]
-    batch = rows[:GLOBAL_BATCH]
+    assert len(rows) == 4 * GLOBAL_BATCH
     for label, suffix in ((True, "chosen"), (False, "rejected")):
-        rewards = [r["reward"] for r in batch if r["label"] == label]
-        logps = [r["policy_logps"] for r in batch if r["label"] == label]
+        rewards = [r["reward"] for r in rows if r["label"] == label]
+        logps = [r["policy_logps"] for r in rows if r["label"] == label]
         assert np.mean(rewards) == pytest.approx(final_val[f"rewards/{suffix}"], rel=1e-4)
         assert np.mean(logps) == pytest.approx(final_val[f"logps/{suffix}"], rel=1e-5)
+    assert report["margin"] == pytest.approx(final_val["rewards/margins"], rel=1e-4)
+    per_batch = [
+        np.mean([r["reward"] for r in rows[b : b + GLOBAL_BATCH] if r["label"]])
+        for b in range(0, len(rows), GLOBAL_BATCH)
+    ]
+    print(
+        f"\nvalidation rewards/chosen {final_val['rewards/chosen']:.5f} = eval "
+        f"{report['mean_reward_desirable']:.5f}; mean of per-batch means would be "
+        f"{np.mean(per_batch):.5f}"
+    )
     _, rows2 = evals["dp2"]
     assert [r["label"] for r in rows2] == [r["label"] for r in rows]
     np.testing.assert_allclose(

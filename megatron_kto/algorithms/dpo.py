@@ -8,6 +8,7 @@ needs) and the model's `get_loss_and_metrics`.
 
 from __future__ import annotations
 
+import itertools
 import resource
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -16,9 +17,16 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron_kto.algorithms.aggregation import (
+    MetricAccumulator,
+    StepCost,
+    TrainInterval,
+    throughput_fields,
+)
 from megatron_kto.logging.throughput import FWD_BWD_MULTIPLIER, dpo_pass_tokens
 from megatron_kto.models.dpo_model import REF_CHOSEN, REF_REJECTED
 from megatron_kto.models.forward import data_parallel_all_reduce, eval_mode
+from megatron_kto.models.reference import holding
 from megatron_kto.models.schedule import Batch, to_device
 from megatron_kto.models.training_setup import zero_grads
 
@@ -37,9 +45,13 @@ class PreferenceModel(Protocol):
 
     def get_ref_policy_logprobs(self, batch: Batch) -> torch.Tensor: ...
 
-    def get_loss_and_metrics(
+    def get_loss_and_metric_sums(
         self, batch: Batch, forward_only: bool
-    ) -> tuple[float, dict[str, float]]: ...
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+    def finalize_metrics(
+        self, sums: torch.Tensor, scalars: dict[str, torch.Tensor]
+    ) -> dict[str, float]: ...
 
 
 @dataclass
@@ -162,16 +174,20 @@ class DPOTrainer:
         self.stop_requested = stop_requested or (lambda: False)
         self.state = state or TrainerState()
         self._start_time = time.monotonic()
+        self._interval = TrainInterval()
 
     # --- per-algorithm -------------------------------------------------------------------------
     def augment_dataloader(self, dataloader: Iterable[Batch]) -> Iterator[Batch]:
-        """Move each batch to the device and attach reference log-probs, split into the chosen
-        and rejected halves (`ref_policy_log_probs_chosen` / `_rejected`, [B] each)."""
+        """Move each batch to the device and attach its reference log-probs."""
         for batch in dataloader:
             batch = to_device(batch, self.device)
-            ref = self.model.get_ref_policy_logprobs(batch)
-            batch[REF_CHOSEN], batch[REF_REJECTED] = ref.chunk(2)
+            self.attach_reference(batch, self.model.get_ref_policy_logprobs(batch))
             yield batch
+
+    def attach_reference(self, batch: Batch, ref: torch.Tensor) -> None:
+        """Store reference log-probs [2B] in the batch, split into the chosen and rejected
+        halves (`ref_policy_log_probs_chosen` / `_rejected`, [B] each)."""
+        batch[REF_CHOSEN], batch[REF_REJECTED] = ref.chunk(2)
 
     def step_cost_tokens(self, batch: Batch) -> tuple[float, float]:
         """(real tokens in this rank's batch, forward-equivalent token passes for MFU).
@@ -184,11 +200,15 @@ class DPOTrainer:
 
     # --- loop ----------------------------------------------------------------------------------
     def train_single_step(self, batch: Batch, started: float) -> dict[str, float]:
-        """One optimizer step on a batch that already carries its reference log-probs."""
+        """One optimizer step on a batch that already carries its reference log-probs.
+
+        Returns this step's metrics (for the progress display); the step is also added to the
+        current logging interval (`aggregation.TrainInterval`).
+        """
         for chunk in self.model.chunks:
             chunk.train()
         zero_grads(self.model.chunks, self.optimizer)
-        loss, metrics = self.model.get_loss_and_metrics(batch, forward_only=False)
+        sums, scalars = self.model.get_loss_and_metric_sums(batch, forward_only=False)
         # The rate this update uses; after `scheduler.step` the optimizer holds the next one.
         lr = float(self.optimizer.param_groups[0]["lr"])
         update_ok, grad_norm, _ = self.optimizer.step()
@@ -198,39 +218,63 @@ class DPOTrainer:
         totals = data_parallel_all_reduce(
             torch.tensor([tokens, passes], dtype=torch.float64, device=self.device)
         )
-        metrics.update(
+        cost = StepCost(
             lr=lr,
             grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
-            skipped_step=float(not update_ok),
-            step_time=elapsed,
-            tokens_per_sec=float(totals[0]) / elapsed,
-            samples_per_sec=self.loop.global_batch_size / elapsed,
+            skipped=not update_ok,
+            seconds=elapsed,
+            tokens=float(totals[0]),
+            token_passes=float(totals[1]),
+            samples=self.loop.global_batch_size,
             peak_memory_gb=peak_memory_gb(self.device),
         )
-        if self.peak_flops and self.flops_per_token:
-            metrics["mfu"] = (
-                float(totals[1])
-                * self.flops_per_token
-                / elapsed
-                / (self.peak_flops * self.world_size)
-            )
+        self._interval.add(sums, scalars, cost)
+        metrics = self.model.finalize_metrics(sums, scalars)
+        metrics.update(
+            throughput_fields([cost], self.flops_per_token, self.peak_flops, self.world_size)
+        )
         return metrics
 
+    def _train_row(self, last_step_metrics: dict[str, float]) -> dict[str, float]:
+        """The logged row of the interval that just ended: its count-weighted metrics."""
+        # A `train_single_step` that records no interval (a stand-in in tests) logs its own.
+        if not self._interval.steps:
+            return last_step_metrics
+        return self._interval.pop(
+            self.model.finalize_metrics, self.flops_per_token, self.peak_flops, self.world_size
+        )
+
+    def _validation_batches(self) -> Iterator[Batch]:
+        """The first `limit_val_batches` validation batches with their reference log-probs.
+
+        The reference log-probs of all of them are computed first, in one scope (for
+        `cpu_swap`: one swap of the weights per validation pass, not one per batch; only the
+        [2B] log-probs per batch are kept), then the loader is replayed (validation order is
+        fixed) and each batch gets its log-probs attached.
+        """
+        limit = self.loop.limit_val_batches
+        refs = []
+        with holding(self.model.reference):
+            for batch in itertools.islice(self.val_loader(), limit):
+                refs.append(self.model.get_ref_policy_logprobs(to_device(batch, self.device)))
+        for batch, ref in zip(itertools.islice(self.val_loader(), limit), refs, strict=True):
+            batch = to_device(batch, self.device)
+            self.attach_reference(batch, ref)
+            yield batch
+
     def run_validation(self) -> dict[str, float] | None:
-        """Mean validation metrics over `limit_val_batches` global batches (None if no data)."""
+        """Validation metrics over `limit_val_batches` global batches (None if no data).
+
+        The (sum, count) tensors of all batches are added and finalised once: each metric is
+        the mean over every validation example (`aggregation.MetricAccumulator`).
+        """
         if self.val_loader is None or self.loop.limit_val_batches == 0:
             return None
-        totals: dict[str, float] = {}
-        count = 0
+        total = MetricAccumulator()
         with eval_mode(self.model.chunks):
-            for batch in self.augment_dataloader(self.val_loader()):
-                _, metrics = self.model.get_loss_and_metrics(batch, forward_only=True)
-                for k, v in metrics.items():
-                    totals[k] = totals.get(k, 0.0) + v
-                count += 1
-                if count >= self.loop.limit_val_batches:
-                    break
-        return {k: v / count for k, v in totals.items()} if count else None
+            for batch in self._validation_batches():
+                total.add(*self.model.get_loss_and_metric_sums(batch, forward_only=True))
+        return total.result(self.model.finalize_metrics) if total.batches else None
 
     def _time_is_up(self) -> bool:
         limit = self.loop.max_time_seconds
@@ -259,7 +303,8 @@ class DPOTrainer:
                 s.step += 1
                 s.consumed_samples += loop.global_batch_size
                 if s.step % loop.log_every_n_steps == 0 or s.step == loop.max_steps:
-                    self.logger.log("train", s.step, s.consumed_samples, metrics)
+                    row = self._train_row(metrics)
+                    self.logger.log("train", s.step, s.consumed_samples, row)
                 self.progress.update(s.step, metrics)
                 if s.step % loop.val_check_interval == 0 or s.step == loop.max_steps:
                     val = self.run_validation()

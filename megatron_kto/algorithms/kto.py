@@ -2,28 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import torch
 
 from megatron_kto.algorithms.dpo import DPOTrainer
 from megatron_kto.logging.throughput import FWD_BWD_MULTIPLIER, kto_pass_tokens
 from megatron_kto.models.kto_model import REF_KL, REF_SAMPLES
-from megatron_kto.models.schedule import Batch, to_device
+from megatron_kto.models.schedule import Batch
 
 
 class KTOTrainer(DPOTrainer):
     """Trains a `MegatronGPTKTOModel`; everything but the batch preparation is `DPOTrainer`'s."""
 
-    def augment_dataloader(self, dataloader: Iterable[Batch]) -> Iterator[Batch]:
-        """Attach reference log-probs to each global batch, split into sample and KL halves.
-
-        Adds `ref_policy_log_probs_samples` [B] and `ref_policy_log_probs_kl` [B], computed in one
-        forward-only pass of the reference over the 2B rows.
-        """
-        for batch in dataloader:
-            batch = to_device(batch, self.device)
-            ref = self.model.get_ref_policy_logprobs(batch)
-            batch[REF_SAMPLES], batch[REF_KL] = ref.chunk(2)
-            yield batch
+    def attach_reference(self, batch: Batch, ref: torch.Tensor) -> None:
+        """Store the reference log-probs of the 2B rows (one forward-only pass of the reference
+        over samples and KL rows), split into `ref_policy_log_probs_samples` [B] and
+        `ref_policy_log_probs_kl` [B]."""
+        batch[REF_SAMPLES], batch[REF_KL] = ref.chunk(2)
 
     def step_cost_tokens(self, batch: Batch) -> tuple[float, float]:
         """KTO step cost: reference fwd over samples+KL (1x each), policy fwd over KL (1x),

@@ -53,11 +53,25 @@ class CPUSwapReference:
         if pin:
             self._ref = [t.pin_memory() for t in self._ref]
         self._backup = [torch.empty_like(t, pin_memory=pin) for t in self._ref]
+        self._held = False
 
     def log_probs(self, batch: dict[str, torch.Tensor], forward: ForwardFn) -> torch.Tensor:
         """Run `forward` with the reference weights swapped into the policy chunks."""
+        if self._held:
+            return forward(self._policy)
         with self.swapped() as chunks:
             return forward(chunks)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Keep the reference weights swapped in across several `log_probs` calls (e.g. every
+        batch of a validation pass): one swap in and out instead of one per call."""
+        with self.swapped():
+            self._held = True
+            try:
+                yield
+            finally:
+                self._held = False
 
     @contextlib.contextmanager
     def swapped(self) -> Iterator[list[torch.nn.Module]]:
@@ -120,6 +134,13 @@ class PrecomputedReference:
                 f"{index.tolist()} — the run consumed batches the table was not computed for"
             )
         return values.to(batch["index"].device)
+
+
+def holding(reference: ReferencePolicy) -> contextlib.AbstractContextManager:
+    """A scope in which consecutive `reference.log_probs` calls share one weight swap
+    (`CPUSwapReference.held`); strategies without a swap need no scope."""
+    held = getattr(reference, "held", None)
+    return held() if held is not None else contextlib.nullcontext()
 
 
 def copy_weights(src: list[torch.nn.Module], dst: list[torch.nn.Module]) -> None:
