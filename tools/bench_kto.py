@@ -171,6 +171,7 @@ def trl_spec(cfg: Any) -> dict[str, Any]:
             "library": m.tokenizer.library,
             "model": tok_path,
             "bos_id": tokenizer.bos_id,
+            "adds_bos": tokenizer.adds_bos,
             "eos_id": tokenizer.eos_id,
             "pad_id": tokenizer.pad_id,
         },

@@ -13,6 +13,9 @@ Settings not given on the command line come from the policy checkpoint's saved r
 `pretrained_checkpoint.restore_from_path`, the data its validation files, β, tokenizer and
 length limits its own. `--policy` accepts a run directory, a checkpoints root, a `step_<N>`
 directory or a converted checkpoint. Exit code 2 and one `error:` line on bad input.
+
+On the checkpoint and data of a run's validation, the mean rewards and log-probs per class are
+the run's `val` row (which covers the full global batches, `limit_val_batches` of them).
 """
 
 from __future__ import annotations

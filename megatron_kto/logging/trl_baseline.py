@@ -45,8 +45,8 @@ def hf_tokenizer(tok: dict[str, Any], workdir: Path):
     """A `transformers` tokenizer with the same vocabulary and special ids, built offline.
 
     Args:
-        tok: ``library`` ('sentencepiece' or 'huggingface'), ``model`` (path), ``bos_id`` (or
-            None when prompts get no BOS) and ``pad_id``.
+        tok: ``library`` ('sentencepiece' or 'huggingface'), ``model`` (path), ``adds_bos``
+            (the tokenizer puts BOS first, see ``data.tokenizers``) and ``pad_id``.
         workdir: scratch directory (a SentencePiece model is copied there).
     """
     if tok["library"] == "sentencepiece":
@@ -55,7 +55,7 @@ def hf_tokenizer(tok: dict[str, Any], workdir: Path):
         # LlamaTokenizer converts the SentencePiece model it finds as `tokenizer.model`.
         (workdir / "tokenizer.model").write_bytes(Path(tok["model"]).read_bytes())
         hf = LlamaTokenizer.from_pretrained(
-            workdir, add_bos_token=tok["bos_id"] is not None, add_eos_token=False
+            workdir, add_bos_token=tok["adds_bos"], add_eos_token=False
         )
     else:
         from transformers import AutoTokenizer
@@ -83,11 +83,9 @@ def unpaired_dataset(files: list[str]):
         for ex in iter_kto_examples(path):
             if not isinstance(ex.prompt, str):
                 raise ValueError(f"{path}: the TRL baseline supports plain-text rows only")
-            # TRL tokenises prompt + completion as one string, we tokenise the two separately; a
-            # space at the seam gives the same ids with a SentencePiece (dummy-prefix) tokenizer.
-            seam = ex.prompt[-1:].isspace() or ex.completion[:1].isspace()
+            # TRL and we tokenise the same text (prompt + completion, as given).
             prompts.append(ex.prompt)
-            completions.append(ex.completion if seam else " " + ex.completion)
+            completions.append(ex.completion)
             labels.append(bool(ex.label))
     return Dataset.from_dict({"prompt": prompts, "completion": completions, "label": labels})
 
