@@ -299,3 +299,16 @@ def test_conversational_kto_dataset_end_to_end(hf_dir, tmp_path):
     expected_prompt = tok.apply_chat_template(prompt, add_generation_prompt=True)
     assert tok.decode(item["prompt_ids"]) == expected_prompt
     assert tok.decode(item["completion_ids"]) == "world<|im_end|>\n"
+
+
+def test_fingerprint_tracks_the_encoding_rule(hf_dir, monkeypatch):
+    """Caches built under an older rule for special tokens are not reused (the cache key holds
+    the fingerprint)."""
+    import megatron_kto.data.tokenizers as tokenizers
+
+    before = [load_tokenizer(lib, path).fingerprint for lib, path in
+              (("sentencepiece", SP_MODEL), ("huggingface", str(hf_dir)))]  # fmt: skip
+    monkeypatch.setattr(tokenizers, "ENCODING_RULE", "another rule")
+    after = [load_tokenizer(lib, path).fingerprint for lib, path in
+             (("sentencepiece", SP_MODEL), ("huggingface", str(hf_dir)))]  # fmt: skip
+    assert before[0] != after[0] and before[1] != after[1]

@@ -142,8 +142,8 @@ def kto_custom_collate(
         ValueError: B < 2, or all rows share one prompt (no KL pair exists).
     """
     batch = len(examples)
-    # Training and precomputed-reference runs give each row its KL partner (`data.kl_pairs`:
-    # the next row of the global batch, or of the dataset); then a batch of one is fine.
+    # Training and validation give each row its KL partner, chosen over the global batch
+    # (`data.kl_pairs`); then a batch (a data-parallel share) of one is fine.
     fixed_pairs = batch > 0 and "kl_completion_ids" in examples[0]
     if batch < 2 and not fixed_pairs:
         raise ValueError(
