@@ -69,6 +69,14 @@ def test_table_equals_live_reference_passes_of_the_consumed_batches(setup):
             worst = max(worst, float((looked_up - live).abs().max()))
     print(f"\nmax |precomputed - live| over 13 batches (3 epochs): {worst:.1e}")
     assert worst <= 1e-5
+    # The precomputed KL rows are the training sampler's partners: never the row's own prompt.
+    keys = split.kl_prompt_keys
+    for epoch, batches in ((0, 6), (1, 6), (2, 1)):
+        for (rows, partners), batch in zip(
+            split.global_batches(epoch, batches), split.loader(epoch)
+        ):
+            assert rows == batch["index"].tolist()
+            assert all(keys[i] != keys[p] for i, p in zip(rows, partners))
 
 
 def test_resumed_run_never_recomputes(setup, tmp_path):
