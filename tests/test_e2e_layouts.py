@@ -1,8 +1,8 @@
 """The entry script trains the same model the same way under every parallel layout.
 
 From one starting checkpoint (random tiny model saved at TP=1), `examples/train_gpt_kto.py`
-runs 3 fp32 steps under TP=1 (one process), and under TP=2, TP=2 with sequence parallelism,
-PP=2 and DP=2 (torchrun, two processes), each with `pretrained_checkpoint.restore_from_path`. Every layout must reproduce
+runs 3 fp32 steps under TP=1 (one process), and under TP=2, PP=2 and DP=2 (torchrun, two
+processes), each with `pretrained_checkpoint.restore_from_path`. Every layout must reproduce
 the TP=1 run: the logged metrics of every step (loss, rewards, log-probs, logits, KL, grad norm)
 and the weights of the final checkpoint, read back into a TP=1 model (dist_checkpointing
 reshards on load), to a relative 1e-4. A `reference_policy=precomputed` run must reproduce the
@@ -56,6 +56,7 @@ METRICS = (
 LAYOUTS = {
     "tp1": (1, []),
     "tp2": (2, ["model.tensor_model_parallel_size=2"]),
+    # Sequence parallelism (no Transformer Engine here): also pads odd batch lengths for TP=2.
     "tp2_sp": (2, ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]),
     "pp2": (2, ["model.pipeline_model_parallel_size=2"]),
     "dp2": (2, []),

@@ -19,7 +19,6 @@ the SP comparison is able to fail.
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
@@ -77,18 +76,16 @@ VARIANTS = {
 
 
 def _odd_length_batch(rt, tokenizer) -> dict[str, torch.Tensor]:
-    """The first global batch of the bundled data, collated as training does, with one extra
-    pad column when its length is even (TP=2 must then pad it back to an even length)."""
+    """The first GLOBAL_BATCH bundled examples (all on this rank: DP=1) with their in-batch KL
+    rows, collated by `kto_custom_collate`, plus one pad column when the length is even (TP=2
+    must then pad it back to an even length)."""
     from megatron_kto.data.collate import IGNORE_INDEX, kto_custom_collate
     from megatron_kto.data.dataset import build_kto_dataset
-    from megatron_kto.data.kl_pairs import BatchKLPartners
-    from megatron_kto.data.samplers import rank_share
     from megatron_kto.models.schedule import to_device
 
     dataset, _ = build_kto_dataset([TRAIN_DATA], tokenizer, 64, use_cache=False)
-    keys = rank_share(list(range(GLOBAL_BATCH)), 0, 1, True)
-    collate = functools.partial(kto_custom_collate, pad_id=tokenizer.pad_id, max_length=64)
-    batch = collate([BatchKLPartners(dataset)[k] for k in keys])
+    examples = [dataset[i] for i in range(GLOBAL_BATCH)]
+    batch = kto_custom_collate(examples, pad_id=tokenizer.pad_id, max_length=64)
     length = batch["samples"].shape[1]
     if length % 2 == 0:
         fills = {
