@@ -69,7 +69,9 @@ def _layout(cfg: Any) -> ParallelLayout:
         sequence_parallel=m.sequence_parallel,
         precision=str(cfg.trainer.precision),
         activations_checkpoint_granularity=m.activations_checkpoint_granularity,
+        activations_checkpoint_method=m.activations_checkpoint_method,
         activations_checkpoint_num_layers=m.activations_checkpoint_num_layers,
+        attention_backend=m.attention_backend,
     )
 
 

@@ -110,6 +110,12 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], int, str]]:
             2,
             "error: model.num_attention_heads: 3 heads not divisible by TP=2",
         ),
+        "unknown_attention_backend": (
+            train("model.attention_backend=flash"),
+            1,
+            "error: model.attention_backend: must be one of ['auto', 'te', 'sdpa', 'local'], "
+            "got 'flash'",
+        ),
         "missing_data_file": (
             train(f"model.data.data_prefix.train=[{missing}]"),
             1,
@@ -182,6 +188,7 @@ CASE_NAMES = [
     "global_batch_not_divisible",
     "global_batch_not_divisible_dp2",
     "tp_does_not_divide_heads",
+    "unknown_attention_backend",
     "missing_data_file",
     "malformed_jsonl_row",
     "bad_label_row",

@@ -53,6 +53,8 @@ METRICS = (
 LAYOUTS = {
     "tp1": (1, []),
     "tp2": (2, ["model.tensor_model_parallel_size=2"]),
+    # Sequence parallelism (no Transformer Engine here): also pads odd batch lengths for TP=2.
+    "tp2_sp": (2, ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]),
     "pp2": (2, ["model.pipeline_model_parallel_size=2"]),
     "dp2": (2, []),
     "precomputed": (1, ["model.kto.reference_policy=precomputed"]),
@@ -130,7 +132,7 @@ def test_reference_run_moves_the_weights_with_a_positive_z0(runs):
     assert min(moved[k] for k in weights) > 10 * RTOL, moved
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "precomputed"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "pp2", "dp2", "precomputed"])
 def test_layout_matches_tp1(runs, layout):
     ref_metrics, ref_state = runs["tp1"]
     metrics, state = runs[layout]

@@ -230,7 +230,9 @@ class ModelConfig(GPTArchitecture):
     virtual_pipeline_model_parallel_size: int | None = None
     """Model chunks per pipeline rank (interleaved schedule)."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (needs TP > 1)."""
+    """Megatron sequence parallelism (needs TP > 1); batches are right-padded to a multiple of TP."""
+    attention_backend: str = "auto"
+    """'auto' (te with Transformer Engine + CUDA, else sdpa), 'te', 'sdpa' (torch SDPA) or 'local'."""
     micro_batch_size: int = 1
     """Rows per training micro-batch."""
     global_batch_size: int = 8
@@ -238,9 +240,12 @@ class ModelConfig(GPTArchitecture):
     seed: int = 1234
     """Base random seed (init, dropout, data order)."""
     activations_checkpoint_granularity: str | None = None
-    """None, 'full' or 'selective'."""
-    activations_checkpoint_num_layers: int = 1
-    """Layers per recompute block ('full')."""
+    """Activation recomputation: None, 'full' (whole layers) or 'selective' (core attention)."""
+    activations_checkpoint_method: str | None = None
+    """'full' only: 'uniform' or 'block'; None means 'uniform'."""
+    activations_checkpoint_num_layers: int | None = None
+    """'full' only: layers per recompute block (uniform) or recomputed layers per model chunk
+    (block); None means 1."""
     kto: KTOLossConfig = field(default_factory=KTOLossConfig)
     """KTO loss."""
     dpo: DPOLossConfig = field(default_factory=DPOLossConfig)

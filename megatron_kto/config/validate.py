@@ -121,11 +121,8 @@ def validate(cfg: Any, world_size: int, algorithm: str) -> None:
     _choice(
         m.position_embedding_type, "model.position_embedding_type", ("rope", "learned_absolute")
     )
-    _choice(
-        m.activations_checkpoint_granularity,
-        "model.activations_checkpoint_granularity",
-        (None, "full", "selective"),
-    )
+    _check_recompute(m, layers_per_chunk=m.num_layers // (pp * (vpp or 1)))
+    _check_attention_backend(m.attention_backend)
     _choice(m.data.truncation_mode, "model.data.truncation_mode", ("keep_end", "keep_start"))
     _choice(m.tokenizer.library, "model.tokenizer.library", ("sentencepiece", "huggingface"))
     _choice(m.optim.name, "model.optim.name", ("adam", "fused_adam", "distributed_fused_adam"))
@@ -200,6 +197,51 @@ def validate(cfg: Any, world_size: int, algorithm: str) -> None:
             f"interleaved pipelining needs forward micro-batches per step ({per_rank // fwd}) "
             f"divisible by PP={pp}",
         )
+
+
+def _check_recompute(m: Any, layers_per_chunk: int) -> None:
+    """Activation-recomputation keys (NeMo names) against megatron-core's rules."""
+    granularity = m.activations_checkpoint_granularity
+    _choice(granularity, "model.activations_checkpoint_granularity", (None, "full", "selective"))
+    method, num_layers = m.activations_checkpoint_method, m.activations_checkpoint_num_layers
+    if granularity != "full":
+        # megatron-core ignores the method and rejects a count unless whole layers are recomputed.
+        for key, value in (
+            ("activations_checkpoint_method", method),
+            ("activations_checkpoint_num_layers", num_layers),
+        ):
+            _need(
+                value is None,
+                f"model.{key}",
+                f"only applies to activations_checkpoint_granularity=full (got granularity "
+                f"{granularity!r}); set it to null",
+            )
+        return
+    _choice(method, "model.activations_checkpoint_method", (None, "uniform", "block"))
+    method, num_layers = method or "uniform", num_layers or 1
+    _need(
+        1 <= num_layers <= layers_per_chunk,
+        "model.activations_checkpoint_num_layers",
+        f"must be between 1 and the {layers_per_chunk} layers of each model chunk "
+        f"(num_layers / (PP x VPP)), got {num_layers}",
+    )
+    _need(
+        method != "uniform" or layers_per_chunk % num_layers == 0,
+        "model.activations_checkpoint_num_layers",
+        f"with method 'uniform' it must divide the {layers_per_chunk} layers of each model "
+        f"chunk, got {num_layers}",
+    )
+
+
+def _check_attention_backend(name: str) -> None:
+    """`model.attention_backend` is known and can run here ('te' needs TE and CUDA)."""
+    from megatron_kto.models.layer_specs import resolve_attention_backend
+
+    try:
+        resolve_attention_backend(name)
+    except ValueError as e:
+        # The message already starts with the key.
+        raise ConfigError(str(e)) from e
 
 
 def _suggestion(key: str, known: Iterable[str]) -> str:

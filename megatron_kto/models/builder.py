@@ -1,27 +1,24 @@
 """Build megatron-core `GPTModel` chunks for this rank from a `GPTArchitecture`.
 
 Handles the pipeline split (pre/post-process per stage, virtual pipeline chunks), the layer spec
-(Transformer Engine when importable *and* CUDA is present, megatron-core's local spec otherwise)
-and the Llama-family options (RMSNorm, SwiGLU, RoPE with optional Llama-3 scaling, GQA, QKV bias).
+(`model.attention_backend`, see `layer_specs.py`: Transformer Engine when importable *and* CUDA
+is present, megatron-core's local spec with SDPA attention otherwise) and the Llama-family
+options (RMSNorm, SwiGLU, RoPE with optional Llama-3 scaling, GQA, QKV bias).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_layer_local_spec,
-    get_gpt_layer_with_transformer_engine_spec,
-)
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.models.layer_specs import decoder_block_spec, resolve_attention_backend
 
 _ACTIVATIONS = {"swiglu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
@@ -37,14 +34,15 @@ class ParallelLayout:
     precision: str = "32"
     """'32' (fp32 params and compute) or 'bf16' (bf16 params, fp32 main weights in the optimizer)."""
     activations_checkpoint_granularity: str | None = None
-    """None, 'full' or 'selective' (recompute core attention)."""
-    activations_checkpoint_num_layers: int = 1
-    """Layers per recompute block for 'full' (uniform method)."""
-
-
-def transformer_engine_available() -> bool:
-    """True when Transformer Engine is importable and CUDA is present (TE needs both)."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    """None, 'full' (whole layers) or 'selective' (core attention only)."""
+    activations_checkpoint_method: str | None = None
+    """'full' only: 'uniform' (recompute blocks of num_layers layers) or 'block' (the first
+    num_layers layers of each model chunk); None means 'uniform'."""
+    activations_checkpoint_num_layers: int | None = None
+    """'full' only: layers per recompute block ('uniform') or recomputed layers per model chunk
+    ('block'); None means 1."""
+    attention_backend: str = "auto"
+    """'auto', 'te', 'sdpa' or 'local' (see `layer_specs.py`)."""
 
 
 def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> TransformerConfig:
@@ -99,8 +97,11 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         recompute_granularity=recompute,
-        recompute_method="uniform" if recompute == "full" else None,
-        recompute_num_layers=layout.activations_checkpoint_num_layers
+        # megatron-core requires method and count for 'full' and no count for 'selective'.
+        recompute_method=(layout.activations_checkpoint_method or "uniform")
+        if recompute == "full"
+        else None,
+        recompute_num_layers=(layout.activations_checkpoint_num_layers or 1)
         if recompute == "full"
         else None,
         # Megatron frees pipeline outputs after sending them; needs CUDA-style storage handling.
@@ -120,13 +121,6 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
     )
 
 
-def layer_spec(arch: GPTArchitecture):
-    """Transformer-layer `ModuleSpec`: TE when usable, megatron-core's local modules otherwise."""
-    if transformer_engine_available():
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization=arch.normalization)
-
-
 def build_gpt_chunks(
     arch: GPTArchitecture, layout: ParallelLayout, device: torch.device
 ) -> list[torch.nn.Module]:
@@ -142,7 +136,7 @@ def build_gpt_chunks(
         `pre_process`/`post_process` set for its pipeline position.
     """
     config = make_transformer_config(arch, layout)
-    spec = layer_spec(arch)
+    backend = resolve_attention_backend(layout.attention_backend)
     vocab = arch.padded_vocab(layout.tensor_model_parallel_size)
     vpp = layout.virtual_pipeline_model_parallel_size
     chunks: list[torch.nn.Module] = []
@@ -150,7 +144,9 @@ def build_gpt_chunks(
         stage = vp_stage if vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=decoder_block_spec(
+                config, arch.normalization, backend, vp_stage=stage
+            ),
             vocab_size=vocab,
             max_sequence_length=arch.encoder_seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(

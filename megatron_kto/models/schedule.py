@@ -5,6 +5,12 @@ We follow megatron-core's forward-step contract: `forward_step(data_iterator, mo
 training and `loss_func(output_tensor, non_loss_data=True)` returns collected data for
 forward-only passes. Results exist only on the last pipeline stage; `broadcast_from_last_stage`
 hands fixed-size tensors to the other stages.
+
+Sequence parallelism splits the sequence dimension over the TP ranks, and megatron-core's
+scatter asserts that it divides evenly; `run_schedule` therefore right-pads every micro-batch to
+a multiple of TP when the model runs with `sequence_parallel` (`pad_sequence_dim`). This is the
+one place every forward pass goes through (training, reference, KL rows, precompute, eval), and
+it keeps the data pipeline free of model-layout knowledge.
 """
 
 from __future__ import annotations
@@ -14,10 +20,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
+
+from megatron_kto.models.logprobs import IGNORE_INDEX
 
 Batch = dict[str, torch.Tensor]
+
+#: Fill values of the [rows, T] keys a micro-batch may carry when its length is padded. Padding
+#: goes on the right: attention is causal, so real positions never see it, and its labels are
+#: ignored, so it carries no loss. Position ids of padding are 0 (any valid id works; a
+#: continued arange could run past a learned position table).
+SEQUENCE_PAD_VALUES = {"tokens": 0, "labels": IGNORE_INDEX, "position_ids": 0}
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -50,6 +66,44 @@ def split_micro_batches(
     ]
 
 
+def pad_sequence_dim(batch: Batch, multiple: int) -> Batch:
+    """Right-pad the [rows, T] tensors of a micro-batch to a length divisible by `multiple`.
+
+    Args:
+        batch: a micro-batch with `position_ids` [rows, T]; its [rows, T] keys must be among
+            `SEQUENCE_PAD_VALUES` (per-row [rows] tensors pass through).
+        multiple: the length must become a multiple of this.
+
+    Returns:
+        The batch itself if T already divides, else a new dict with padded tensors.
+
+    Raises:
+        ValueError: a [rows, T] tensor under a key with no known fill value.
+    """
+    length = batch["position_ids"].shape[1]
+    pad = -length % multiple
+    if pad == 0:
+        return batch
+    out = dict(batch)
+    for key, value in batch.items():
+        if not (torch.is_tensor(value) and value.dim() == 2 and value.shape[1] == length):
+            continue
+        if key not in SEQUENCE_PAD_VALUES:
+            raise ValueError(
+                f"cannot pad micro-batch key {key!r} [rows, {length}] for sequence parallelism: "
+                f"no fill value (known: {sorted(SEQUENCE_PAD_VALUES)})"
+            )
+        out[key] = F.pad(value, (0, pad), value=SEQUENCE_PAD_VALUES[key])
+    return out
+
+
+def sequence_multiple(model_chunk: torch.nn.Module) -> int:
+    """The sequence length a micro-batch must divide into for this model: TP with sequence
+    parallelism (megatron scatters the sequence over the TP ranks), else 1."""
+    config = get_model_config(model_chunk)
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
 def run_schedule(
     model_chunks: list[torch.nn.Module],
     micro_batches: list[Batch],
@@ -62,7 +116,8 @@ def run_schedule(
 
     Args:
         model_chunks: this rank's model chunks (DDP-wrapped for training).
-        micro_batches: equally shaped micro-batches ([mbs, T] tensors), already on the device.
+        micro_batches: equally shaped micro-batches ([mbs, T] tensors), already on the device;
+            with sequence parallelism they are right-padded to a multiple of TP here.
         forward_step: megatron-core forward step function.
         forward_only: no backward pass.
         collect_non_loss_data: collect `loss_func(output, non_loss_data=True)` results.
@@ -72,6 +127,9 @@ def run_schedule(
     """
     if not micro_batches:
         return []
+    multiple = sequence_multiple(model_chunks[0])
+    if multiple > 1:
+        micro_batches = [pad_sequence_dim(b, multiple) for b in micro_batches]
     seq_length = micro_batches[0]["position_ids"].shape[1]
     micro_batch_size = micro_batches[0]["position_ids"].shape[0]
     # Interleaved schedules take one iterator per model chunk over the same micro-batches.

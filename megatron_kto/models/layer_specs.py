@@ -1,0 +1,116 @@
+"""Which megatron-core layer spec a model is built with (`model.attention_backend`).
+
+| backend | layer modules                                   | attention                        |
+|---------|-------------------------------------------------|----------------------------------|
+| `te`    | Transformer Engine spec (fused norm + linear)   | TE's fused attention             |
+| `sdpa`  | megatron-core local spec, `LocalNorm` norms     | `SDPAttention` (torch SDPA)      |
+| `local` | megatron-core local spec, `LocalNorm` norms     | megatron's `DotProductAttention` |
+
+`auto` picks `te` when Transformer Engine is importable and CUDA is present, `sdpa` otherwise.
+`sdpa` and `local` have the same parameters and state-dict keys (core attention has none), so
+checkpoints move freely between them.
+
+For the non-TE specs the norms (per layer and the final one) are ours (`models/norms.py`): the
+same kernels as megatron's `WrappedTorchNorm`, plus sequence-parallel support.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_kto.models.attention import SDPAttention
+from megatron_kto.models.norms import LocalNorm
+
+ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local")
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine is importable and CUDA is present (TE needs both)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_attention_backend(name: str) -> str:
+    """Turn `model.attention_backend` into the backend actually used ('te', 'sdpa' or 'local').
+
+    Raises:
+        ValueError: unknown name, or 'te' where Transformer Engine cannot run (message names
+            the key).
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"model.attention_backend: must be one of {list(ATTENTION_BACKENDS)}, got {name!r}"
+        )
+    if name == "auto":
+        return "te" if transformer_engine_available() else "sdpa"
+    if name == "te" and not transformer_engine_available():
+        missing = (
+            "transformer_engine is not installed"
+            if importlib.util.find_spec("transformer_engine") is None
+            else "CUDA is not available"
+        )
+        raise ValueError(
+            f"model.attention_backend: 'te' needs Transformer Engine and CUDA ({missing}); "
+            "use 'auto', 'sdpa' or 'local'"
+        )
+    return name
+
+
+def local_layer_spec(normalization: str, attention: str) -> ModuleSpec:
+    """megatron-core's local transformer-layer spec with our norms and the chosen core attention.
+
+    Args:
+        normalization: 'RMSNorm' or 'LayerNorm'.
+        attention: 'sdpa' (`SDPAttention`) or 'local' (megatron's `DotProductAttention`).
+    """
+    spec = get_gpt_layer_local_spec(normalization=normalization)
+    layer = spec.submodules
+    self_attention = layer.self_attention
+    attn_submodules = self_attention.submodules
+    if attention == "sdpa":
+        attn_submodules = dataclasses.replace(attn_submodules, core_attention=SDPAttention)
+    # dataclasses.replace keeps everything else, including the sharded_state_dict_keys_map that
+    # names the norms as TE's fused layer-norm weights in checkpoints.
+    layer = dataclasses.replace(
+        layer,
+        input_layernorm=LocalNorm,
+        pre_mlp_layernorm=LocalNorm,
+        self_attention=dataclasses.replace(self_attention, submodules=attn_submodules),
+    )
+    return dataclasses.replace(spec, submodules=layer)
+
+
+def decoder_block_spec(
+    config: TransformerConfig, normalization: str, backend: str, vp_stage: int | None
+) -> ModuleSpec | TransformerBlockSubmodules:
+    """The decoder spec `GPTModel` is built with, for this pipeline (and virtual) stage.
+
+    Args:
+        config: the model's transformer config.
+        normalization: 'RMSNorm' or 'LayerNorm'.
+        backend: a resolved backend ('te', 'sdpa' or 'local').
+        vp_stage: virtual pipeline stage of the chunk, None without interleaving.
+
+    Returns:
+        TE: megatron's TE layer spec (its block adds TE's final norm). Otherwise the block's
+        submodules with this stage's layers and a `LocalNorm` final norm — given as a layer spec,
+        megatron would pick the final norm itself (`TENorm` whenever TE is merely importable).
+    """
+    if backend == "te":
+        return get_gpt_layer_with_transformer_engine_spec()
+    layer = local_layer_spec(normalization, backend)
+    # All layers share one spec, so only the count per stage matters, not the offsets.
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=LocalNorm)
