@@ -77,6 +77,23 @@ def _factory_checks() -> dict:
     }
 
 
+def _device_context_checks() -> dict:
+    """Each patched factory still obeys a `with torch.device(...)` context (no device given)."""
+    like = torch.ones(3, device="meta")
+    calls = {
+        "zeros": lambda: torch.zeros(2),
+        "ones": lambda: torch.ones(2),
+        "empty": lambda: torch.empty(2),
+        "tensor": lambda: torch.tensor([1.0, 2.0]),
+        "empty_like": lambda: torch.empty_like(like),
+        "zeros_like": lambda: torch.zeros_like(like),
+        "full": lambda: torch.full((2,), 7.0),
+        "arange": lambda: torch.arange(4),
+    }
+    with torch.device("meta"):
+        return {name: call().device.type for name, call in calls.items()}
+
+
 def _rng_restore_checks() -> dict:
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -176,6 +193,7 @@ def _worker(rank: int, world_size: int) -> dict:
             "dp_size": rt.data_parallel_size,
         }
         facts["factories"] = _factory_checks()
+        facts["device_context"] = _device_context_checks()
         facts["type"] = _type_checks()
         facts["rng_restore"] = _rng_restore_checks()
         facts["causality_tp1"] = _causality_checks(tp_size=1)
@@ -237,6 +255,14 @@ def test_factories_map_cuda_to_cpu(facts):
     got = facts[0]["factories"]
     assert len(got) == len(FACTORIES) * 5
     assert set(got.values()) == {"cpu"}, {k: v for k, v in got.items() if v != "cpu"}
+
+
+def test_factories_still_obey_device_context_managers(facts):
+    """`with torch.device("meta")` must still reach the wrapped factories (transformers'
+    from_pretrained relies on it; a stale identity set once made it load garbage RoPE buffers)."""
+    got = facts[0]["device_context"]
+    assert set(got) == set(FACTORIES)
+    assert set(got.values()) == {"meta"}, got
 
 
 def test_tensor_type_reports_cuda_names_and_still_converts(facts):

@@ -140,6 +140,14 @@ def apply(force: bool = False) -> bool:
         return False
     check_version()
 
+    # torch's device context managers (`with torch.device("meta"):`, used e.g. by transformers'
+    # from_pretrained) recognise factories by identity in a set built once, lazily, from the
+    # `torch.*` attributes. Built after the patch it would hold our wrappers, while the mode is
+    # handed the builtins our wrappers call, so those factories would silently ignore the context
+    # (transformers then loaded RoPE buffers as uninitialised memory). Build it from the builtins.
+    from torch.utils import _device
+
+    _device._device_constructors()
     for name in _FACTORIES:
         setattr(torch, name, _cpu_device_factory(getattr(torch, name)))
     # p2p_communication.py ~190-321, layers.py, mappings.py, distrib_optimizer.py ~791 etc. pass
