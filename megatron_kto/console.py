@@ -21,6 +21,14 @@ NOISY_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     (r"`save_state_dict` is deprecated and will be removed", FutureWarning),
     # ... and its planner, on every load of megatron-core's ShardedTensor-based checkpoints.
     (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning),
+    # torch.distributed collectives megatron-core's distributed optimizer calls by their old names.
+    (
+        r"`torch.distributed.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+        FutureWarning,
+    ),
+    # Hydra, for a config without `_self_` in its defaults list (every NeMo-Aligner config):
+    # Hydra then applies the file after its defaults, which is what those configs intend.
+    (r"In '.*': Defaults list is missing `_self_`", UserWarning),
 )
 
 #: Loggers whose INFO lines are import-time banners ("Detected Megatron Core, using

@@ -213,6 +213,19 @@ def run_training(cfg: Any, algorithm: str) -> None:
         report_user_error(_one_line(e))
 
 
+#: How every run uses Hydra, whatever its config file says (conf/gpt_*.yaml say the same): no
+#: `outputs/<date>/` directory and log file in the working directory (the run's outputs are
+#: under exp_manager.explicit_log_dir), plain log lines on stdout.
+HYDRA_SETTINGS = ("hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout")
+
+
+def _missing_hydra_settings(argv: list[str]) -> list[str]:
+    """The HYDRA_SETTINGS the command line does not set itself (a NeMo-Aligner config file
+    leaves Hydra's defaults, which would create `outputs/` in the working directory)."""
+    given = {a.split("=", 1)[0].lstrip("+~") for a in argv if "=" in a and not a.startswith("-")}
+    return [s for s in HYDRA_SETTINGS if s.split("=", 1)[0] not in given]
+
+
 def run_entry_point(hydra_main: Callable[[], Any]) -> None:
     """Call a `@hydra.main` function; a config Hydra cannot compose (unknown key, value of the
     wrong type, override syntax, missing config file or group option) exits with code 2 and one
@@ -227,6 +240,7 @@ def run_entry_point(hydra_main: Callable[[], Any]) -> None:
     quiet_third_party()
     # Without this Hydra prints its report itself and exits 1; with it, Hydra re-raises.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    sys.argv.extend(_missing_hydra_settings(sys.argv[1:]))
     try:
         hydra_main()
     except HydraException as e:

@@ -210,6 +210,17 @@ def _rule_for(path: str) -> tuple[str, Rule] | None:
     return None
 
 
+def _shown_key(path: str, schema: DictConfig) -> str:
+    """How a key is listed: a whole subtree we do not have (model.peft.*) is one entry; keys
+    under one of ours (exp_manager.checkpoint_callback_params.monitor) are listed one by one."""
+    parts = path.split(".")
+    for i in range(1, len(parts)):
+        prefix = ".".join(parts[:i])
+        if f"{prefix}.*" in RULES and OmegaConf.select(schema, prefix, default=None) is None:
+            return prefix
+    return path
+
+
 def is_no_effect_key(path: str) -> bool:
     """True when `path` is a NeMo/Lightning key this package accepts with no effect."""
     found = _rule_for(path)
@@ -285,7 +296,7 @@ def adapt_nemo_aligner_config(cfg: DictConfig, algorithm: str) -> tuple[DictConf
             resolved = OmegaConf.select(cfg, path, default=None, throw_on_resolution_failure=False)
             if not rule.accept(resolved, cfg, algorithm):
                 raise ConfigError(f"{path}: {resolved!r} is not supported: {note}")
-        shown = pattern[:-2] if pattern.endswith(".*") else path
+        shown = _shown_key(path, schema)
         if shown not in no_effect:
             no_effect.append(shown)
         return True
