@@ -101,6 +101,19 @@ def test_groups_and_layers_are_checked_against_the_checkpoint(tmp_path):
              "model.virtual_pipeline_model_parallel_size=2", world=2)  # fmt: skip
 
 
+def test_tp_must_split_the_checkpoint_embedding_rows(tmp_path):
+    """A converted checkpoint fixes its embedding rows; TP must divide them (else a ValueError
+    from deep inside the model build)."""
+    ckpt = _checkpoint(tmp_path / "c", num_attention_heads=6, num_query_groups=6, hidden_size=48,
+                       padded_vocab_size=328)  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        _run(ckpt, "model.tensor_model_parallel_size=3", world=3)
+    assert str(info.value) == (
+        "model.tensor_model_parallel_size: 3 does not divide the 328 embedding rows "
+        f"(padded_vocab_size) in {ckpt / 'architecture.json'}"
+    )
+
+
 def test_max_length_is_checked_against_the_checkpoint_position_limit(ckpt):
     with pytest.raises(ConfigError) as info:
         _run(ckpt, "model.data.max_length=512")

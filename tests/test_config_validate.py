@@ -199,6 +199,7 @@ def test_lr_alone_is_enough(extra):
           "model.activations_checkpoint_num_layers=3"],
          "model.activations_checkpoint_num_layers", "between 1 and the layers per pipeline"),
         (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps", ">= 1"),
+        (["trainer.max_time=1h"], "trainer.max_time", "1h"),
         (["trainer.kto.val_check_interval=0"], "trainer.kto.val_check_interval", "an int"),
         (["trainer.kto.val_check_interval=1.5"], "trainer.kto.val_check_interval", "a float"),
         (["trainer.kto.limit_val_batches=1.5"], "trainer.kto.limit_val_batches", "in [0, 1]"),

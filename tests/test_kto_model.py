@@ -185,3 +185,17 @@ def test_trainer_attaches_sample_and_kl_halves(runtime):
     ref = model.get_ref_policy_logprobs(_batch())
     torch.testing.assert_close(batch[REF_SAMPLES], ref[:4])
     torch.testing.assert_close(batch[REF_KL], ref[4:])
+
+
+def test_nemo_ddp_options_reach_megatron_ddp(runtime):
+    """model.optim.overlap_grad_sync / bucket_cap_mb become megatron DDP's overlap_grad_reduce /
+    bucket_size (MiB of fp32 gradients, 4 bytes each)."""
+    from megatron_kto.run import _bucket_size
+
+    assert _bucket_size(None) is None and _bucket_size(200) == 200 * 2**20 // 4
+    arch = GPTArchitecture(vocab_size=VOCAB, make_vocab_size_divisible_by=128)
+    chunks = build_gpt_chunks(arch, ParallelLayout(), runtime.device)
+    ddp = wrap_ddp(chunks, False, overlap_grad_reduce=True, bucket_size=_bucket_size(1))[0]
+    assert ddp.ddp_config.overlap_grad_reduce and ddp.ddp_config.bucket_size == 2**18
+    plain = wrap_ddp(build_gpt_chunks(arch, ParallelLayout(), runtime.device), False)[0]
+    assert not plain.ddp_config.overlap_grad_reduce

@@ -101,6 +101,12 @@ def check_layout(
             f"{tp} does not divide the {arch.num_attention_heads} attention heads{where}",
         )
         _need(groups % tp == 0, tp_key, f"{tp} does not divide the {groups} query groups{where}")
+        rows = arch.padded_vocab_size
+        _need(
+            rows is None or rows % tp == 0,
+            tp_key,
+            f"{tp} does not divide the {rows} embedding rows (padded_vocab_size){where}",
+        )
         stages = pp * (vpp or 1)
         what = f"PP x VPP = {pp} x {vpp}" if vpp else str(pp)
         _need(
@@ -140,6 +146,7 @@ def _check_architecture(m: Any) -> None:
         value = getattr(m, key)
         _need(value is not None and value >= 1, f"model.{key}", f"must be >= 1, got {value}")
     _need(m.encoder_seq_length >= 1, "model.encoder_seq_length", "must be >= 1")
+    _need(m.make_vocab_size_divisible_by >= 1, "model.make_vocab_size_divisible_by", "must be >= 1")
     groups = m.num_query_groups or m.num_attention_heads
     _need(
         m.num_attention_heads % groups == 0,
@@ -244,6 +251,13 @@ def validate(
     m, t = cfg.model, cfg.trainer
     canonical_precision(t.precision)
     _need(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", "must be >= 1")
+    if t.max_time:
+        from megatron_kto.checkpointing.preemption import parse_max_time
+
+        try:
+            parse_max_time(t.max_time)
+        except ValueError as e:
+            raise ConfigError(f"trainer.max_time: {e}") from e
     if t.devices is not None:
         _need(
             t.devices * t.num_nodes == world_size,
