@@ -140,6 +140,15 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], int, str]]:
             1,
             f"error: {truncated}:4: <json>: malformed JSON",
         ),
+        # The rank that tokenises reports the row; the rank waiting for its cache stays quiet.
+        "malformed_jsonl_row_dp2": (
+            train(
+                f"model.data.data_prefix.train=[{truncated}]",
+                "model.data.use_cache=true",
+            ),
+            2,
+            f"error: {truncated}:4: <json>: malformed JSON",
+        ),
         "bad_label_row": (
             train(
                 f"model.data.data_prefix.train=[{bad_label}]",
@@ -201,6 +210,7 @@ CASE_NAMES = [
     "tp_does_not_divide_heads",
     "missing_data_file",
     "malformed_jsonl_row",
+    "malformed_jsonl_row_dp2",
     "bad_label_row",
     "eval_tool_missing_policy",
 ]

@@ -189,12 +189,16 @@ def report_user_error(message: str) -> NoReturn:
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
-    """Errors that mean bad input (config, checkpoint, data), not a bug."""
+    """Errors that mean bad input (config, checkpoint, data), not a bug.
+
+    `CacheWriterFailedError` is what the other ranks see when the rank tokenising the data
+    stopped on a bad row: that rank reports the row; they exit quietly with it.
+    """
     from megatron_kto.checkpointing.errors import CheckpointError
     from megatron_kto.config.validate import ConfigError
-    from megatron_kto.data.errors import DataFormatError
+    from megatron_kto.data.errors import CacheWriterFailedError, DataFormatError
 
-    return (ConfigError, CheckpointError, DataFormatError)
+    return (ConfigError, CheckpointError, DataFormatError, CacheWriterFailedError)
 
 
 def run_training(cfg: Any, algorithm: str) -> None:
