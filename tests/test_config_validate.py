@@ -249,3 +249,25 @@ def test_counts_and_fractions_keep_nemo_meaning():
     assert loop(val_check_interval=1.0).val_check_interval == 40  # once per epoch
     composed = _compose("gpt_kto", ["trainer.kto.limit_val_batches=1"]).trainer.kto
     assert composed.limit_val_batches == 1 and isinstance(composed.limit_val_batches, int)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("trainer.accelerator=gpu", "trainer.accelerator: unknown config key: a NeMo-Aligner/"
+         "Lightning key with no effect here (the device is CUDA when present, else the CPU)"),
+        ("+model.kto.average_log_probs=true", "model.kto.average_log_probs: unknown config key: "
+         "a NeMo-Aligner key; here it is model.kto.preference_average_log_probs"),
+    ],
+)  # fmt: skip
+def test_nemo_keys_on_our_config_say_what_they_are(override, message):
+    """On our own config a NeMo-only key is still an error, but one that says what it is."""
+    from megatron_kto.config.validate import check_known_keys, composition_error_line
+
+    try:
+        check_known_keys(_compose("gpt_kto", [override]))
+    except ConfigError as e:
+        line = str(e)
+    except (ConfigCompositionException, ConfigKeyError) as e:
+        line = composition_error_line(e)
+    assert line.startswith(message), line

@@ -234,8 +234,11 @@ def describe_key(path: str) -> str | None:
         return None
     rule = found[1]
     if rule.kind == "renamed":
-        return f"NeMo-Aligner key; here it is {rule.target}"
-    return f"NeMo-Aligner/Lightning key with no effect here ({rule.note})"
+        return f"a NeMo-Aligner key; here it is {rule.target}"
+    return (
+        f"a NeMo-Aligner/Lightning key with no effect here ({rule.note}); drop it, or bring "
+        "your NeMo-Aligner config file as it is (--config-path/--config-name)"
+    )
 
 
 def _set(container: dict, path: str, value: Any) -> None:

@@ -398,6 +398,16 @@ def _suggestion(key: str, known: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _unknown(full_key: str, key: str, known: Iterable[str]) -> str:
+    """The message for an unknown key: NeMo-Aligner's keys get what they mean here."""
+    from megatron_kto.config.nemo_aligner import describe_key
+
+    nemo = describe_key(full_key)
+    if nemo is not None:
+        return f"{full_key}: unknown config key: {nemo}"
+    return f"{full_key}: unknown config key{_suggestion(key, known)}"
+
+
 def check_known_keys(cfg: Any) -> None:
     """Reject keys the schema does not define.
 
@@ -418,9 +428,7 @@ def check_known_keys(cfg: Any) -> None:
     def walk(node: DictConfig, schema: DictConfig, prefix: str) -> None:
         for key in node.keys():
             if key not in schema:
-                raise ConfigError(
-                    f"{prefix}{key}: unknown config key{_suggestion(str(key), schema.keys())}"
-                )
+                raise ConfigError(_unknown(f"{prefix}{key}", str(key), schema.keys()))
             child, expected = node._get_node(key), schema._get_node(key)
             if isinstance(child, DictConfig) and isinstance(expected, DictConfig):
                 walk(child, expected, f"{prefix}{key}.")
@@ -455,7 +463,7 @@ def composition_error_line(error: BaseException) -> str:
                     if dataclasses.is_dataclass(e.object_type)
                     else []
                 )
-                return f"{e.full_key}: unknown config key{_suggestion(str(e.key), known)}"
+                return _unknown(e.full_key, str(e.key), known)
             # The first line is the problem; the rest is OmegaConf's key/type dump.
             lines = str(e.msg or e).strip().splitlines()
             return f"{e.full_key}: {lines[0] if lines else type(e).__name__}"
