@@ -550,6 +550,9 @@ def _run_worker(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_kto.console import quiet_third_party
+
+    quiet_third_party()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_intermixed_args(argv)
     if args.warmup < 0 or args.steps < 1 or args.repeat < 1:
