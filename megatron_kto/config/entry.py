@@ -64,7 +64,7 @@ def wants_example(cfg: Any, choices: dict[str, Any]) -> bool:
     )
 
 
-def _example_note(example: str, algorithm: str) -> str:
+def _example_note(example: str) -> str:
     return (
         f"no training data and no checkpoint given: running the bundled tiny example "
         f"(conf/example/{example}.yaml: a 2-layer model from scratch with demo settings). For "
@@ -102,9 +102,7 @@ def _choose(
         example = f"tiny_{algorithm}"
         cfg = recompose([*overrides, f"example={example}"])
         choices = {**choices, "example": example}
-        if choices.get("model") is None:
-            choices["model"] = "tiny"
-        notes.append(_example_note(example, algorithm))
+        notes.append(_example_note(example))
     return cfg, _sources(overrides, choices), notes, []
 
 
