@@ -221,10 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return evaluate(args)
     except (UsageError, ConfigError, CheckpointError, DataFormatError) as e:
-        # Every rank finds the same problem; one line from rank 0 is the whole report.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-        return 2
+        from megatron_kto.console import exit_with_user_error
+
+        exit_with_user_error(str(e))  # one line from rank 0: every rank finds the same problem
 
 
 if __name__ == "__main__":

@@ -182,8 +182,9 @@ def _one_line(error: BaseException) -> str:
 
 def report_user_error(message: str) -> NoReturn:
     """`error: <message>` on rank 0 only (every rank finds the same error), exit code 2."""
-    say(f"error: {message}", sys.stderr)
-    sys.exit(2)
+    from megatron_kto.console import exit_with_user_error
+
+    exit_with_user_error(message)
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
