@@ -50,8 +50,9 @@ REQUIRED_WITHOUT_CHECKPOINT = (
 RUN_CHOICES = ("hidden_dropout", "attention_dropout")
 #: Initialisation only: loaded weights make it moot, so it is neither compared nor used.
 INIT_ONLY = ("init_method_std",)
-#: min_lr when unset, as a fraction of lr (NeMo-Aligner's gpt_kto.yaml: 9e-7 for lr 9e-6).
-DEFAULT_MIN_LR_RATIO = 0.1
+#: min_lr when unset is lr / this (NeMo-Aligner's gpt_kto.yaml: 9e-7 for lr 9e-6). A division,
+#: not a product with 0.1, so that lr 1e-3 gives exactly 1e-4.
+DEFAULT_MIN_LR_DIVISOR = 10
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,7 @@ def prepare_run_config(
     for name, value in arch.to_dict().items():
         setattr(m, name, value)
     if m.optim.sched.min_lr is None and m.optim.lr > 0:
-        m.optim.sched.min_lr = m.optim.lr * DEFAULT_MIN_LR_RATIO
+        m.optim.sched.min_lr = m.optim.lr / DEFAULT_MIN_LR_DIVISOR
     validate(cfg, world_size, algorithm, architecture_file=arch_file)
 
     notes = []
