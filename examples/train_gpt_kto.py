@@ -2,22 +2,23 @@
 
     torchrun --nproc_per_node N examples/train_gpt_kto.py [hydra overrides]
 
-With no overrides (and no GPU) it trains the bundled tiny example on CPU.
+With no training data and no checkpoint it trains the bundled tiny example (CPU is enough).
+A NeMo-Aligner gpt_kto.yaml works as it is: `--config-path DIR --config-name NAME`.
 """
 
 import hydra
 
+from megatron_kto.config.entry import run_entry_point, run_training
 from megatron_kto.config.schema import register
-from megatron_kto.config.validate import run_entry_point
 
 register()
 
 
 @hydra.main(config_path="../conf", config_name="gpt_kto", version_base="1.3")
 def train(cfg) -> None:
-    from megatron_kto.run import main  # imports megatron-core: after the config is composed
-
-    main(cfg, "kto")
+    # The config is checked (against the checkpoint's architecture too) before megatron-core
+    # is imported; a user error is one `error:` line from rank 0 and exit code 2.
+    run_training(cfg, "kto")
 
 
 if __name__ == "__main__":

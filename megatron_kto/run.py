@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +15,14 @@ from omegaconf import OmegaConf
 
 from megatron_kto.algorithms.dpo import DPOTrainer, TrainerState, resolve_loop
 from megatron_kto.algorithms.kto import KTOTrainer
-from megatron_kto.checkpointing.model_io import CheckpointError, read_architecture
-from megatron_kto.config.schema import architecture_of
-from megatron_kto.config.validate import ConfigError, validate
+from megatron_kto.checkpointing.model_io import CheckpointError
+from megatron_kto.config.prepare import prepare_run_config
+from megatron_kto.config.validate import ConfigError
 from megatron_kto.data.pipeline import build_split, resolve_path
 from megatron_kto.data.tokenizers import load_tokenizer
 from megatron_kto.logging.metrics_logger import MetricsLogger
 from megatron_kto.logging.progress import ProgressReporter
-from megatron_kto.logging.throughput import gpt_flops_per_token, measure_peak_flops
+from megatron_kto.logging.throughput import gpt_flops_per_token, peak_flops_per_device
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
 from megatron_kto.models.dpo_model import DPOSettings, MegatronGPTDPOModel
 from megatron_kto.models.kto_model import KTOSettings, MegatronGPTKTOModel
@@ -40,24 +39,6 @@ from megatron_kto.runtime import init_runtime, teardown
 def _say(rank0: bool, message: str) -> None:
     if rank0:
         print(message, flush=True)
-
-
-def _architecture(cfg: Any, vocab_size: int):
-    """Architecture from the pretrained checkpoint if given (its shape wins), else from cfg.model."""
-    path = cfg.pretrained_checkpoint.restore_from_path
-    if path:
-        from megatron_kto.checkpointing.manager import resolve_pretrained_dir
-
-        arch = read_architecture(resolve_pretrained_dir(path))
-    else:
-        arch = architecture_of(cfg.model)
-    if arch.vocab_size is None:
-        arch.vocab_size = vocab_size
-    elif arch.vocab_size < vocab_size:
-        raise ConfigError(
-            f"model.vocab_size: {arch.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size})"
-        )
-    return arch
 
 
 def _layout(cfg: Any) -> ParallelLayout:
@@ -97,6 +78,9 @@ def _loss_settings(cfg: Any, algorithm: str, vocab_size: int):
         "beta": loss_cfg.ref_policy_kl_penalty,
         "loss_type": loss_cfg.loss_type,
         "sft_loss_weight": loss_cfg.sft_loss_weight,
+        "sft_average_log_probs": loss_cfg.sft_average_log_probs,
+        "preference_loss_weight": loss_cfg.preference_loss_weight,
+        "average_log_probs": loss_cfg.preference_average_log_probs,
     }
     if algorithm == "kto":
         return KTOSettings(
@@ -104,11 +88,7 @@ def _loss_settings(cfg: Any, algorithm: str, vocab_size: int):
             undesirable_weight=m.kto.undesirable_loss_weight,
             **common,
         )
-    return DPOSettings(
-        label_smoothing=m.dpo.label_smoothing,
-        average_log_probs=m.dpo.preference_average_log_probs,
-        **common,
-    )
+    return DPOSettings(label_smoothing=m.dpo.label_smoothing, **common)
 
 
 def _build_policy(cfg: Any, algorithm: str, arch, layout: ParallelLayout, runtime):
@@ -131,12 +111,23 @@ def _build_policy(cfg: Any, algorithm: str, arch, layout: ParallelLayout, runtim
         ref_chunks = build_gpt_chunks(arch, layout, runtime.device)
         copy_weights(chunks, ref_chunks)
         reference = SeparateReference(ref_chunks)
-    chunks = wrap_ddp(chunks, use_distributed_optimizer=m.optim.name == "distributed_fused_adam")
+    chunks = wrap_ddp(
+        chunks,
+        use_distributed_optimizer=m.optim.name == "distributed_fused_adam",
+        overlap_grad_reduce=m.optim.overlap_grad_sync,
+        bucket_size=_bucket_size(m.optim.bucket_cap_mb),
+    )
     if strategy == "cpu_swap":
         reference = CPUSwapReference(chunks)
     settings = _loss_settings(cfg, algorithm, arch.vocab_size)
     model_cls = MegatronGPTKTOModel if algorithm == "kto" else MegatronGPTDPOModel
     return model_cls(chunks, reference, settings)
+
+
+def _bucket_size(bucket_cap_mb: float | None) -> int | None:
+    """NeMo's bucket_cap_mb (MiB) as megatron DDP's bucket_size (elements): the buckets hold
+    fp32 gradients (`grad_reduce_in_fp32`), 4 bytes each."""
+    return None if bucket_cap_mb is None else max(1, int(bucket_cap_mb * 2**20 / 4))
 
 
 def _attach_precomputed_reference(
@@ -176,7 +167,7 @@ def _attach_precomputed_reference(
     model.reference = PrecomputedReference(table)
 
 
-def _build_optimization(cfg: Any, algorithm: str, chunks, loop, bf16: bool):
+def _build_optimization(cfg: Any, algorithm: str, chunks, loop, precision: str):
     o = cfg.model.optim
     loop_cfg = cfg.trainer.kto if algorithm == "kto" else cfg.trainer.dpo
     optimizer = build_optimizer(
@@ -187,7 +178,7 @@ def _build_optimization(cfg: Any, algorithm: str, chunks, loop, bf16: bool):
         betas=(o.betas[0], o.betas[1]),
         eps=o.eps,
         clip_grad=loop_cfg.gradient_clip_val,
-        bf16=bf16,
+        precision=precision,
         use_distributed_optimizer=o.name == "distributed_fused_adam",
     )
     scheduler = build_scheduler(
@@ -250,7 +241,10 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
     # megatron-core logs its DDP/optimizer configs at INFO on every rank; keep warnings and up.
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    validate(cfg, world_size, algorithm)  # before any process group or model exists
+    # Before any process group or model exists. The entry scripts have already done it (and
+    # printed its notes); it is idempotent, and callers like tools/bench_kto.py rely on it.
+    prepared = prepare_run_config(cfg, algorithm, world_size)
+    cfg, arch = prepared.cfg, prepared.architecture
     max_time = _parse_max_time(cfg.trainer.max_time)
     m, e = cfg.model, cfg.exp_manager
     log_dir = Path(e.explicit_log_dir)
@@ -269,7 +263,6 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
             tokenizer = load_tokenizer(
                 m.tokenizer.library, str(resolve_path(m.tokenizer.model)), m.tokenizer.chat_template
             )
-            arch = _architecture(cfg, tokenizer.vocab_size)
             max_length = m.data.max_length or arch.encoder_seq_length
             precomputed = (m.kto if algorithm == "kto" else m.dpo).reference_policy == "precomputed"
             train = build_split(
@@ -309,8 +302,15 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
                 _attach_precomputed_reference(
                     cfg, algorithm, model, splits, arch, runtime, log_dir, loop
                 )
+            sched = m.optim.sched
+            if sched.name != "Constant" and sched.warmup_steps >= loop.max_steps:
+                _say(
+                    rank0,
+                    f"note: model.optim.sched.warmup_steps ({sched.warmup_steps}) >= the run's "
+                    f"{loop.max_steps} steps: the learning rate never reaches model.optim.lr",
+                )
             optimizer, scheduler = _build_optimization(
-                cfg, algorithm, model.chunks, loop, layout.precision == "bf16"
+                cfg, algorithm, model.chunks, loop, layout.precision
             )
 
             manager = None
@@ -342,8 +342,11 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
             )
             if rank0:
                 logger.truncate_after(state.step)
-            peak = cfg.trainer.peak_flops_per_device or measure_peak_flops(
-                runtime.device, torch.bfloat16 if layout.precision == "bf16" else torch.float32
+            # MFU only against a known peak: the configured one, or a GPU's datasheet figure
+            # for the run's dtype. A CPU's is not known (a timed matmul is not an upper bound
+            # on a shared machine, so MFU could read above 1), and then MFU is not reported.
+            peak = cfg.trainer.peak_flops_per_device or peak_flops_per_device(
+                runtime.device, _COMPUTE_DTYPE[layout.precision]
             )
             config_yaml = OmegaConf.to_yaml(cfg)
 
@@ -406,15 +409,11 @@ def _flops_per_token(arch, seq_len: int, padded_vocab: int) -> float:
     )
 
 
+_COMPUTE_DTYPE = {"32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}
+
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, CheckpointError)
 
 
 def main(cfg: Any, algorithm: str) -> None:
-    """Entry-script body: run, and turn known user errors into one line + exit code 2."""
-    from megatron_kto.data.errors import DataFormatError
-
-    try:
-        run_alignment(cfg, algorithm)
-    except (*USER_ERRORS, DataFormatError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    """Entry-script body (inside `config.entry.run_entry_point`, which reports user errors)."""
+    run_alignment(cfg, algorithm)

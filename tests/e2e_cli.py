@@ -28,6 +28,9 @@ VALIDATION_DATA = REPO / "examples" / "data" / "tiny_kto" / "validation.jsonl"
 #: Overrides every e2e run uses: no TensorBoard, and a fixed peak FLOP/s so start-up does not
 #: spend time measuring it (MFU is not under test here).
 QUIET = ["exp_manager.create_tensorboard_logger=false", "trainer.peak_flops_per_device=1e12"]
+#: The bundled tiny example, chosen explicitly: a run that also gives a starting checkpoint (or
+#: data) would otherwise be a real run with the schema's defaults, not the example's.
+TINY_EXAMPLE = "example=tiny_kto"
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -85,8 +88,8 @@ def read_metrics(log_dir: Path, split: str = "train") -> list[dict[str, Any]]:
 
 
 def tiny_architecture(overrides: list[str] | None = None):
-    """The architecture the bundled config builds (conf/gpt_kto.yaml + model=tiny), with the
-    tokenizer's vocabulary, composed exactly as the entry script composes it."""
+    """The architecture the bundled example builds (conf/gpt_kto.yaml + example=tiny_kto, whose
+    preset is model=tiny), with the tokenizer's vocabulary, composed as the entry script does."""
     from hydra import compose, initialize_config_dir
 
     from megatron_kto.config.schema import architecture_of, register
@@ -94,7 +97,7 @@ def tiny_architecture(overrides: list[str] | None = None):
 
     register()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="gpt_kto", overrides=overrides or [])
+        cfg = compose(config_name="gpt_kto", overrides=[TINY_EXAMPLE, *(overrides or [])])
     arch = architecture_of(cfg.model)
     arch.vocab_size = load_tokenizer("sentencepiece", str(TOKENIZER)).vocab_size
     return arch

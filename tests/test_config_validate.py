@@ -1,7 +1,8 @@
 """Config composition (YAML + typed schema) and the cross-field checks, without building anything.
 
 Configs are composed exactly as the entry scripts compose them (Hydra, `conf/`, the registered
-schema), so these tests also cover the shipped YAML files and model presets.
+schema, the bundled example when no data and no checkpoint are given), so these tests also
+cover the shipped YAML files and model presets.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from megatron_kto.config.entry import compose_run_config
 from megatron_kto.config.schema import architecture_of, register
 from megatron_kto.config.validate import ConfigError, data_parallel_size, validate
 
@@ -27,9 +29,11 @@ def _compose(name: str, overrides: list[str] | None = None):
 
 @pytest.mark.parametrize("name,algorithm", [("gpt_kto", "kto"), ("gpt_dpo", "dpo")])
 def test_shipped_configs_validate_on_one_and_two_ranks(name, algorithm):
-    cfg = _compose(name)
+    """With no overrides the shipped configs are the bundled tiny examples, and say so."""
     for world in (1, 2):
-        validate(cfg, world, algorithm)
+        prepared = compose_run_config(name, [], algorithm, world_size=world)
+        validate(prepared.cfg, world, algorithm)
+        assert any(f"conf/example/tiny_{algorithm}.yaml" in n for n in prepared.notes)
 
 
 @pytest.mark.parametrize(
@@ -83,7 +87,7 @@ def test_wrong_type_fails_at_composition():
             1,
             "model.kto.log_prob_forward_micro_batch_size",
         ),
-        (["trainer.precision=16"], 1, "trainer.precision"),
+        (["trainer.precision=16-true"], 1, "trainer.precision"),
         (["trainer.devices=4"], 2, "trainer.devices"),
         (["model.data.truncation_mode=middle"], 1, "model.data.truncation_mode"),
         (
@@ -112,9 +116,8 @@ def test_wrong_type_fails_at_composition():
     ],
 )
 def test_impossible_combinations_name_the_key(overrides, world, key):
-    cfg = _compose("gpt_kto", overrides)
     with pytest.raises(ConfigError) as info:
-        validate(cfg, world, "kto")
+        compose_run_config("gpt_kto", overrides, "kto", world_size=world)
     message = str(info.value)
     assert message.startswith(f"{key}:"), message
     assert "\n" not in message
@@ -122,8 +125,9 @@ def test_impossible_combinations_name_the_key(overrides, world, key):
 
 def test_one_row_per_rank_is_allowed():
     """KL partners come from the global batch, so a data-parallel share of one row is fine."""
-    cfg = _compose("gpt_kto", ["model.global_batch_size=2", "model.micro_batch_size=1"])
-    validate(cfg, 2, "kto")
+    compose_run_config(
+        "gpt_kto", ["model.global_batch_size=2", "model.micro_batch_size=1"], world_size=2
+    )
 
 
 def test_data_parallel_size():
@@ -134,6 +138,136 @@ def test_data_parallel_size():
 
 
 def test_dpo_label_smoothing_range():
-    cfg = _compose("gpt_dpo", ["model.dpo.label_smoothing=0.5"])
     with pytest.raises(ConfigError, match="^model.dpo.label_smoothing:"):
-        validate(cfg, 1, "dpo")
+        compose_run_config("gpt_dpo", ["model.dpo.label_smoothing=0.5"], "dpo")
+
+
+# ------------------------------------------------------------ demo values vs real-run defaults
+
+REPO = Path(__file__).resolve().parents[1]
+SP = str(REPO / "examples" / "data" / "tokenizer" / "tiny_sp.model")
+TRAIN = str(REPO / "examples" / "data" / "tiny_kto" / "train.jsonl")
+#: A run from scratch on the user's data (a preset gives the shape; no checkpoint).
+REAL = ["model=tiny", f"model.data.data_prefix.train=[{TRAIN}]", f"model.tokenizer.model={SP}"]
+
+
+def test_demo_values_do_not_leak_into_a_run_given_data():
+    """Naming training data is a real run: the schema's defaults apply, not the example's."""
+    prepared = compose_run_config("gpt_kto", REAL)
+    cfg = prepared.cfg
+    assert not any("bundled tiny example" in n for n in prepared.notes)
+    assert cfg.model.optim.lr == 5e-6 and cfg.model.optim.sched.min_lr == pytest.approx(5e-7)
+    assert cfg.model.data.max_length is None  # the model's own position limit
+    assert cfg.trainer.kto.max_steps == -1 and cfg.trainer.kto.val_check_interval == 0.1
+    assert cfg.trainer.precision == "bf16"
+    assert (cfg.model.global_batch_size, cfg.model.micro_batch_size) == (64, 1)
+    assert cfg.model.tokenizer.library == "sentencepiece"  # inferred from the .model file
+    demo = compose_run_config("gpt_kto", []).cfg
+    assert demo.model.optim.lr == 1e-3 and demo.model.data.max_length == 64
+
+
+def test_a_real_run_needs_an_architecture():
+    """Without a checkpoint or a preset nothing defines the model: no silent tiny default."""
+    with pytest.raises(ConfigError, match=r"^model.num_layers: no model architecture: set "):
+        compose_run_config("gpt_kto", REAL[1:])
+
+
+@pytest.mark.parametrize("extra", [[], ["example=tiny_kto"]])
+def test_lr_alone_is_enough(extra):
+    """`model.optim.lr=5e-6` alone: min_lr follows it (lr / 10), in a real run and the demo."""
+    for base in (REAL, []):
+        cfg = compose_run_config("gpt_kto", [*base, *extra, "model.optim.lr=5e-6"]).cfg
+        assert cfg.model.optim.sched.min_lr == pytest.approx(5e-7)
+
+
+@pytest.mark.parametrize(
+    "overrides,key,fragment",
+    [
+        (["model.optim.sched.min_lr=1e-4", "model.optim.lr=5e-6"], "model.optim.sched.min_lr",
+         "0.0001 is above model.optim.lr 5e-06"),
+        (["model.optim.sched.min_lr=-1.0"], "model.optim.sched.min_lr", "must be >= 0"),
+        (["model.optim.weight_decay=-0.1"], "model.optim.weight_decay", "must be >= 0"),
+        (["model.optim.betas=[0.9,1.0]"], "model.optim.betas", "in [0, 1)"),
+        (["model.optim.eps=0"], "model.optim.eps", "must be > 0"),
+        (["model.optim.sched.warmup_steps=-1"], "model.optim.sched.warmup_steps", ">= 0"),
+        (["model.optim.bucket_cap_mb=0"], "model.optim.bucket_cap_mb", "must be > 0"),
+        (["model.hidden_size=66"], "model.hidden_size", "not divisible by num_attention_heads"),
+        (["model.num_query_groups=3"], "model.num_query_groups", "do not divide the 4"),
+        (["model.rotary_percent=0"], "model.rotary_percent", "(0, 1]"),
+        (["model.hidden_dropout=1.0"], "model.hidden_dropout", "[0, 1)"),
+        (["model.activations_checkpoint_granularity=full",
+          "model.activations_checkpoint_num_layers=3"],
+         "model.activations_checkpoint_num_layers", "between 1 and the layers per pipeline"),
+        (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps", ">= 1"),
+        (["trainer.max_time=1h"], "trainer.max_time", "1h"),
+        (["trainer.kto.val_check_interval=0"], "trainer.kto.val_check_interval", "an int"),
+        (["trainer.kto.val_check_interval=1.5"], "trainer.kto.val_check_interval", "a float"),
+        (["trainer.kto.limit_val_batches=1.5"], "trainer.kto.limit_val_batches", "in [0, 1]"),
+        (["trainer.kto.limit_train_batches=-1"], "trainer.kto.limit_train_batches", "an int"),
+        (["trainer.kto.limit_val_batches=all"], "trainer.kto.limit_val_batches", "got 'all'"),
+        (["model.data.max_prompt_length=64"], "model.data.max_prompt_length", "between 1 and"),
+        (["model.data.max_length=200"], "model.data.max_length", "exceeds model.encoder_seq"),
+        (["model.kto.preference_loss_weight=-1"], "model.kto.preference_loss_weight", ">= 0"),
+    ],
+)  # fmt: skip
+def test_megatron_core_assertions_are_checked_first(overrides, key, fragment):
+    """What megatron-core would stop on with a bare assert (or a message in its own field
+    names) is reported first, naming our key."""
+    with pytest.raises(ConfigError) as info:
+        compose_run_config("gpt_kto", overrides)
+    message = str(info.value)
+    assert message.startswith(f"{key}:") and fragment in message, message
+
+
+@pytest.mark.parametrize(
+    "spelling,canonical",
+    [("32", "32"), ("32-true", "32"), ("bf16", "bf16"), ("bf16-mixed", "bf16"),
+     ("16", "16"), ("16-mixed", "16")],
+)  # fmt: skip
+def test_precision_spellings(spelling, canonical):
+    cfg = compose_run_config("gpt_kto", [f"trainer.precision={spelling}"]).cfg
+    assert cfg.trainer.precision == canonical
+
+
+def test_counts_and_fractions_keep_nemo_meaning():
+    """An int is a number of steps/batches, a float a fraction: 1 is one batch, 1.0 all."""
+    from types import SimpleNamespace
+
+    from megatron_kto.algorithms.dpo import resolve_loop
+
+    def loop(**kw):
+        base = dict(max_epochs=1, max_steps=-1, val_check_interval=0.25, save_interval=0,
+                    limit_train_batches=1.0, limit_val_batches=1.0)  # fmt: skip
+        return resolve_loop(SimpleNamespace(**{**base, **kw}), 40, 8, 16, 1, None)
+
+    assert loop().steps_per_epoch == 40 and loop().val_check_interval == 10
+    assert loop(limit_train_batches=1).steps_per_epoch == 1
+    assert loop(limit_train_batches=0.5).steps_per_epoch == 20
+    assert loop(limit_val_batches=1).limit_val_batches == 1
+    assert loop(limit_val_batches=1.0).limit_val_batches == 8
+    assert loop(val_check_interval=1).val_check_interval == 1
+    assert loop(val_check_interval=1.0).val_check_interval == 40  # once per epoch
+    composed = _compose("gpt_kto", ["trainer.kto.limit_val_batches=1"]).trainer.kto
+    assert composed.limit_val_batches == 1 and isinstance(composed.limit_val_batches, int)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("trainer.accelerator=gpu", "trainer.accelerator: unknown config key: a NeMo-Aligner/"
+         "Lightning key with no effect here (the device is CUDA when present, else the CPU)"),
+        ("+model.kto.average_log_probs=true", "model.kto.average_log_probs: unknown config key: "
+         "a NeMo-Aligner key; here it is model.kto.preference_average_log_probs"),
+    ],
+)  # fmt: skip
+def test_nemo_keys_on_our_config_say_what_they_are(override, message):
+    """On our own config a NeMo-only key is still an error, but one that says what it is."""
+    from megatron_kto.config.validate import check_known_keys, composition_error_line
+
+    try:
+        check_known_keys(_compose("gpt_kto", [override]))
+    except ConfigError as e:
+        line = str(e)
+    except (ConfigCompositionException, ConfigKeyError) as e:
+        line = composition_error_line(e)
+    assert line.startswith(message), line

@@ -1,9 +1,10 @@
 """A bad configuration or data file stops the entry script with one `error:` line, no traceback.
 
 Each case launches `examples/train_gpt_kto.py` (or the reward-evaluation tool) as a user would
-and checks: a non-zero exit code (2), exactly one line on stderr, starting with `error:` and
-naming the config key or the file:line, no traceback anywhere in the output, and — for config
-errors — nothing written to the run directory (the run stopped before building anything).
+and checks: exit code 2, exactly one line on stderr — printed once, by rank 0, under torchrun —
+starting with `error:` and naming the config key or the file:line, no traceback anywhere in the
+output, and — for config errors — nothing written to the run directory (the run stopped before
+building anything).
 
 The cases are independent single-process start-ups dominated by imports, so the module fixture
 runs them two at a time.
@@ -18,7 +19,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from e2e_cli import CONF, EVAL_TOOL, KTO_SCRIPT, QUIET, REPO, TRAIN_DATA, cli_env, launcher
+from e2e_cli import (
+    CONF,
+    EVAL_TOOL,
+    KTO_SCRIPT,
+    QUIET,
+    REPO,
+    TINY_EXAMPLE,
+    TRAIN_DATA,
+    cli_env,
+    launcher,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -39,17 +50,14 @@ def _bad_rows(tmp: Path) -> tuple[Path, Path]:
 
 
 def _typo_config_dir(tmp: Path) -> Path:
-    """A copy of conf/ whose gpt_kto.yaml has a misspelt key under model.kto."""
+    """A copy of conf/ whose gpt_kto.yaml has a misspelt key under exp_manager."""
     conf = tmp / "conf"
     shutil.copytree(CONF, conf)
     yaml = conf / "gpt_kto.yaml"
     text = yaml.read_text()
-    assert "    sft_loss_weight: 0.0\n" in text
-    yaml.write_text(
-        text.replace(
-            "    sft_loss_weight: 0.0\n", "    sft_loss_weight: 0.0\n    sft_los_weight: 0.5\n"
-        )
-    )
+    line = "  explicit_log_dir: results/gpt_kto\n"
+    assert line in text
+    yaml.write_text(text.replace(line, line + "  explicit_log_dri: results/x\n"))
     return conf
 
 
@@ -59,7 +67,15 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], int, str]]:
     missing = tmp / "no_such_dir" / "train.jsonl"
 
     def train(*overrides: str) -> list[str]:
-        return [str(KTO_SCRIPT), *QUIET, f"exp_manager.explicit_log_dir={RUN_DIR}", *overrides]
+        # The bundled example, explicitly: cases that name a data file stay on its tokenizer
+        # and model instead of becoming a real run that lacks them.
+        return [
+            str(KTO_SCRIPT),
+            *QUIET,
+            TINY_EXAMPLE,
+            f"exp_manager.explicit_log_dir={RUN_DIR}",
+            *overrides,
+        ]
 
     return {
         "unknown_key_override": (
@@ -75,7 +91,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], int, str]]:
         "unknown_key_in_yaml": (
             [str(KTO_SCRIPT), "--config-path", str(_typo_config_dir(tmp)), *train()[1:]],
             1,
-            "error: model.kto.sft_los_weight: unknown config key (did you mean 'sft_loss_weight'?)",
+            "error: exp_manager.explicit_log_dri: unknown config key (did you mean "
+            "'explicit_log_dir'?)",
         ),
         "wrong_value_type": (
             train("model.micro_batch_size=four"),
@@ -129,6 +146,15 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], int, str]]:
             1,
             f"error: {truncated}:4: <json>: malformed JSON",
         ),
+        # The rank that tokenises reports the row; the rank waiting for its cache stays quiet.
+        "malformed_jsonl_row_dp2": (
+            train(
+                f"model.data.data_prefix.train=[{truncated}]",
+                "model.data.use_cache=true",
+            ),
+            2,
+            f"error: {truncated}:4: <json>: malformed JSON",
+        ),
         "bad_label_row": (
             train(
                 f"model.data.data_prefix.train=[{bad_label}]",
@@ -164,7 +190,7 @@ def _run(tmp: Path, name: str, args: list[str], nproc: int) -> dict:
     else:
         ranks = sorted(logs.rglob("stderr.log"))
         streams = [((p.parent / "stdout.log").read_text(), p.read_text()) for p in ranks]
-    return {"returncode": proc.returncode, "streams": streams}
+    return {"returncode": proc.returncode, "streams": streams, "launcher": proc.stderr}
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +217,7 @@ CASE_NAMES = [
     "unknown_attention_backend",
     "missing_data_file",
     "malformed_jsonl_row",
+    "malformed_jsonl_row_dp2",
     "bad_label_row",
     "eval_tool_missing_policy",
 ]
@@ -203,13 +230,18 @@ def test_one_error_line_no_traceback(results, name):
     result = out[name]
     assert result["returncode"] != 0
     assert len(result["streams"]) == nproc
-    for stdout, stderr in result["streams"]:
-        lines = stderr.strip().splitlines()
-        assert len(lines) == 1, f"stderr of {name}:\n{stderr}"
-        assert lines[0].startswith(expected), lines[0]
-        assert "Traceback" not in stdout + stderr
+    (stdout, stderr), *others = result["streams"]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, f"stderr of {name}:\n{stderr}"
+    assert lines[0].startswith(expected), lines[0]
+    for out, err in result["streams"]:
+        assert "Traceback" not in out + err
+    # The other ranks found the same error and stayed quiet: it is printed once.
+    assert all(not err.strip() for _, err in others), others
     if nproc == 1:
         assert result["returncode"] == 2
+    else:  # torchrun's report names rank 0's exit code
+        assert "exitcode  : 2" in result["launcher"], result["launcher"][-2000:]
     # The run stopped before it built a model or wrote any output.
     assert not (tmp / name / "metrics.jsonl").exists()
     assert not (tmp / name / "checkpoints").exists()

@@ -56,6 +56,12 @@ def run(tmp_path_factory):
         [
             *QUIET,
             f"pretrained_checkpoint.restore_from_path={root / 'mcore'}",
+            # A real run: the data and tokenizer are named (the converted directory holds no
+            # tokenizer), fp32 for an exact comparison; the rest are the real-run defaults.
+            f"model.data.data_prefix.train=[{TRAIN_DATA}]",
+            "model.tokenizer.library=sentencepiece",
+            f"model.tokenizer.model={TOKENIZER}",
+            "trainer.precision=32",
             f"exp_manager.explicit_log_dir={log_dir}",
             "trainer.kto.max_steps=1",
             f"model.global_batch_size={GLOBAL_BATCH}",

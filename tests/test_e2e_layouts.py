@@ -26,6 +26,7 @@ import pytest
 from e2e_cli import (
     KTO_SCRIPT,
     QUIET,
+    TINY_EXAMPLE,
     load_tp1_state_dicts,
     read_metrics,
     run_script,
@@ -64,6 +65,7 @@ LAYOUTS = {
 def _overrides(init: Path, log_dir: Path) -> list[str]:
     return [
         *QUIET,
+        TINY_EXAMPLE,
         f"pretrained_checkpoint.restore_from_path={init}",
         f"exp_manager.explicit_log_dir={log_dir}",
         f"trainer.kto.max_steps={STEPS}",

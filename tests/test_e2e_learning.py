@@ -23,6 +23,7 @@ from e2e_cli import (
     EVAL_TOOL,
     KTO_SCRIPT,
     QUIET,
+    TINY_EXAMPLE,
     VALIDATION_DATA,
     read_metrics,
     run_script,
@@ -86,6 +87,7 @@ def trained(tmp_path_factory):
         KTO_SCRIPT,
         [
             *QUIET,
+            TINY_EXAMPLE,
             f"pretrained_checkpoint.restore_from_path={init}",
             f"exp_manager.explicit_log_dir={log_dir}",
             f"trainer.kto.max_steps={STEPS}",

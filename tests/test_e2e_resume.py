@@ -47,6 +47,7 @@ from e2e_cli import (
     KTO_SCRIPT,
     QUIET,
     REPO,
+    TINY_EXAMPLE,
     cli_env,
     launcher,
     load_tp1_state_dicts,
@@ -70,7 +71,7 @@ A_ARGS = [
     f"trainer.kto.max_steps={STEPS}",
     "trainer.kto.limit_train_batches=4",
     "trainer.kto.val_check_interval=2",
-    "trainer.kto.limit_val_batches=1",
+    "trainer.kto.limit_val_batches=1.0",
     "model.hidden_dropout=0.1",
     "exp_manager.checkpoint_callback_params.save_top_k=-1",
 ]
@@ -415,7 +416,7 @@ def family_b(tmp_path_factory):
     # From a saved starting point, as real runs are: the reference policy is then the same
     # under every layout (a random initialisation is not: see tests/test_checkpoint_resume_guard.py).
     init = save_initial_checkpoint(root / "init", seed=5)
-    args = [*B_ARGS, f"pretrained_checkpoint.restore_from_path={init}"]
+    args = [*B_ARGS, TINY_EXAMPLE, f"pretrained_checkpoint.restore_from_path={init}"]
     straight = root / "straight"
     run_to_end(straight, args, nproc=2)
     facts["straight"] = straight

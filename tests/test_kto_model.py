@@ -19,7 +19,7 @@ from megatron_kto.models.kto_model import REF_KL, REF_SAMPLES, KTOSettings, Mega
 from megatron_kto.models.logprobs import masked_sum, token_logprobs
 from megatron_kto.models.reference import CPUSwapReference, SeparateReference, copy_weights
 from megatron_kto.models.training_setup import wrap_ddp
-from megatron_kto.runtime import init_runtime, teardown
+from megatron_kto.runtime import init_runtime, set_seed, teardown
 
 VOCAB = 100
 
@@ -54,8 +54,14 @@ def runtime():
     teardown()
 
 
-def _settings(micro_batch_size: int, sft: float = 0.0) -> KTOSettings:
+#: NeMo-Aligner's loss options: length-normalised rewards (and z₀), summed SFT NLL, a weight on
+#: the KTO term.
+NEMO_OPTIONS = dict(average_log_probs=True, sft_average_log_probs=False, preference_loss_weight=0.7)
+
+
+def _settings(micro_batch_size: int, sft: float = 0.0, **options) -> KTOSettings:
     return KTOSettings(
+        **options,
         beta=0.5,
         desirable_weight=1.0,
         undesirable_weight=1.5,
@@ -72,22 +78,27 @@ def _grads(chunks) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("micro_batch_size", [1, 4])
-@pytest.mark.parametrize("sft", [0.0, 0.3])
-def test_efficient_gradient_equals_naive(runtime, micro_batch_size, sft):
+@pytest.mark.parametrize("sft,options", [(0.0, {}), (0.3, {}), (0.3, NEMO_OPTIONS)])
+def test_efficient_gradient_equals_naive(runtime, micro_batch_size, sft, options):
+    set_seed(7)  # the same initial weights whichever tests ran before
     arch = GPTArchitecture(vocab_size=VOCAB, make_vocab_size_divisible_by=128)
     policy = build_gpt_chunks(arch, ParallelLayout(), runtime.device)
     reference_chunks = build_gpt_chunks(arch, ParallelLayout(), runtime.device)
     copy_weights(policy, reference_chunks)
     # A noisier reference is sharper, so it scores random completions lower: r > 0 and z₀ > 0.
+    g = torch.Generator().manual_seed(3)  # fixed: the test must not depend on test order
     with torch.no_grad():
         for p in reference_chunks[0].parameters():
-            p.add_(0.1 * torch.randn_like(p))
+            p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
     chunks = wrap_ddp(policy, use_distributed_optimizer=False)
     model = MegatronGPTKTOModel(
-        chunks, SeparateReference(reference_chunks), _settings(micro_batch_size, sft)
+        chunks, SeparateReference(reference_chunks), _settings(micro_batch_size, sft, **options)
     )
 
     batch = _batch()
+    for i in range(4):  # completions of different lengths, so per-token means differ from sums
+        batch["sample_labels"][i, 3 : 3 + i] = -100
+        batch["kl_sample_labels"][i, 3 : 3 + 2 * i] = -100
     ref = model.get_ref_policy_logprobs(batch)
     batch[REF_SAMPLES], batch[REF_KL] = ref.chunk(2)
     for c in chunks:
@@ -104,7 +115,10 @@ def test_efficient_gradient_equals_naive(runtime, micro_batch_size, sft):
     logits = net(tokens, torch.cat([batch["position_ids"]] * 2), None)
     logps, counts = masked_sum(token_logprobs(logits, labels, VOCAB), labels)
     policy_samples, policy_kl = logps.chunk(2)
-    z0 = (policy_kl - batch[REF_KL]).mean().clamp(min=0).detach()
+    r_kl = policy_kl - batch[REF_KL]
+    if options.get("average_log_probs"):
+        r_kl = r_kl / counts.chunk(2)[1]
+    z0 = r_kl.mean().clamp(min=0).detach()
     out = kto_total_loss(
         policy_samples,
         batch[REF_SAMPLES],
@@ -115,6 +129,7 @@ def test_efficient_gradient_equals_naive(runtime, micro_batch_size, sft):
         undesirable_weight=1.5,
         sft_loss_weight=sft,
         num_tokens=counts.chunk(2)[0],
+        **options,
     )
     out.loss.backward()
     chunks[0].finish_grad_sync()
@@ -170,3 +185,17 @@ def test_trainer_attaches_sample_and_kl_halves(runtime):
     ref = model.get_ref_policy_logprobs(_batch())
     torch.testing.assert_close(batch[REF_SAMPLES], ref[:4])
     torch.testing.assert_close(batch[REF_KL], ref[4:])
+
+
+def test_nemo_ddp_options_reach_megatron_ddp(runtime):
+    """model.optim.overlap_grad_sync / bucket_cap_mb become megatron DDP's overlap_grad_reduce /
+    bucket_size (MiB of fp32 gradients, 4 bytes each)."""
+    from megatron_kto.run import _bucket_size
+
+    assert _bucket_size(None) is None and _bucket_size(200) == 200 * 2**20 // 4
+    arch = GPTArchitecture(vocab_size=VOCAB, make_vocab_size_divisible_by=128)
+    chunks = build_gpt_chunks(arch, ParallelLayout(), runtime.device)
+    ddp = wrap_ddp(chunks, False, overlap_grad_reduce=True, bucket_size=_bucket_size(1))[0]
+    assert ddp.ddp_config.overlap_grad_reduce and ddp.ddp_config.bucket_size == 2**18
+    plain = wrap_ddp(build_gpt_chunks(arch, ParallelLayout(), runtime.device), False)[0]
+    assert not plain.ddp_config.overlap_grad_reduce

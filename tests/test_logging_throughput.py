@@ -95,3 +95,25 @@ def test_measure_peak_flops_cpu_is_quick_and_positive() -> None:
     peak = measure_peak_flops("cpu", torch.float32, min_time_s=0.1)
     assert time.perf_counter() - start < 5.0
     assert peak > 1e6  # any CPU does far more than a megaflop per second
+
+
+def test_mfu_peak_is_known_only_from_a_datasheet_or_the_config():
+    """MFU must never read above 1: on a CPU there is no peak to trust (a timed matmul on a
+    shared machine is not an upper bound), so none is reported; GPUs use datasheet figures in
+    the run's dtype (dense, no sparsity), TF32 when fp32 matmuls use it."""
+    from megatron_kto.logging.throughput import datasheet_peak_flops, peak_flops_per_device
+
+    assert peak_flops_per_device("cpu", torch.float32) is None
+    assert peak_flops_per_device("cpu", torch.bfloat16) is None
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert datasheet_peak_flops(h100, torch.bfloat16, tf32=False) == pytest.approx(989.4e12)
+    assert datasheet_peak_flops(h100, torch.float16, tf32=False) == pytest.approx(989.4e12)
+    assert datasheet_peak_flops(h100, torch.float32, tf32=True) == pytest.approx(494.7e12)
+    assert datasheet_peak_flops(h100, torch.float32, tf32=False) == pytest.approx(66.9e12)
+    assert datasheet_peak_flops("NVIDIA H100 PCIe", torch.bfloat16, False) == pytest.approx(
+        756.5e12
+    )
+    assert datasheet_peak_flops("NVIDIA A100-SXM4-80GB", torch.bfloat16, False) == 312e12
+    assert datasheet_peak_flops("NVIDIA L40S", torch.bfloat16, False) == pytest.approx(362.1e12)
+    assert datasheet_peak_flops("NVIDIA L4", torch.bfloat16, False) == 121e12
+    assert datasheet_peak_flops("NVIDIA GeForce GTX 1080", torch.float32, False) is None

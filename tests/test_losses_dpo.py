@@ -141,3 +141,22 @@ def test_matches_paper_formula_on_random_inputs(loss_type: str, eps: float) -> N
     expected = _paper_dpo(pc.tolist(), pr.tolist(), rc.tolist(), rr.tolist(), beta, loss_type, eps)
     out = dpo_loss(pc, pr, rc, rr, beta=beta, loss_type=loss_type, label_smoothing=eps)
     torch.testing.assert_close(out.losses, torch.tensor(expected, dtype=torch.float64))
+
+
+def test_preference_weight_and_sft_averaging_hand_values() -> None:
+    """preference_loss_weight 0.5; the SFT NLL summed, from length-normalised inputs.
+
+    β = 1, chosen = rejected log-ratio → DPO loss log 2 per pair, weighted (log 2)/2.
+    Inputs are per-token means (average_log_probs): chosen −2 over 3 tokens, −2 over 2 → sums
+    −6 and −4, so the summed NLL (sft_average_log_probs False) is [6, 4]; weight 0.5 →
+    per-example [(log 2)/2 + 3, (log 2)/2 + 2]; averaged per token instead it is [2, 2].
+    """
+    pc, pr = torch.tensor([-2.0, -2.0]), torch.tensor([-3.0, -1.0])
+    kwargs = dict(beta=1.0, sft_loss_weight=0.5, chosen_num_tokens=torch.tensor([3, 2]),
+                  average_log_probs=True, preference_loss_weight=0.5)  # fmt: skip
+    summed = dpo_total_loss(pc, pr, pc.clone(), pr.clone(), sft_average_log_probs=False, **kwargs)
+    torch.testing.assert_close(summed.sft_terms, torch.tensor([6.0, 4.0]))
+    half_log2 = math.log(2) / 2
+    torch.testing.assert_close(summed.per_example, torch.tensor([half_log2 + 3, half_log2 + 2]))
+    averaged = dpo_total_loss(pc, pr, pc.clone(), pr.clone(), **kwargs)
+    torch.testing.assert_close(averaged.sft_terms, torch.tensor([2.0, 2.0]))

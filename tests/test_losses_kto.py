@@ -243,3 +243,64 @@ def test_matches_paper_formula_on_random_inputs(loss_type: str, seed: int) -> No
     out = kto_total_loss(policy, ref, desirable, z0, beta, lam_d, lam_u, loss_type)
     torch.testing.assert_close(out.kto_losses, torch.tensor(expected, dtype=torch.float64))
     assert out.loss.item() == pytest.approx(sum(expected) / b, abs=1e-12)
+
+
+def test_length_normalised_rewards_hand_values() -> None:
+    """preference_average_log_probs: r = (policy − ref) / tokens.
+
+    β = 1, z₀ = 0. Row 0 (D): policy −4, ref −6, 2 tokens → r = 2/2 = 1 (summed: 2).
+    Row 1 (U): policy −9, ref −6, 3 tokens → r = −3/3 = −1 (summed: −3).
+    Losses: D 1 − σ(1) = σ(−1); U 1 − σ(0 − (−1)) = σ(−1). Rewards β·r = [1, −1].
+    d loss / d policy_0 = −σ(1)σ(−1) · (1/2) / 2 rows.
+    """
+    policy = torch.tensor([-4.0, -9.0], requires_grad=True)
+    out = kto_total_loss(
+        policy,
+        torch.tensor([-6.0, -6.0]),
+        torch.tensor([True, False]),
+        0.0,
+        beta=1.0,
+        num_tokens=torch.tensor([2, 3]),
+        average_log_probs=True,
+    )
+    s = 1.0 / (1.0 + math.e)  # σ(−1)
+    torch.testing.assert_close(out.rewards, torch.tensor([1.0, -1.0]))
+    torch.testing.assert_close(out.kto_losses, torch.tensor([s, s]))
+    out.loss.backward()
+    assert policy.grad[0].item() == pytest.approx(-(1 - s) * s * 0.5 / 2, rel=1e-6)
+    with pytest.raises(ValueError, match="num_tokens"):
+        kto_total_loss(
+            policy, policy, torch.tensor([True, False]), 0.0, 1.0, average_log_probs=True
+        )
+
+
+def test_preference_weight_and_summed_sft_hand_values() -> None:
+    """preference_loss_weight 0.5, sft_loss_weight 2, sft_average_log_probs False.
+
+    β = 1, z₀ = 0, r = 0 for both rows → KTO losses [1/2, 1/2], weighted [1/4, 1/4].
+    Summed SFT NLL: row 0 (D) −(−6) = 6 (not 6/3 = 2); row 1 (U) 0.
+    per-example [1/4 + 2·6, 1/4] = [12.25, 0.25]; mean 6.25.
+    """
+    logps = torch.tensor([-6.0, -9.0])
+    out = kto_total_loss(
+        logps,
+        logps,
+        torch.tensor([True, False]),
+        0.0,
+        beta=1.0,
+        sft_loss_weight=2.0,
+        num_tokens=torch.tensor([3, 4]),
+        sft_average_log_probs=False,
+        preference_loss_weight=0.5,
+    )
+    torch.testing.assert_close(out.sft_terms, torch.tensor([6.0, 0.0]))
+    torch.testing.assert_close(out.per_example, torch.tensor([12.25, 0.25]))
+    assert out.loss.item() == pytest.approx(6.25)
+    torch.testing.assert_close(out.kto_losses, torch.tensor([0.5, 0.5]))  # unweighted part
+
+
+def test_sft_nll_summed() -> None:
+    """average=False: −(−6) = 6 for the desirable row, whatever its length."""
+    nll = sft_nll(torch.tensor([-6.0, -9.0]), torch.tensor([3, 3]), torch.tensor([True, False]),
+                  average=False)  # fmt: skip
+    torch.testing.assert_close(nll, torch.tensor([6.0, 0.0]))

@@ -133,13 +133,12 @@ def _set_threads(threads: int | None) -> int:
 
 # --- our side ----------------------------------------------------------------------------------
 def _compose(config_name: str, overrides: list[str]) -> Any:
-    from hydra import compose, initialize_config_dir
+    # As the trainer composes it: the bundled example unless data or a checkpoint is given,
+    # the architecture and tokenizer resolved.
+    from megatron_kto.config.entry import compose_run_config
 
-    from megatron_kto.config.schema import register
-
-    register()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name=config_name, overrides=overrides)
+    algorithm = "dpo" if "dpo" in config_name else "kto"
+    return compose_run_config(config_name, overrides, algorithm, config_dir=CONF_DIR).cfg
 
 
 def _resolved_architecture(cfg: Any, vocab_size: int):
@@ -552,6 +551,9 @@ def _run_worker(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_kto.console import quiet_third_party
+
+    quiet_third_party()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_intermixed_args(argv)
     if args.warmup < 0 or args.steps < 1 or args.repeat < 1:

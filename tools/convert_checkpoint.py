@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
     args = parser.parse_args(argv)
-    # Deprecation notices from torch / megatron-core internals are not the user's to act on.
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    from megatron_kto.console import quiet_third_party
+
+    quiet_third_party()
 
     from megatron_kto.checkpointing.errors import CheckpointError
     from megatron_kto.conversion import ConversionError

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_kto.checkpointing import files  # noqa: E402
 from megatron_kto.checkpointing.errors import CheckpointError  # noqa: E402
+from megatron_kto.config.validate import ConfigError  # noqa: E402
 from megatron_kto.data.errors import DataFormatError  # noqa: E402
 
 
@@ -119,17 +120,53 @@ def resolve_settings(args: argparse.Namespace, policy_dir: Path) -> dict[str, An
     return settings
 
 
+def check_layout(args: argparse.Namespace, settings: dict[str, Any]) -> None:
+    """The requested TP/PP fit the world size and both models' architectures — checked from
+    their architecture.json before any process group or model exists (one line, not a
+    traceback per rank from inside megatron-core)."""
+    from megatron_kto.checkpointing.locate import (
+        ARCH_FILE,
+        read_architecture,
+        resolve_pretrained_dir,
+    )
+    from megatron_kto.config.validate import check_layout as check
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    flags = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    for flag, value in zip(flags, (tp, pp)):
+        if value < 1:
+            raise UsageError(f"{flag}: must be >= 1, got {value}")
+    if world % (tp * pp):
+        raise UsageError(
+            f"--tensor-model-parallel-size: {world} processes are not divisible by TP ({tp}) x "
+            f"PP ({pp})"
+        )
+    for ckpt in (Path(settings["policy"]), resolve_pretrained_dir(settings["reference"])):
+        check(
+            read_architecture(ckpt),
+            tp,
+            pp,
+            None,
+            architecture_file=str(ckpt / ARCH_FILE),
+            keys=flags,
+        )
+
+
 def evaluate(args: argparse.Namespace) -> int:
-    from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir
-    from megatron_kto.data.tokenizers import load_tokenizer
-    from megatron_kto.eval.classification import summarize
-    from megatron_kto.eval.implicit_reward import implicit_rewards
-    from megatron_kto.runtime import init_runtime, teardown
+    from megatron_kto.checkpointing.locate import resolve_pretrained_dir
 
     if not Path(args.policy).exists():
         raise UsageError(f"--policy: {args.policy} not found")
     policy_dir = resolve_pretrained_dir(args.policy)
     settings = resolve_settings(args, policy_dir)
+    check_layout(args, settings)
+
+    from megatron_kto.data.tokenizers import load_tokenizer
+    from megatron_kto.eval.classification import summarize
+    from megatron_kto.eval.implicit_reward import implicit_rewards
+    from megatron_kto.runtime import init_runtime, teardown
+
     runtime = init_runtime(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     try:
         tokenizer = load_tokenizer(
@@ -180,14 +217,16 @@ def evaluate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_kto.console import quiet_third_party
+
+    quiet_third_party()
     args = parse_args(argv)
-    # torch.distributed.checkpoint deprecation notices from inside megatron-core's loader.
-    warnings.filterwarnings("ignore", category=FutureWarning)
     try:
         return evaluate(args)
-    except (UsageError, CheckpointError, DataFormatError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+    except (UsageError, ConfigError, CheckpointError, DataFormatError) as e:
+        from megatron_kto.console import exit_with_user_error
+
+        exit_with_user_error(str(e))  # one line from rank 0: every rank finds the same problem
 
 
 if __name__ == "__main__":

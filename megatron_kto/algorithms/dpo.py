@@ -88,7 +88,7 @@ def resolve_loop(
     log_every_n_steps: int,
     max_time_seconds: float | None,
 ) -> LoopSettings:
-    """Turn NeMo-style loop config (fractions or counts) into step counts.
+    """Turn NeMo-style loop config (float fractions or int counts) into step counts.
 
     Args:
         loop: `trainer.kto`/`trainer.dpo` config node.
@@ -96,8 +96,11 @@ def resolve_loop(
         val_batches: full global batches in the validation data.
     """
 
-    def limit(value: float, total: int) -> int:
-        return min(total, int(value)) if value > 1 else int(total * value)
+    def limit(value: int | float, total: int) -> int:
+        # NeMo/Lightning: an int is a number of batches, a float a fraction (so 1 != 1.0).
+        if isinstance(value, int) and not isinstance(value, bool):
+            return min(total, value)
+        return int(total * value)
 
     steps_per_epoch = limit(loop.limit_train_batches, train_batches)
     if steps_per_epoch < 1:
@@ -107,7 +110,9 @@ def resolve_loop(
         )
     max_steps = loop.max_steps if loop.max_steps > 0 else loop.max_epochs * steps_per_epoch
     v = loop.val_check_interval
-    val_every = int(v) if v >= 1 else max(1, int(v * steps_per_epoch))
+    # An int is a number of steps; a float a fraction of an epoch (1.0: once per epoch).
+    is_steps = isinstance(v, int) and not isinstance(v, bool)
+    val_every = v if is_steps else max(1, int(v * steps_per_epoch))
     return LoopSettings(
         max_steps=max_steps,
         steps_per_epoch=steps_per_epoch,

@@ -22,6 +22,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megatron_kto.checkpointing.errors import CheckpointError
+from megatron_kto.checkpointing.locate import ARCH_FILE, read_architecture
 from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.builder import unwrap
 
@@ -35,8 +36,6 @@ __all__ = [
     "save_sharded",
     "write_architecture",
 ]
-
-ARCH_FILE = "architecture.json"
 
 
 def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
@@ -72,21 +71,6 @@ def write_architecture(ckpt_dir: str | Path, arch: GPTArchitecture) -> None:
     """Write `architecture.json` (rank 0 only is enough; idempotent)."""
     path = Path(ckpt_dir) / ARCH_FILE
     path.write_text(json.dumps(arch.to_dict(), indent=2, sort_keys=True))
-
-
-def read_architecture(ckpt_dir: str | Path) -> GPTArchitecture:
-    """Read the architecture stored with a checkpoint.
-
-    Raises:
-        CheckpointError: if the file is absent or unreadable.
-    """
-    path = Path(ckpt_dir) / ARCH_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{path}: not found — is {ckpt_dir} a megatron_kto checkpoint?")
-    try:
-        return GPTArchitecture.from_dict(json.loads(path.read_text()))
-    except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{path}: invalid architecture record: {e}") from e
 
 
 def save_model(ckpt_dir: str | Path, chunks: list[torch.nn.Module], arch: GPTArchitecture) -> None:

@@ -1,13 +1,18 @@
 """Typed configuration, registered with Hydra so that a typo in YAML or on the command line fails.
 
-Key names follow NeMo-Aligner's `gpt_kto.yaml` / `gpt_dpo.yaml` so existing configs carry over.
-Defaults live here, not in library code; `validate.py` holds the cross-field checks.
+Key names follow NeMo-Aligner's `gpt_kto.yaml` / `gpt_dpo.yaml` so existing configs carry over
+(`nemo_aligner.py` maps the keys of theirs that differ). Defaults live here, not in library code,
+and suit a real model: a bundled demo's values (tiny model, lr 1e-3, ...) live in
+`conf/example/`, which applies only when the run names no data and no checkpoint.
+`prepare.py` resolves what depends on the checkpoint; `validate.py` holds the cross-field checks.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from megatron_kto.models.architecture import GPTArchitecture
 
@@ -20,14 +25,16 @@ class LoopConfig:
     """Passes over the training data."""
     max_steps: int = -1
     """Optimizer steps; -1 means max_epochs × steps per epoch."""
-    val_check_interval: float = 10
-    """Validate every N steps (int) or every fraction of an epoch (float < 1)."""
-    save_interval: int = 0
+    # Any, not float: as in NeMo/Lightning, an int and a float mean different things here
+    # (`1` is one batch, `1.0` all of them), which a float field would erase.
+    val_check_interval: Any = 0.1
+    """Validate every N steps (int) or every fraction of an epoch (float in (0, 1])."""
+    save_interval: int = 100
     """Save a checkpoint every N steps; 0 saves only at the end."""
-    limit_train_batches: float = 1.0
-    """Global batches per epoch: fraction (≤ 1.0) or count (> 1)."""
-    limit_val_batches: float = 1.0
-    """Validation global batches: fraction (≤ 1.0) or count (> 1)."""
+    limit_train_batches: Any = 1.0
+    """Global batches per epoch: a count (int) or a fraction of the epoch (float in [0, 1])."""
+    limit_val_batches: Any = 1.0
+    """Validation global batches: a count (int) or a fraction (float in [0, 1])."""
     gradient_clip_val: float = 1.0
     """Global gradient-norm clip; 0 disables."""
 
@@ -40,8 +47,9 @@ class TrainerConfig:
     """Nodes in the job (checked against the launched world size when `devices` is set)."""
     devices: int | None = None
     """Processes per node; None accepts whatever torchrun launched."""
-    precision: str = "32"
-    """'32' or 'bf16'."""
+    precision: str = "bf16"
+    """'bf16'/'bf16-mixed' (bf16 weights, fp32 master copy), '16'/'16-mixed' (the same in fp16
+    with dynamic loss scaling) or '32'/'32-true'."""
     max_time: str | None = None
     """Run-time limit 'DD:HH:MM:SS'; the run saves and exits cleanly when reached."""
     log_every_n_steps: int = 1
@@ -114,8 +122,14 @@ class KTOLossConfig:
     """λ_U."""
     loss_type: str = "kto"
     """'kto' or 'apo_zero_unpaired'."""
+    preference_average_log_probs: bool = False
+    """Rewards from per-token mean log-probs (length-normalised) instead of sums."""
+    preference_loss_weight: float = 1.0
+    """Weight of the KTO (preference) loss."""
     sft_loss_weight: float = 0.0
     """Weight of the NLL of desirable completions added to the loss."""
+    sft_average_log_probs: bool = True
+    """SFT NLL per token (True) or summed over the completion (False)."""
     reference_policy: str = "cpu_swap"
     """'cpu_swap' (host copy swapped in), 'separate' (second model on the device), or
     'precomputed' (the run's reference passes done before training; same KL partners as cpu_swap)."""
@@ -135,8 +149,12 @@ class DPOLossConfig:
     """Conservative-DPO label smoothing (sigmoid only)."""
     preference_average_log_probs: bool = False
     """Length-normalise: use per-token mean log-probs instead of sums."""
+    preference_loss_weight: float = 1.0
+    """Weight of the DPO (preference) loss."""
     sft_loss_weight: float = 0.0
     """Weight of the chosen completions' NLL added to the loss."""
+    sft_average_log_probs: bool = True
+    """SFT NLL per token (True) or summed over the completion (False)."""
     reference_policy: str = "cpu_swap"
     """'cpu_swap', 'separate' or 'precomputed'."""
     log_prob_forward_micro_batch_size: int | None = None
@@ -149,12 +167,12 @@ class SchedConfig:
 
     name: str = "CosineAnnealing"
     """'CosineAnnealing', 'Constant' or 'Linear'."""
-    warmup_steps: int = 0
+    warmup_steps: int = 10
     """Linear warm-up steps."""
     constant_steps: int = 0
     """Steps held at min_lr at the end (CosineAnnealing)."""
-    min_lr: float = 0.0
-    """Final learning rate."""
+    min_lr: float | None = None
+    """Final learning rate (at most lr); None means lr / 10."""
 
 
 @dataclass
@@ -163,8 +181,8 @@ class OptimConfig:
 
     name: str = "fused_adam"
     """'fused_adam'/'adam' or 'distributed_fused_adam' (shards optimizer state over DP)."""
-    lr: float = 1e-4
-    """Peak learning rate."""
+    lr: float = 5e-6
+    """Peak learning rate (KTO paper / NeMo-Aligner range for β≈0.1: 5e-7 .. 1e-5)."""
     weight_decay: float = 0.0
     """Decoupled weight decay (AdamW)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
@@ -173,6 +191,12 @@ class OptimConfig:
     """Adam epsilon."""
     sched: SchedConfig = field(default_factory=SchedConfig)
     """Learning-rate schedule."""
+    overlap_grad_sync: bool | None = None
+    """Overlap the data-parallel gradient reduction with backward (megatron DDP
+    overlap_grad_reduce); None leaves megatron_kto's default."""
+    bucket_cap_mb: float | None = None
+    """Gradient-reduction bucket size in MiB of fp32 gradients (megatron DDP bucket_size);
+    None leaves megatron-core's default."""
 
 
 @dataclass
@@ -211,17 +235,41 @@ class DataConfig:
 class TokenizerConfig:
     """`model.tokenizer.*`."""
 
-    library: str = "sentencepiece"
-    """'sentencepiece' or 'huggingface'."""
-    model: str = "examples/data/tokenizer/tiny_sp.model"
-    """SentencePiece .model, or tokenizer.json / a directory holding it."""
+    library: str | None = None
+    """'sentencepiece' or 'huggingface'; None infers it from `model` (a .model file is
+    SentencePiece, anything else Hugging Face)."""
+    model: str | None = None
+    """SentencePiece .model, or tokenizer.json / a directory holding it; None means the
+    tokenizer files stored with pretrained_checkpoint.restore_from_path."""
     chat_template: str | None = None
     """Jinja chat template overriding the tokenizer's own (conversational data)."""
 
 
+def _optional_architecture_fields() -> type:
+    """A dataclass with every GPTArchitecture field (documented there), each optional.
+
+    None means "not stated": the value comes from the pretrained checkpoint's
+    architecture.json, else from GPTArchitecture's default. A value the config does state is
+    checked against the checkpoint (`prepare.py`), so a preset or override can never silently
+    lose to — or silently override — the weights' real shape.
+    """
+    hints = typing.get_type_hints(GPTArchitecture)
+    return dataclasses.make_dataclass(
+        "ArchitectureFields",
+        [
+            (f.name, Optional[hints[f.name]], field(default=None))  # noqa: UP045 (runtime type)
+            for f in dataclasses.fields(GPTArchitecture)
+        ],
+    )
+
+
+ArchitectureFields = _optional_architecture_fields()
+
+
 @dataclass
-class ModelConfig(GPTArchitecture):
-    """`model.*`: architecture (GPTArchitecture fields), layout, batch sizes, loss, optim, data."""
+class ModelConfig(ArchitectureFields):
+    """`model.*`: architecture (GPTArchitecture fields, optional), layout, batch sizes, loss,
+    optim, data."""
 
     tensor_model_parallel_size: int = 1
     """TP degree."""
@@ -235,7 +283,7 @@ class ModelConfig(GPTArchitecture):
     """'auto' (te with Transformer Engine + CUDA, else sdpa), 'te', 'sdpa' (torch SDPA) or 'local'."""
     micro_batch_size: int = 1
     """Rows per training micro-batch."""
-    global_batch_size: int = 8
+    global_batch_size: int = 64
     """Examples per optimizer step across all data-parallel ranks."""
     seed: int = 1234
     """Base random seed (init, dropout, data order)."""
@@ -280,5 +328,7 @@ def register() -> None:
 
 
 def architecture_of(model: Any) -> GPTArchitecture:
-    """Extract the GPTArchitecture fields from a (structured or plain) model config."""
-    return GPTArchitecture(**{name: getattr(model, name) for name in GPTArchitecture.field_names()})
+    """The GPTArchitecture a (structured or plain) model config states; unset (None) fields take
+    GPTArchitecture's defaults."""
+    values = {name: getattr(model, name, None) for name in GPTArchitecture.field_names()}
+    return GPTArchitecture(**{k: v for k, v in values.items() if v is not None})

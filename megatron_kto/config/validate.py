@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
-import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 
@@ -39,20 +37,227 @@ def data_parallel_size(cfg: Any, world_size: int) -> int:
     return world_size // model_parallel
 
 
-def validate(cfg: Any, world_size: int, algorithm: str) -> None:
+#: trainer.precision spellings (NeMo/Lightning's) -> what the run does.
+PRECISIONS = {
+    "32": "32",
+    "32-true": "32",
+    "bf16": "bf16",
+    "bf16-mixed": "bf16",
+    "16": "16",
+    "16-mixed": "16",
+}
+
+
+def canonical_precision(value: Any) -> str:
+    """'32', 'bf16' or '16' for any accepted `trainer.precision` spelling.
+
+    The "-mixed" spellings mean what NeMo does with megatron_amp_O2: half-precision weights and
+    compute with an fp32 master copy in the optimizer (fp16 adds dynamic loss scaling).
+
+    Raises:
+        ConfigError: naming trainer.precision and the accepted values.
+    """
+    key = str(value)
+    if key not in PRECISIONS:
+        raise ConfigError(f"trainer.precision: must be one of {list(PRECISIONS)}, got {value!r}")
+    return PRECISIONS[key]
+
+
+def check_layout(
+    arch: Any,
+    tp: int,
+    pp: int,
+    vpp: int | None,
+    *,
+    architecture_file: str | None = None,
+    keys: tuple[str, str, str] = (
+        "model.tensor_model_parallel_size",
+        "model.pipeline_model_parallel_size",
+        "model.virtual_pipeline_model_parallel_size",
+    ),
+) -> None:
+    """The model-parallel layout fits the architecture (heads, query groups, layers).
+
+    Args:
+        arch: anything with the GPTArchitecture fields.
+        tp, pp, vpp: the layout.
+        architecture_file: where `arch` was read from (a checkpoint's architecture.json), or
+            None when it is the config's own: the message then names the layout key the user
+            can change and the file that fixes the shape, instead of the model.* key.
+        keys: how the layout is spelt for the user (config keys, or a tool's flags).
+
+    Raises:
+        ConfigError: naming the key.
+    """
+    tp_key, pp_key, vpp_key = keys
+    for key, value in ((tp_key, tp), (pp_key, pp)):
+        _need(value >= 1, key, f"must be >= 1, got {value}")
+    groups = arch.num_query_groups or arch.num_attention_heads
+    if architecture_file is not None:
+        where = f" in {architecture_file}"
+        _need(
+            arch.num_attention_heads % tp == 0,
+            tp_key,
+            f"{tp} does not divide the {arch.num_attention_heads} attention heads{where}",
+        )
+        _need(groups % tp == 0, tp_key, f"{tp} does not divide the {groups} query groups{where}")
+        rows = arch.padded_vocab_size
+        _need(
+            rows is None or rows % tp == 0,
+            tp_key,
+            f"{tp} does not divide the {rows} embedding rows (padded_vocab_size){where}",
+        )
+        stages = pp * (vpp or 1)
+        what = f"PP x VPP = {pp} x {vpp}" if vpp else str(pp)
+        _need(
+            arch.num_layers % stages == 0,
+            vpp_key if vpp else pp_key,
+            f"{what} does not divide the {arch.num_layers} layers{where}",
+        )
+        return
+    _need(
+        arch.num_attention_heads % tp == 0,
+        "model.num_attention_heads",
+        f"{arch.num_attention_heads} heads not divisible by TP={tp}",
+    )
+    _need(
+        groups % tp == 0,
+        "model.num_query_groups",
+        f"{groups} query groups not divisible by TP={tp}",
+    )
+    if vpp is not None:
+        _need(
+            arch.num_layers % (pp * vpp) == 0,
+            "model.num_layers",
+            f"{arch.num_layers} layers not divisible by PP x VPP = {pp * vpp}",
+        )
+    else:
+        _need(
+            arch.num_layers % pp == 0,
+            "model.num_layers",
+            f"{arch.num_layers} layers not divisible by PP={pp}",
+        )
+
+
+def _check_architecture(m: Any) -> None:
+    """Shape checks megatron-core's TransformerConfig would otherwise make with a bare assert or
+    a message naming its own field names."""
+    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"):
+        value = getattr(m, key)
+        _need(value is not None and value >= 1, f"model.{key}", f"must be >= 1, got {value}")
+    _need(m.encoder_seq_length >= 1, "model.encoder_seq_length", "must be >= 1")
+    _need(m.make_vocab_size_divisible_by >= 1, "model.make_vocab_size_divisible_by", "must be >= 1")
+    groups = m.num_query_groups or m.num_attention_heads
+    _need(
+        m.num_attention_heads % groups == 0,
+        "model.num_query_groups",
+        f"{groups} query groups do not divide the {m.num_attention_heads} attention heads",
+    )
+    if m.kv_channels is None:
+        _need(
+            m.hidden_size % m.num_attention_heads == 0,
+            "model.hidden_size",
+            f"{m.hidden_size} is not divisible by num_attention_heads ({m.num_attention_heads}); "
+            "set model.kv_channels (the head dimension) explicitly",
+        )
+    _need(0.0 < m.rotary_percent <= 1.0, "model.rotary_percent", "must be in (0, 1]")
+    for key in ("hidden_dropout", "attention_dropout"):
+        _need(0.0 <= getattr(m, key) < 1.0, f"model.{key}", "must be in [0, 1)")
+    _choice(m.normalization, "model.normalization", ("RMSNorm", "LayerNorm"))
+    _choice(m.activation, "model.activation", ("swiglu", "gelu", "relu"))
+    _choice(
+        m.position_embedding_type, "model.position_embedding_type", ("rope", "learned_absolute")
+    )
+
+
+def _check_optimizer(o: Any) -> None:
+    """What megatron-core's OptimizerParamScheduler asserts (max_lr >= min_lr >= 0, start_wd
+    >= 0, ...) and torch's Adam rejects, checked here so the message names our keys."""
+    _choice(o.name, "model.optim.name", ("adam", "fused_adam", "distributed_fused_adam"))
+    _choice(o.sched.name, "model.optim.sched.name", ("CosineAnnealing", "Constant", "Linear"))
+    _need(len(o.betas) == 2, "model.optim.betas", f"needs two values, got {list(o.betas)}")
+    _need(
+        all(0.0 <= b < 1.0 for b in o.betas),
+        "model.optim.betas",
+        f"each must be in [0, 1), got {list(o.betas)}",
+    )
+    _need(o.eps > 0, "model.optim.eps", "must be > 0")
+    _need(o.lr > 0, "model.optim.lr", "must be > 0")
+    _need(o.weight_decay >= 0, "model.optim.weight_decay", "must be >= 0")
+    _need(o.sched.warmup_steps >= 0, "model.optim.sched.warmup_steps", "must be >= 0")
+    _need(o.sched.constant_steps >= 0, "model.optim.sched.constant_steps", "must be >= 0")
+    min_lr = o.sched.min_lr
+    if min_lr is not None:
+        _need(min_lr >= 0, "model.optim.sched.min_lr", f"must be >= 0, got {min_lr}")
+        _need(
+            min_lr <= o.lr,
+            "model.optim.sched.min_lr",
+            f"{min_lr:g} is above model.optim.lr {o.lr:g} (the schedule decays from lr down to "
+            "min_lr); lower it, or leave it unset for lr / 10",
+        )
+    if o.bucket_cap_mb is not None:
+        _need(o.bucket_cap_mb > 0, "model.optim.bucket_cap_mb", "must be > 0")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_fraction(value: Any) -> bool:
+    return isinstance(value, float)
+
+
+def _check_loop(loop: Any, key: str) -> None:
+    """NeMo/Lightning semantics: an int is a number of steps/batches, a float a fraction."""
+    _need(
+        loop.max_epochs >= 1 or loop.max_steps > 0,
+        f"{key}.max_epochs",
+        "set max_epochs >= 1 or max_steps > 0",
+    )
+    v = loop.val_check_interval
+    _need(
+        (_is_count(v) and v >= 1) or (_is_fraction(v) and 0.0 < v <= 1.0),
+        f"{key}.val_check_interval",
+        f"an int (every N steps, >= 1) or a float (a fraction of an epoch, in (0, 1]); got {v!r}",
+    )
+    for name in ("limit_train_batches", "limit_val_batches"):
+        v = getattr(loop, name)
+        _need(
+            (_is_count(v) and v >= 0) or (_is_fraction(v) and 0.0 <= v <= 1.0),
+            f"{key}.{name}",
+            f"an int (a number of global batches) or a float (a fraction, in [0, 1]); got {v!r}",
+        )
+    _need(loop.save_interval >= 0, f"{key}.save_interval", "must be >= 0")
+    _need(loop.gradient_clip_val >= 0, f"{key}.gradient_clip_val", "must be >= 0")
+
+
+def validate(
+    cfg: Any, world_size: int, algorithm: str, architecture_file: str | None = None
+) -> None:
     """Check a composed config for a run of `world_size` processes.
 
     Args:
-        cfg: the composed `AlignmentConfig` (OmegaConf node or dataclass).
+        cfg: the composed `AlignmentConfig` (OmegaConf node or dataclass), with the
+            architecture fields of `cfg.model` resolved (`prepare.prepare_run_config`).
         world_size: number of launched processes.
         algorithm: 'kto' or 'dpo'.
+        architecture_file: the checkpoint's architecture.json the model.* shape was read from,
+            if any (layout errors then name the layout key and that file).
 
     Raises:
         ConfigError: naming the offending key.
     """
     check_known_keys(cfg)
     m, t = cfg.model, cfg.trainer
-    _choice(t.precision, "trainer.precision", ("32", "bf16"))
+    canonical_precision(t.precision)
+    _need(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", "must be >= 1")
+    if t.max_time:
+        from megatron_kto.checkpointing.preemption import parse_max_time
+
+        try:
+            parse_max_time(t.max_time)
+        except ValueError as e:
+            raise ConfigError(f"trainer.max_time: {e}") from e
     if t.devices is not None:
         _need(
             t.devices * t.num_nodes == world_size,
@@ -68,17 +273,8 @@ def validate(cfg: Any, world_size: int, algorithm: str) -> None:
     for key, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
         _need(value >= 1, f"model.{key}", f"must be >= 1, got {value}")
     dp = data_parallel_size(cfg, world_size)
-    _need(
-        m.num_attention_heads % tp == 0,
-        "model.num_attention_heads",
-        f"{m.num_attention_heads} heads not divisible by TP={tp}",
-    )
-    groups = m.num_query_groups or m.num_attention_heads
-    _need(
-        groups % tp == 0,
-        "model.num_query_groups",
-        f"{groups} query groups not divisible by TP={tp}",
-    )
+    _check_architecture(m)
+    check_layout(m, tp, pp, vpp, architecture_file=architecture_file)
     _need(
         not m.sequence_parallel or tp > 1,
         "model.sequence_parallel",
@@ -89,17 +285,6 @@ def validate(cfg: Any, world_size: int, algorithm: str) -> None:
             pp > 1,
             "model.virtual_pipeline_model_parallel_size",
             "needs pipeline_model_parallel_size > 1",
-        )
-        _need(
-            m.num_layers % (pp * vpp) == 0,
-            "model.num_layers",
-            f"{m.num_layers} layers not divisible by PP x VPP = {pp * vpp}",
-        )
-    else:
-        _need(
-            m.num_layers % pp == 0,
-            "model.num_layers",
-            f"{m.num_layers} layers not divisible by PP={pp}",
         )
     _need(m.micro_batch_size >= 1, "model.micro_batch_size", "must be >= 1")
     _need(
@@ -116,40 +301,37 @@ def validate(cfg: Any, world_size: int, algorithm: str) -> None:
             "model.global_batch_size",
             f"interleaved pipelining needs micro-batches per step ({num_micro}) divisible by PP={pp}",
         )
-    _choice(m.normalization, "model.normalization", ("RMSNorm", "LayerNorm"))
-    _choice(m.activation, "model.activation", ("swiglu", "gelu", "relu"))
-    _choice(
-        m.position_embedding_type, "model.position_embedding_type", ("rope", "learned_absolute")
-    )
     _check_recompute(m, layers_per_chunk=m.num_layers // (pp * (vpp or 1)))
     _check_attention_backend(m.attention_backend)
     _choice(m.data.truncation_mode, "model.data.truncation_mode", ("keep_end", "keep_start"))
     _choice(m.tokenizer.library, "model.tokenizer.library", ("sentencepiece", "huggingface"))
-    _choice(m.optim.name, "model.optim.name", ("adam", "fused_adam", "distributed_fused_adam"))
-    _choice(m.optim.sched.name, "model.optim.sched.name", ("CosineAnnealing", "Constant", "Linear"))
-    _need(
-        len(m.optim.betas) == 2, "model.optim.betas", f"needs two values, got {list(m.optim.betas)}"
-    )
-    _need(m.optim.lr > 0, "model.optim.lr", "must be > 0")
+    _check_optimizer(m.optim)
     _need(
         len(m.data.data_prefix.train) > 0, "model.data.data_prefix.train", "no training files given"
     )
     _need(m.data.pad_to_multiple_of >= 1, "model.data.pad_to_multiple_of", "must be >= 1")
     max_len = m.data.max_length or m.encoder_seq_length
-    _need(
-        max_len <= m.encoder_seq_length,
-        "model.data.max_length",
-        f"{max_len} exceeds model.encoder_seq_length {m.encoder_seq_length}",
+    limit = (
+        f"the position limit {m.encoder_seq_length} in {architecture_file}"
+        if architecture_file
+        else f"model.encoder_seq_length {m.encoder_seq_length}"
     )
+    _need(max_len <= m.encoder_seq_length, "model.data.max_length", f"{max_len} exceeds {limit}")
+    if m.data.max_prompt_length is not None:
+        _need(
+            1 <= m.data.max_prompt_length < max_len,
+            "model.data.max_prompt_length",
+            f"must be between 1 and max_length - 1 ({max_len - 1}), got {m.data.max_prompt_length}",
+        )
     loop = t.kto if algorithm == "kto" else t.dpo
-    key = f"trainer.{algorithm}"
+    _check_loop(loop, f"trainer.{algorithm}")
+    loss = m.kto if algorithm == "kto" else m.dpo
     _need(
-        loop.max_epochs >= 1 or loop.max_steps > 0,
-        f"{key}.max_epochs",
-        "set max_epochs >= 1 or max_steps > 0",
+        loss.preference_loss_weight >= 0,
+        f"model.{algorithm}.preference_loss_weight",
+        "must be >= 0",
     )
-    _need(loop.val_check_interval > 0, f"{key}.val_check_interval", "must be > 0")
-    _need(loop.gradient_clip_val >= 0, f"{key}.gradient_clip_val", "must be >= 0")
+    _need(loss.sft_loss_weight >= 0, f"model.{algorithm}.sft_loss_weight", "must be >= 0")
     if algorithm == "kto":
         k = m.kto
         _choice(k.loss_type, "model.kto.loss_type", ("kto", "apo_zero_unpaired"))
@@ -183,6 +365,7 @@ def validate(cfg: Any, world_size: int, algorithm: str) -> None:
         _need(0.0 <= d.label_smoothing < 0.5, "model.dpo.label_smoothing", "must be in [0, 0.5)")
         fwd = d.log_prob_forward_micro_batch_size
     if fwd is not None:
+        _need(fwd >= 1, f"model.{algorithm}.log_prob_forward_micro_batch_size", "must be >= 1")
         _need(
             per_rank % fwd == 0,
             f"model.{algorithm}.log_prob_forward_micro_batch_size",
@@ -249,6 +432,16 @@ def _suggestion(key: str, known: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _unknown(full_key: str, key: str, known: Iterable[str]) -> str:
+    """The message for an unknown key: NeMo-Aligner's keys get what they mean here."""
+    from megatron_kto.config.nemo_aligner import describe_key
+
+    nemo = describe_key(full_key)
+    if nemo is not None:
+        return f"{full_key}: unknown config key: {nemo}"
+    return f"{full_key}: unknown config key{_suggestion(key, known)}"
+
+
 def check_known_keys(cfg: Any) -> None:
     """Reject keys the schema does not define.
 
@@ -269,9 +462,7 @@ def check_known_keys(cfg: Any) -> None:
     def walk(node: DictConfig, schema: DictConfig, prefix: str) -> None:
         for key in node.keys():
             if key not in schema:
-                raise ConfigError(
-                    f"{prefix}{key}: unknown config key{_suggestion(str(key), schema.keys())}"
-                )
+                raise ConfigError(_unknown(f"{prefix}{key}", str(key), schema.keys()))
             child, expected = node._get_node(key), schema._get_node(key)
             if isinstance(child, DictConfig) and isinstance(expected, DictConfig):
                 walk(child, expected, f"{prefix}{key}.")
@@ -306,7 +497,7 @@ def composition_error_line(error: BaseException) -> str:
                     if dataclasses.is_dataclass(e.object_type)
                     else []
                 )
-                return f"{e.full_key}: unknown config key{_suggestion(str(e.key), known)}"
+                return _unknown(e.full_key, str(e.key), known)
             # The first line is the problem; the rest is OmegaConf's key/type dump.
             lines = str(e.msg or e).strip().splitlines()
             return f"{e.full_key}: {lines[0] if lines else type(e).__name__}"
@@ -317,22 +508,3 @@ def composition_error_line(error: BaseException) -> str:
     if isinstance(error, MissingConfigException) and error.options:
         first += f" (available: {', '.join(error.options)})"
     return first
-
-
-def run_entry_point(hydra_main: Callable[[], Any]) -> None:
-    """Call a `@hydra.main` function; if the config cannot be composed (unknown key, value of
-    the wrong type, override syntax, missing config file or group option), exit with code 2 and
-    one `error:` line instead of Hydra's multi-line report.
-
-    Errors raised while the run itself executes are not touched here (`run.main` reports the
-    known ones in one line; anything else keeps its traceback).
-    """
-    from hydra.errors import HydraException
-
-    # Without this Hydra prints its report itself and exits 1; with it, Hydra re-raises.
-    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
-    try:
-        hydra_main()
-    except HydraException as e:
-        print(f"error: {composition_error_line(e)}", file=sys.stderr, flush=True)
-        sys.exit(2)

@@ -20,6 +20,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from megatron_kto.data import cache
+from megatron_kto.data.errors import CacheWriterFailedError
 from megatron_kto.data.length_policy import LengthPolicy
 from megatron_kto.data.shards import TokenizedShard, tokenize_file
 from megatron_kto.data.stats import DatasetStats, merge_stats, one_class_warning
@@ -165,7 +166,7 @@ def load_shards(
     for path, key, entry in zip(paths, keys, entries):
         shard = cache.load_shard(entry, key)
         if shard is None:
-            raise RuntimeError(
+            raise CacheWriterFailedError(
                 f"{path}: tokenised cache {entry} is missing after the cache-writer rank "
                 "finished; that rank failed (see its log) or cannot write there (set cache_dir)"
             )

@@ -41,6 +41,11 @@ class DataFormatError(ValueError):
         return (type(self), (self.path, self.line, self.field, self.problem))
 
 
+class CacheWriterFailedError(RuntimeError):
+    """A rank that waited for the tokenised cache found none: the rank writing it failed and
+    reports why itself (or the cache directory is not shared between them)."""
+
+
 class RowLocation:
     """Where a row came from; builds :class:`DataFormatError` for that row.
 

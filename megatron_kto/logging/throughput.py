@@ -13,6 +13,7 @@ Conventions (those of the PaLM paper, appendix B, and of Megatron-LM's MFU):
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass
 
@@ -193,3 +194,47 @@ def measure_peak_flops(
         spent += elapsed
         best = min(best, elapsed / chunk)
     return 2.0 * size**3 / max(best, 1e-12)
+
+
+#: Dense (no sparsity) peak TFLOP/s from NVIDIA's datasheets, per GPU: (name pattern, bf16/fp16,
+#: tf32, fp32). The first matching pattern wins (H100 NVL / PCIe before the SXM default).
+GPU_PEAK_TFLOPS: tuple[tuple[str, float, float, float], ...] = (
+    (r"H100.*NVL", 835.5, 417.5, 60.0),
+    (r"H100.*PCIe", 756.5, 378.0, 51.2),
+    (r"H100", 989.4, 494.7, 66.9),
+    (r"H200", 989.4, 494.7, 66.9),
+    (r"A100", 312.0, 156.0, 19.5),
+    (r"L40S", 362.1, 183.0, 91.6),
+    (r"\bL4\b", 121.0, 60.0, 30.3),
+)
+
+
+def datasheet_peak_flops(device_name: str, dtype: torch.dtype, tf32: bool) -> float | None:
+    """A GPU's datasheet dense peak FLOP/s for matmuls in `dtype`, or None if not in the table.
+
+    Args:
+        device_name: `torch.cuda.get_device_name()`, e.g. "NVIDIA H100 80GB HBM3".
+        dtype: the training dtype (bf16/fp16 share the tensor-core peak).
+        tf32: fp32 matmuls run on TF32 tensor cores (torch's allow_tf32).
+    """
+    for pattern, half, tf32_peak, fp32 in GPU_PEAK_TFLOPS:
+        if re.search(pattern, device_name):
+            if dtype in (torch.bfloat16, torch.float16):
+                return half * 1e12
+            return (tf32_peak if tf32 else fp32) * 1e12
+    return None
+
+
+def peak_flops_per_device(device: torch.device | str, dtype: torch.dtype) -> float | None:
+    """The peak FLOP/s that MFU is reported against, or None where it is not known.
+
+    Known means a GPU's datasheet figure for the run's dtype (`datasheet_peak_flops`). A CPU
+    has none we can trust: a timed matmul (`measure_peak_flops`) is not an upper bound on a
+    machine whose cores other processes share, so an MFU against it can read above 1. Pass
+    `trainer.peak_flops_per_device` to report MFU there.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    return datasheet_peak_flops(torch.cuda.get_device_name(device), dtype, tf32)

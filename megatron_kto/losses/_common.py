@@ -40,17 +40,34 @@ def check_batch(name_to_tensor: dict[str, Tensor]) -> int:
     return 0 if size is None else size
 
 
-def sft_nll(policy_logps_sum: Tensor, num_tokens: Tensor, desirable: Tensor) -> Tensor:
-    """Per-example, per-token-mean negative log-likelihood of the desirable completions.
+def per_token_mean(logps_sum: Tensor, num_tokens: Tensor) -> Tensor:
+    """Length-normalised log-probs: ``logps_sum / num_tokens`` (a 0-token row gives 0, not NaN).
 
-    NLL_i = −policy_logps_sum_i / num_tokens_i for desirable rows and 0 for the others, so the
-    caller's mean over all examples weighs each desirable completion equally whatever its length.
-    A row with zero completion tokens (possible after truncation) contributes 0, never NaN.
+    Args:
+        logps_sum: [B] log-probs summed over each completion (grad flows through).
+        num_tokens: [B] completion token counts (constants).
+    """
+    check_batch({"logps_sum": logps_sum, "num_tokens": num_tokens})
+    logps = as_float(logps_sum)
+    return logps / num_tokens.to(logps.dtype).clamp(min=1.0)
+
+
+def sft_nll(
+    policy_logps_sum: Tensor, num_tokens: Tensor, desirable: Tensor, average: bool = True
+) -> Tensor:
+    """Per-example negative log-likelihood of the desirable completions.
+
+    NLL_i = −policy_logps_sum_i / num_tokens_i (``average``, the default: per token, so the
+    caller's mean over examples weighs each desirable completion equally whatever its length)
+    or −policy_logps_sum_i (summed over the completion, NeMo-Aligner's
+    ``sft_average_log_probs: false``) for desirable rows, and 0 for the others. A row with zero
+    completion tokens contributes 0, never NaN.
 
     Args:
         policy_logps_sum: [B] summed completion log-probs of the policy (with grad).
         num_tokens: [B] number of completion tokens per example.
         desirable: [B] bool, True where the completion should be imitated.
+        average: per-token mean (True) or sum (False).
 
     Returns:
         [B] float tensor, differentiable w.r.t. ``policy_logps_sum``.
@@ -58,10 +75,7 @@ def sft_nll(policy_logps_sum: Tensor, num_tokens: Tensor, desirable: Tensor) -> 
     check_batch(
         {"policy_logps_sum": policy_logps_sum, "num_tokens": num_tokens, "desirable": desirable}
     )
-    logps = as_float(policy_logps_sum)
-    # clamp: a zero-token row has a zero sum, so 0/1 = 0 instead of 0/0 = NaN.
-    denom = num_tokens.to(logps.dtype).clamp(min=1.0)
-    nll = -logps / denom
+    nll = -(per_token_mean(policy_logps_sum, num_tokens) if average else as_float(policy_logps_sum))
     return torch.where(desirable.bool(), nll, torch.zeros_like(nll))
 
 

@@ -156,19 +156,25 @@ def dpo_total_loss(
     sft_loss_weight: float = 0.0,
     chosen_num_tokens: Tensor | None = None,
     normalizer: float | Tensor | None = None,
+    average_log_probs: bool = False,
+    sft_average_log_probs: bool = True,
+    preference_loss_weight: float = 1.0,
 ) -> DPOTotalLossOutput:
     """DPO loss plus the optional SFT term on the chosen completions, reduced to a scalar.
 
-    loss = Σ_i (dpo_loss_i + sft_loss_weight · (−policy_chosen_logps_i / chosen_num_tokens_i))
-    / normalizer, ``normalizer`` defaulting to B.
+    loss = Σ_i (preference_loss_weight · dpo_loss_i + sft_loss_weight · sft_nll_i) / normalizer,
+    ``normalizer`` defaulting to B, where sft_nll_i is the chosen completion's NLL per token
+    (``sft_average_log_probs``) or summed.
 
     Args:
         policy_chosen_logps .. label_smoothing: as in :func:`dpo_loss`.
         sft_loss_weight: weight of the SFT term (0 disables it).
-        chosen_num_tokens: [B] chosen completion token counts; required when the SFT term is
-            on. If ``policy_chosen_logps`` are already per-token means (length normalisation),
-            pass ``torch.ones(B)`` so the NLL is not divided twice.
+        chosen_num_tokens: [B] chosen completion token counts; required when the SFT term is on.
         normalizer: divide the sum by this instead of B.
+        average_log_probs: the given log-probs are per-token means (length normalisation);
+            the SFT term then recovers the sums as mean × chosen_num_tokens.
+        sft_average_log_probs: the SFT NLL per token (True) or summed (False).
+        preference_loss_weight: weight of the DPO term.
 
     Returns:
         :class:`DPOTotalLossOutput`.
@@ -189,14 +195,20 @@ def dpo_total_loss(
         if chosen_num_tokens is None:
             raise ValueError(
                 "sft_loss_weight is non-zero but chosen_num_tokens was not given; pass the chosen "
-                "completion token counts (or ones if the log-probs are already per-token means)"
+                "completion token counts"
             )
         all_chosen = torch.ones_like(policy_chosen_logps, dtype=torch.bool)
-        sft_terms = sft_nll(policy_chosen_logps, chosen_num_tokens, all_chosen)
-        per_example = out.losses + sft_loss_weight * sft_terms
+        sums = (
+            as_float(policy_chosen_logps)
+            * chosen_num_tokens.to(as_float(policy_chosen_logps).dtype)
+            if average_log_probs
+            else policy_chosen_logps
+        )
+        sft_terms = sft_nll(sums, chosen_num_tokens, all_chosen, average=sft_average_log_probs)
+        per_example = preference_loss_weight * out.losses + sft_loss_weight * sft_terms
     else:
         sft_terms = torch.zeros_like(out.losses)
-        per_example = out.losses
+        per_example = preference_loss_weight * out.losses
     return DPOTotalLossOutput(
         loss=mean_or_normalized(per_example, normalizer),
         per_example=per_example,

@@ -23,7 +23,13 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from megatron_kto.losses._common import as_float, check_batch, mean_or_normalized, sft_nll
+from megatron_kto.losses._common import (
+    as_float,
+    check_batch,
+    mean_or_normalized,
+    per_token_mean,
+    sft_nll,
+)
 
 KTOLossType = Literal["kto", "apo_zero_unpaired"]
 KTO_LOSS_TYPES: tuple[str, ...] = ("kto", "apo_zero_unpaired")
@@ -49,9 +55,9 @@ class KTOTotalLossOutput:
     Attributes:
         loss: scalar, Σ_i per_example[i] / normalizer (the mean over the given examples by
             default); this is what gets back-propagated.
-        per_example: [B] kto loss + sft_loss_weight · sft term, with grad (use ``.detach()`` for
-            the ``loss`` metric).
-        kto_losses: [B] the preference part alone.
+        per_example: [B] preference_loss_weight · kto loss + sft_loss_weight · sft term, with
+            grad (use ``.detach()`` for the ``loss`` metric).
+        kto_losses: [B] the preference part alone (unweighted by preference_loss_weight).
         sft_terms: [B] the un-weighted SFT NLL (0 for undesirable rows, all 0 when the SFT
             weight is 0).
         rewards: [B] β·r, detached.
@@ -152,29 +158,48 @@ def kto_total_loss(
     sft_loss_weight: float = 0.0,
     num_tokens: Tensor | None = None,
     normalizer: float | Tensor | None = None,
+    average_log_probs: bool = False,
+    sft_average_log_probs: bool = True,
+    preference_loss_weight: float = 1.0,
 ) -> KTOTotalLossOutput:
     """KTO loss plus the optional SFT term, reduced to the scalar that gets back-propagated.
 
-    loss = Σ_i (kto_loss_i + sft_loss_weight · sft_nll_i) / normalizer, where ``normalizer``
-    defaults to B (i.e. the mean over the given examples).
+    loss = Σ_i (preference_loss_weight · kto_loss_i + sft_loss_weight · sft_nll_i) / normalizer,
+    where ``normalizer`` defaults to B (i.e. the mean over the given examples).
 
     Args:
-        policy_logps, ref_logps, desirable, kl, beta, desirable_weight, undesirable_weight,
-            loss_type: as in :func:`kto_loss`.
+        policy_logps, ref_logps: [B] completion log-probs **summed** over tokens.
+        desirable, kl, beta, desirable_weight, undesirable_weight, loss_type: as in
+            :func:`kto_loss` (``kl`` must be computed with the same ``average_log_probs``).
         sft_loss_weight: weight of the SFT term (0 disables it).
-        num_tokens: [B] completion token counts; required when ``sft_loss_weight`` != 0.
+        num_tokens: [B] completion token counts; required for the SFT term and for
+            ``average_log_probs``.
         normalizer: divide the sum by this instead of B (e.g. the global batch size when
             micro-batch losses are summed rather than averaged).
+        average_log_probs: the rewards use per-token mean log-probs (NeMo-Aligner's
+            ``preference_average_log_probs``): r = (policy − ref) / num_tokens.
+        sft_average_log_probs: the SFT NLL per token (True) or summed (False).
+        preference_loss_weight: weight of the KTO term.
 
     Returns:
         :class:`KTOTotalLossOutput`.
 
     Raises:
-        ValueError: if the SFT term is requested without ``num_tokens``.
+        ValueError: if the SFT term or averaging is requested without ``num_tokens``.
     """
+    if num_tokens is None and (sft_loss_weight != 0.0 or average_log_probs):
+        raise ValueError(
+            "sft_loss_weight is non-zero or average_log_probs is set but num_tokens was not "
+            "given; pass the per-example completion token counts"
+        )
+    if average_log_probs:
+        policy_pref = per_token_mean(policy_logps, num_tokens)
+        ref_pref = per_token_mean(ref_logps.detach(), num_tokens)
+    else:
+        policy_pref, ref_pref = policy_logps, ref_logps
     out = kto_loss(
-        policy_logps,
-        ref_logps,
+        policy_pref,
+        ref_pref,
         desirable,
         kl,
         beta,
@@ -182,17 +207,12 @@ def kto_total_loss(
         undesirable_weight=undesirable_weight,
         loss_type=loss_type,
     )
+    per_example = preference_loss_weight * out.losses
     if sft_loss_weight != 0.0:
-        if num_tokens is None:
-            raise ValueError(
-                "sft_loss_weight is non-zero but num_tokens was not given; pass the per-example "
-                "completion token counts so the SFT NLL can be averaged per token"
-            )
-        sft_terms = sft_nll(policy_logps, num_tokens, desirable)
-        per_example = out.losses + sft_loss_weight * sft_terms
+        sft_terms = sft_nll(policy_logps, num_tokens, desirable, average=sft_average_log_probs)
+        per_example = per_example + sft_loss_weight * sft_terms
     else:
         sft_terms = torch.zeros_like(out.losses)
-        per_example = out.losses
     return KTOTotalLossOutput(
         loss=mean_or_normalized(per_example, normalizer),
         per_example=per_example,

@@ -21,6 +21,7 @@ from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.layer_specs import decoder_block_spec, resolve_attention_backend
 
 _ACTIVATIONS = {"swiglu": F.silu, "gelu": F.gelu, "relu": F.relu}
+_HALF_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16}
 
 
 @dataclass
@@ -32,7 +33,8 @@ class ParallelLayout:
     virtual_pipeline_model_parallel_size: int | None = None
     sequence_parallel: bool = False
     precision: str = "32"
-    """'32' (fp32 params and compute) or 'bf16' (bf16 params, fp32 main weights in the optimizer)."""
+    """'32' (fp32 params and compute), 'bf16' or '16' (half-precision params and compute, fp32
+    main weights in the optimizer; '16' with dynamic loss scaling)."""
     activations_checkpoint_granularity: str | None = None
     """None, 'full' (whole layers) or 'selective' (core attention only)."""
     activations_checkpoint_method: str | None = None
@@ -59,9 +61,12 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         raise ValueError(
             f"model.activation must be one of {sorted(_ACTIVATIONS)}, got {arch.activation!r}"
         )
-    if layout.precision not in ("32", "bf16"):
-        raise ValueError(f"trainer.precision must be '32' or 'bf16', got {layout.precision!r}")
-    bf16 = layout.precision == "bf16"
+    if layout.precision not in _HALF_DTYPES and layout.precision != "32":
+        raise ValueError(
+            f"trainer.precision must be '32', 'bf16' or '16', got {layout.precision!r}"
+        )
+    bf16, fp16 = layout.precision == "bf16", layout.precision == "16"
+    dtype = _HALF_DTYPES.get(layout.precision, torch.float32)
     on_gpu = torch.cuda.is_available()
     recompute = layout.activations_checkpoint_granularity
     return TransformerConfig(
@@ -84,9 +89,10 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         sequence_parallel=layout.sequence_parallel,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
         bf16=bf16,
+        fp16=fp16,
         # CPU init builds the full master weight and slices it, so TP=1 and TP=2 start identical.
         use_cpu_initialization=not on_gpu,
         # Fused kernels need CUDA (and Apex/TE); the unfused paths are numerically the same op.
@@ -132,7 +138,7 @@ def build_gpt_chunks(
         device: where parameters live.
 
     Returns:
-        A list of `GPTModel` chunks (wrapped in `Float16Module` for bf16), each with
+        A list of `GPTModel` chunks (wrapped in `Float16Module` for bf16/fp16), each with
         `pre_process`/`post_process` set for its pipeline position.
     """
     config = make_transformer_config(arch, layout)
@@ -165,7 +171,7 @@ def build_gpt_chunks(
             vp_stage=stage,
         )
         model.to(device)
-        if config.bf16:
+        if config.bf16 or config.fp16:
             model = Float16Module(config, model)
         chunks.append(model)
     return chunks

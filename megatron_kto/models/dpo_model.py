@@ -40,6 +40,8 @@ class DPOSettings:
     micro_batch_size: int
     forward_micro_batch_size: int
     vocab_size: int
+    sft_average_log_probs: bool = True
+    preference_loss_weight: float = 1.0
 
 
 def _logps(stats: torch.Tensor, average: bool) -> torch.Tensor:
@@ -89,9 +91,10 @@ class MegatronGPTDPOModel:
             loss_type=s.loss_type,
             label_smoothing=s.label_smoothing,
             sft_loss_weight=s.sft_loss_weight,
-            chosen_num_tokens=torch.ones_like(chosen_tokens)
-            if s.average_log_probs
-            else chosen_tokens,
+            chosen_num_tokens=chosen_tokens,
+            average_log_probs=s.average_log_probs,
+            sft_average_log_probs=s.sft_average_log_probs,
+            preference_loss_weight=s.preference_loss_weight,
         )
         sums = dpo_metric_sums(
             out.chosen_rewards,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_kto.losses._common import per_token_mean
 from megatron_kto.losses.kto import kl_reference_point, kto_total_loss
 from megatron_kto.losses.metrics import KTO_METRICS, finalize_kto_metrics, kto_metric_sums
 from megatron_kto.models.forward import (
@@ -51,6 +52,10 @@ class KTOSettings:
     micro_batch_size: int
     forward_micro_batch_size: int
     vocab_size: int
+    average_log_probs: bool = False
+    """Rewards (and z₀) from per-token mean log-probs (NeMo's preference_average_log_probs)."""
+    sft_average_log_probs: bool = True
+    preference_loss_weight: float = 1.0
 
 
 class MegatronGPTKTOModel:
@@ -111,6 +116,8 @@ class MegatronGPTKTOModel:
             self.chunks, batch["kl_samples"], batch["kl_sample_labels"], batch["position_ids"]
         )
         r_kl = policy_kl[:, LOGP_SUM] - batch[REF_KL]
+        if self.settings.average_log_probs:
+            r_kl = per_token_mean(r_kl, policy_kl[:, NUM_TOKENS])
         totals = torch.stack(
             [
                 r_kl.sum().double(),
@@ -135,10 +142,13 @@ class MegatronGPTKTOModel:
             loss_type=s.loss_type,
             sft_loss_weight=s.sft_loss_weight,
             num_tokens=num_tokens,
+            average_log_probs=s.average_log_probs,
+            sft_average_log_probs=s.sft_average_log_probs,
+            preference_loss_weight=s.preference_loss_weight,
         )
         sums = kto_metric_sums(
             out.rewards,
-            policy_logps,
+            per_token_mean(policy_logps, num_tokens) if s.average_log_probs else policy_logps,
             batch["preference"].bool(),
             stats[:, LOGIT_SUM],
             num_tokens,

@@ -20,21 +20,27 @@ _DECAY_STYLE = {"CosineAnnealing": "cosine", "Constant": "constant", "Linear": "
 
 
 def wrap_ddp(
-    chunks: list[torch.nn.Module], use_distributed_optimizer: bool
+    chunks: list[torch.nn.Module],
+    use_distributed_optimizer: bool,
+    overlap_grad_reduce: bool | None = None,
+    bucket_size: int | None = None,
 ) -> list[DistributedDataParallel]:
     """Wrap each chunk in megatron-core DDP (contiguous fp32 grad buffers) and set schedule hooks.
 
     Args:
         chunks: this rank's model chunks.
         use_distributed_optimizer: shard optimizer state over DP (ZeRO-1).
+        overlap_grad_reduce: overlap the DP gradient reduction with backward (None: off).
+        bucket_size: elements per reduction bucket (None: megatron-core's default).
 
     Returns:
         The DDP-wrapped chunks.
     """
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=bool(overlap_grad_reduce),
         use_distributed_optimizer=use_distributed_optimizer,
+        bucket_size=bucket_size,
     )
     config = chunks[0].config
     wrapped = [
@@ -59,10 +65,18 @@ def build_optimizer(
     betas: tuple[float, float],
     eps: float,
     clip_grad: float,
-    bf16: bool,
+    precision: str,
     use_distributed_optimizer: bool,
 ):
-    """megatron-core Adam(W) over the DDP chunks (fp32 main weights when params are bf16)."""
+    """megatron-core Adam(W) over the DDP chunks.
+
+    Args:
+        precision: '32', 'bf16' or '16'. Half precision keeps fp32 main weights in the
+            optimizer; '16' adds megatron-core's dynamic loss scaling (starting at 2^16 as
+            torch's GradScaler does — megatron's 2^32 default skips the first ~30 steps), whose
+            scale the pipeline schedules apply through `grad_scale_func` (installed here).
+    """
+    bf16, fp16 = precision == "bf16", precision == "16"
     config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
@@ -73,10 +87,16 @@ def build_optimizer(
         adam_eps=eps,
         clip_grad=clip_grad,
         bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        fp16=fp16,
+        initial_loss_scale=2.0**16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32,
         use_distributed_optimizer=use_distributed_optimizer,
     )
-    return get_megatron_optimizer(config, ddp_chunks)
+    optimizer = get_megatron_optimizer(config, ddp_chunks)
+    if fp16:
+        # The schedules multiply the loss by this before backward (megatron-core's contract).
+        ddp_chunks[0].config.grad_scale_func = optimizer.scale_loss
+    return optimizer
 
 
 def build_scheduler(

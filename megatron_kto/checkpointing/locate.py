@@ -1,0 +1,91 @@
+"""Find the checkpoint a path refers to and read its architecture — file-system reads only.
+
+No torch, no megatron-core: the entry points call this while validating the config, before
+any process group or model exists, so that a layout the checkpoint cannot take (TP vs its heads,
+PP vs its layers, ...) is reported within a second or two of launch.
+
+Accepted paths (`pretrained_checkpoint.restore_from_path`, the tools' `--policy` / `--ckpt`):
+- a conversion-tool checkpoint (dist checkpoint + architecture.json);
+- a training checkpoint directory `step_<N>`;
+- a training checkpoint root (holding `latest` / `step_<N>` dirs), or a log directory whose
+  `checkpoints/` is one — the newest usable checkpoint is taken, as on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from megatron_kto.checkpointing import files
+from megatron_kto.checkpointing.errors import CheckpointError
+from megatron_kto.models.architecture import GPTArchitecture
+
+logger = logging.getLogger(__name__)
+
+ARCH_FILE = "architecture.json"
+_DIST_METADATA = "metadata.json"
+
+
+def _warn_on_rank0(message: str) -> None:
+    # RANK is set by torchrun before the process group exists; every rank resolves the same
+    # path, so one copy of the warning is enough.
+    if os.environ.get("RANK", "0") == "0":
+        logger.warning("%s", message)
+
+
+def resolve_pretrained_dir(path: str | Path, warn: Callable[[str], None] = _warn_on_rank0) -> Path:
+    """The directory holding the weights `path` refers to (see the module docstring).
+
+    Pure file-system reads: every rank may call it and gets the same answer on a shared
+    file system.
+
+    Args:
+        path: what the user gave.
+        warn: receives one line per skipped (damaged) checkpoint.
+
+    Raises:
+        CheckpointError: nothing usable at `path`, in one line.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: not found (pretrained_checkpoint.restore_from_path)")
+    if (path / _DIST_METADATA).is_file():
+        if (path / files.MANIFEST).exists() or (path / files.CHECKPOINT_META).exists():
+            problem = files.check_complete(path)
+            if problem:
+                raise CheckpointError(f"{path}: incomplete training checkpoint: {problem}")
+        return path
+    root = path
+    if not (root / files.LATEST).exists() and not files.list_step_dirs(root):
+        if (root / "checkpoints").is_dir():
+            root = root / "checkpoints"
+    candidates, notes = files.candidates(root)
+    for note in notes:
+        warn(note)
+    problems = []
+    for ckpt in candidates:
+        problem = files.check_complete(ckpt)
+        if problem is None:
+            return ckpt
+        problems.append(f"{ckpt.name}: {problem}")
+        warn(f"skipping checkpoint {ckpt}: {problem} — trying the previous one")
+    detail = "; ".join(problems) if problems else "no model checkpoint or step_<N> directories"
+    raise CheckpointError(f"{path}: no usable checkpoint ({detail})")
+
+
+def read_architecture(ckpt_dir: str | Path) -> GPTArchitecture:
+    """Read the architecture stored with a checkpoint.
+
+    Raises:
+        CheckpointError: if the file is absent or unreadable.
+    """
+    path = Path(ckpt_dir) / ARCH_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not found — is {ckpt_dir} a megatron_kto checkpoint?")
+    try:
+        return GPTArchitecture.from_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: invalid architecture record: {e}") from e

@@ -1,0 +1,68 @@
+"""Keep a normal start-up's console to what the user needs: our lines, not third-party noise.
+
+Called by our entry points only (examples/*.py via `config.entry.run_entry_point`, tools/*.py),
+never on import of the library, and each filter names one message or one logger: nothing
+else a dependency says is hidden, and a user embedding megatron_kto sees everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import warnings
+from typing import NoReturn
+
+#: (message regex, category): warnings about our dependencies' own internals that a user of
+#: this package cannot act on.
+NOISY_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
+    # megatron-core on import, when Transformer Engine / Apex are absent (the expected CPU set-up;
+    # it falls back to its own modules).
+    (r".*(Transformer Engine|Apex).*not installed.*", UserWarning),
+    # torch.distributed.checkpoint deprecations hit by megatron-core 0.16's own loader/saver.
+    (r"`load_state_dict` is deprecated and will be removed", FutureWarning),
+    (r"`save_state_dict` is deprecated and will be removed", FutureWarning),
+    # ... and its planner, on every load of megatron-core's ShardedTensor-based checkpoints.
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning),
+    # torch.distributed collectives megatron-core's distributed optimizer calls by their old names.
+    (
+        r"`torch.distributed.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+        FutureWarning,
+    ),
+    # Hydra, for a config without `_self_` in its defaults list (every NeMo-Aligner config):
+    # Hydra then applies the file after its defaults, which is what those configs intend.
+    (r"In '.*': Defaults list is missing `_self_`", UserWarning),
+)
+
+#: Loggers whose INFO lines are import-time banners ("Detected Megatron Core, using
+#: Megatron-FSDP with Megatron.", "Using Megatron-FSDP without Transformer Engine."): Hydra's
+#: stdout logging config shows INFO, and this package does not use Megatron-FSDP.
+NOISY_LOGGERS: tuple[str, ...] = ("megatron.core.distributed.fsdp.src.megatron_fsdp",)
+
+
+def quiet_third_party() -> None:
+    """Install the filters above (idempotent). Call it first thing in an entry point."""
+    for message, category in NOISY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+#: How long a rank other than 0 waits before exiting on a user error. Every rank finds the
+#: same error, but only rank 0 prints it: exiting at once, another rank could make torchrun
+#: terminate rank 0 before its line is out (seen on a loaded 2-core machine). Rank 0's own exit
+#: ends the job sooner (torchrun then stops the others).
+QUIET_RANK_GRACE_S = 10.0
+
+
+def exit_with_user_error(message: str) -> NoReturn:
+    """`error: <message>` (one line) on rank 0; every rank exits with code 2.
+
+    The rank comes from torchrun's environment, so this works before any process group exists.
+    """
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(QUIET_RANK_GRACE_S)
+    sys.exit(2)

@@ -1,0 +1,90 @@
+"""A tiny Hugging Face chat model made here, as a user's real model would arrive.
+
+`make_hf_chat_model(directory)` writes a random-init `transformers` Llama with grouped-query
+attention (6 query heads, 3 key/value heads — the 3:1 ratio of SmolLM-style models) and a
+ChatML-style byte-level BPE tokenizer trained with the `tokenizers` library on the bundled
+example's text (its `tokenizer_config.json` names a `bos_token` without adding it, and carries a
+chat template), saved with `save_pretrained` next to each other: a directory
+`tools/convert_checkpoint.py import` takes as it takes a downloaded model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE_TRAIN = REPO / "examples" / "data" / "tiny_kto" / "train.jsonl"
+
+HEADS, KV_HEADS, LAYERS, HIDDEN = 6, 3, 4, 48
+MAX_POSITIONS = 128
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _corpus() -> list[str]:
+    rows = [json.loads(line) for line in EXAMPLE_TRAIN.read_text().splitlines()]
+    return [f"{r['prompt']} {r['completion']}" for r in rows]
+
+
+def make_tokenizer(directory: Path) -> int:
+    """Train the byte-level BPE tokenizer into `directory`; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHATML,
+        "model_max_length": MAX_POSITIONS,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return tok.get_vocab_size()
+
+
+def make_hf_chat_model(directory: Path, seed: int = 0) -> Path:
+    """Write the model (config.json + safetensors) and its tokenizer into `directory`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = make_tokenizer(directory)
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=96,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        vocab_size=vocab,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.1,
+    )
+    LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def write_kto_rows(path: Path, start: int, count: int) -> Path:
+    """`count` rows of the bundled example's training data from `start` (a user's data file)."""
+    lines = EXAMPLE_TRAIN.read_text().splitlines()[start : start + count]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
