@@ -6,22 +6,18 @@ Composed as the entry scripts compose them (Hydra, `conf/`, the schema) and chec
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from hydra import compose, initialize_config_dir
-
-from megatron_kto.config.schema import register
+from megatron_kto.config.entry import compose_run_config
 from megatron_kto.config.validate import ConfigError, validate
 from megatron_kto.models.layer_specs import transformer_engine_available
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
-register()
 
-
-def _compose(overrides: list[str]):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name="gpt_kto", overrides=overrides)
+def _compose(overrides: list[str], world: int = 1):
+    """Composed and prepared as the entry script does it (the bundled example selects the tiny
+    architecture; conf/gpt_kto.yaml alone names none), validated for `world` ranks."""
+    return compose_run_config(
+        "gpt_kto", ["example=tiny_kto", *overrides], "kto", world_size=world
+    ).cfg
 
 
 @pytest.mark.parametrize(
@@ -53,7 +49,7 @@ def _compose(overrides: list[str]):
     ],
 )
 def test_valid_settings_pass(overrides, world):
-    validate(_compose(overrides), world, "kto")
+    validate(_compose(overrides, world), world, "kto")
 
 
 def test_default_backend_is_auto():
@@ -131,16 +127,15 @@ def test_default_backend_is_auto():
 )
 def test_invalid_settings_name_the_key(overrides, world, key, fragment):
     with pytest.raises(ConfigError) as err:
-        validate(_compose(overrides), world, "kto")
+        _compose(overrides, world)
     message = str(err.value)
     assert message.startswith(f"{key}: "), message
     assert fragment in message, message
 
 
 def test_te_backend_needs_transformer_engine():
-    cfg = _compose(["model.attention_backend=te"])
     if transformer_engine_available():
-        validate(cfg, 1, "kto")
+        validate(_compose(["model.attention_backend=te"]), 1, "kto")
         return
     with pytest.raises(ConfigError, match=r"^model\.attention_backend: 'te' needs Transformer"):
-        validate(cfg, 1, "kto")
+        _compose(["model.attention_backend=te"])
