@@ -31,6 +31,7 @@ from megatron_kto.checkpointing.model_io import (
 from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir, restore_pretrained
 from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.builder import unwrap
+from megatron_kto.models.training_setup import finish_param_sync
 
 __all__ = ["CheckpointManager", "current_layout", "resolve_pretrained_dir", "restore_pretrained"]
 
@@ -189,6 +190,9 @@ class CheckpointManager:
         if not self._all_ok(ok):
             raise CheckpointError(f"{tmp}: cannot create the checkpoint directory")
 
+        # With overlap_param_gather the last step's all-gather is still pending: save the
+        # updated weights, not the stale shards of other DP ranks.
+        finish_param_sync(model_chunks)
         model_sd = model_sharded_state_dict(model_chunks)
         sharded = dict(model_sd)
         kind = optimizer_state.optimizer_kind(optimizer)

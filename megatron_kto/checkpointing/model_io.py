@@ -24,6 +24,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.builder import unwrap
+from megatron_kto.models.training_setup import finish_param_sync
 
 __all__ = [
     "ARCH_FILE",
@@ -98,6 +99,7 @@ def save_model(ckpt_dir: str | Path, chunks: list[torch.nn.Module], arch: GPTArc
         arch: the model's architecture record.
     """
     ckpt_dir = Path(ckpt_dir)
+    finish_param_sync(chunks)  # DDP chunks with a deferred all-gather (overlap_param_gather)
     save_sharded(model_sharded_state_dict(chunks), ckpt_dir)
     if torch.distributed.get_rank() == 0:
         write_architecture(ckpt_dir, arch)

@@ -131,6 +131,12 @@ class MegatronGPTDPOModel:
         self, batch: Batch, forward_only: bool
     ) -> tuple[float, dict[str, float]]:
         """DPO loss and metrics over this global batch (training step body or validation)."""
+        metrics = finalize_dpo_metrics(self.metric_sums(batch, forward_only))
+        return metrics["loss"], metrics
+
+    def metric_sums(self, batch: Batch, forward_only: bool) -> torch.Tensor:
+        """The work of `get_loss_and_metrics` without reading anything back to the host:
+        `DPO_METRICS` (sum, count) pairs [float64], reduced over DP, identical on every rank."""
         step = gpt_forward_step(self._loss_fn)
         micro = self._micro_batches(batch)
         if forward_only:
@@ -143,5 +149,4 @@ class MegatronGPTDPOModel:
             local, (DPO_METRICS.size,), torch.float64, batch["chosen"].device
         )
         data_parallel_all_reduce(sums)
-        metrics = finalize_dpo_metrics(sums)
-        return metrics["loss"], metrics
+        return sums

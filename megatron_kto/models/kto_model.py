@@ -111,12 +111,10 @@ class MegatronGPTKTOModel:
             self.chunks, batch["kl_samples"], batch["kl_sample_labels"], batch["position_ids"]
         )
         r_kl = policy_kl[:, LOGP_SUM] - batch[REF_KL]
-        totals = torch.stack(
-            [
-                r_kl.sum().double(),
-                torch.tensor(float(r_kl.numel()), dtype=torch.float64, device=r_kl.device),
-            ]
-        )
+        # The count is a fill kernel, not torch.tensor(n, device=...): a host->device copy from
+        # pageable memory would wait for the queued forward pass.
+        count = torch.full((), float(r_kl.numel()), dtype=torch.float64, device=r_kl.device)
+        totals = torch.stack([r_kl.sum().double(), count])
         data_parallel_all_reduce(totals)
         return kl_reference_point(totals[0], totals[1]).float()
 
@@ -161,6 +159,22 @@ class MegatronGPTKTOModel:
         Returns:
             (mean loss over the global batch, metrics dict with TRL names), same on all ranks.
         """
+        sums, z0 = self.loss_and_metric_sums(batch, forward_only)
+        metrics = finalize_kto_metrics(sums, z0)  # the step's one device->host read
+        return metrics["loss"], metrics
+
+    def loss_and_metric_sums(
+        self, batch: Batch, forward_only: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The work of `get_loss_and_metrics`, leaving every result on the device.
+
+        Nothing here reads a device value on the host (tests/test_hot_loop_sync.py checks it),
+        so the forward/backward kernels of all micro-batches queue up without a stall.
+
+        Returns:
+            (`KTO_METRICS` (sum, count) pairs [float64], reduced over DP and identical on every
+            rank; z₀ as a 0-d tensor).
+        """
         z0 = self.kl_reference_point(batch)
         rows = {
             "tokens": batch["samples"],
@@ -180,5 +194,4 @@ class MegatronGPTKTOModel:
         device = batch["samples"].device
         sums = broadcast_from_last_stage(local, (KTO_METRICS.size,), torch.float64, device)
         data_parallel_all_reduce(sums)
-        metrics = finalize_kto_metrics(sums, z0)
-        return metrics["loss"], metrics
+        return sums, z0

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import random
 import socket
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_kto.runtime import cpu_compat
+from megatron_kto.runtime import cpu_compat, gpu_settings
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,14 @@ def init_runtime(
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     local_rank = int(os.environ["LOCAL_RANK"])
     if use_cuda:
+        # Before set_device creates this rank's CUDA context, which reads these variables.
+        gpu_settings.apply_launch_environment(True, tensor_parallel_size)
+        if local_rank == 0:
+            warning = gpu_settings.transformer_engine_warning(
+                gpu_settings.Accelerator.detect().transformer_engine
+            )
+            if warning:
+                logging.getLogger(__name__).warning("%s", warning)
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
         backend = "nccl"
