@@ -132,3 +132,28 @@ def test_dpo_step_has_no_host_sync_before_its_metrics(runtime) -> None:
         batch[REF_CHOSEN], batch[REF_REJECTED] = ref.chunk(2)
         model.metric_sums(batch, forward_only=False)
     assert guard.calls == [], guard.report()
+
+
+def test_cuda_runs_load_batches_into_pinned_memory(tmp_path) -> None:
+    """`build_split` asks for pinned batches exactly when the run's device is CUDA, so the
+    trainer's `to_device(non_blocking=True)` copies are asynchronous there."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from hydra import compose, initialize_config_dir
+
+    from megatron_kto.config.schema import register
+    from megatron_kto.data.pipeline import build_split
+    from megatron_kto.data.tokenizers import load_tokenizer
+
+    repo = Path(__file__).resolve().parents[1]
+    register()
+    with initialize_config_dir(config_dir=str(repo / "conf"), version_base="1.3"):
+        cfg = compose(config_name="gpt_kto", overrides=["model.data.use_cache=false"])
+    tokenizer = load_tokenizer("sentencepiece", str(repo / cfg.model.tokenizer.model))
+    for device, pinned in (("cpu", False), ("cuda", True)):
+        runtime = SimpleNamespace(
+            device=torch.device(device), local_rank=0, data_parallel_rank=0, data_parallel_size=1
+        )
+        split = build_split(cfg, "validation", "kto", tokenizer, runtime, 128)
+        assert split.loader().pin_memory is pinned

@@ -51,6 +51,8 @@ class Split:
     num_workers: int
     kl_partners: bool = False
     """The sampler yields (index, global-batch partner) pairs (`data.kl_pairs.BatchKLPartners`)."""
+    pin_memory: bool = False
+    """Batches come in pinned host memory (CUDA runs: asynchronous host->device copies)."""
 
     @property
     def num_global_batches(self) -> int:
@@ -84,7 +86,9 @@ class Split:
                 max_epochs=epoch + 1,
                 kl_partners=self.kl_partners,
             )
-        return build_dataloader(self.dataset, sampler, self.collate, self.num_workers)
+        return build_dataloader(
+            self.dataset, sampler, self.collate, self.num_workers, pin_memory=self.pin_memory
+        )
 
     def describe(self) -> str:
         """Start-up report: counts, drops by the length policy, class-balance warnings."""
@@ -158,4 +162,5 @@ def build_split(
         seed=m.seed,
         num_workers=d.num_workers,
         kl_partners=kl_partners,
+        pin_memory=runtime.device.type == "cuda",
     )
