@@ -33,6 +33,23 @@ def _rank_chunks(num_examples: int, chunk: int, dp_rank: int, dp_size: int) -> l
     return [range(s, min(s + chunk, num_examples)) for s in starts]
 
 
+def examples_per_pass(micro_batch_size: int, runtime: Any) -> int:
+    """Examples per forward pass so that every pass suits megatron-core's schedule.
+
+    A pass over E examples runs their 2E rows (sample + KL row, or chosen + rejected) in
+    micro-batches of `micro_batch_size` rows. The interleaved schedule needs a number of
+    micro-batches that is a multiple of PP (`schedules.py`, forward_backward_pipelining_with_
+    interleaving: `microbatch_group_size_per_vp_stage`, which defaults to PP, must be <= the
+    count and divide it); the other schedules take any count, so one micro-batch of E rows per
+    half is kept there.
+    """
+    if runtime.virtual_pipeline_parallel_size is None:
+        return micro_batch_size
+    pp = runtime.pipeline_parallel_size
+    # 2E / micro_batch_size = k * PP with the smallest k: E = micro_batch_size * PP / 2 (PP even).
+    return micro_batch_size * (pp // 2 if pp % 2 == 0 else pp)
+
+
 def compute_table(model: Any, splits: Sequence[Any], runtime: Any, chunk: int) -> torch.Tensor:
     """Reference log-probs of every example of `splits`, computed with the model's current
     (i.e. initial = reference) weights.
@@ -42,19 +59,27 @@ def compute_table(model: Any, splits: Sequence[Any], runtime: Any, chunk: int) -
         splits: `data.pipeline.Split`s whose datasets are `IndexedExamples` with consecutive
             index offsets starting at 0.
         runtime: the `Runtime`.
-        chunk: examples per forward pass (per DP rank).
+        chunk: rows per forward micro-batch (`log_prob_forward_micro_batch_size`).
 
     Returns:
         [N, 2] float32 table on the CPU, identical on every rank.
     """
+    interleaved = runtime.virtual_pipeline_parallel_size is not None
+    per_pass = examples_per_pass(chunk, runtime)
     total = sum(len(s.dataset) for s in splits)
     table = torch.zeros(total, 2, dtype=torch.float64, device=runtime.device)
     for split in splits:
         for rows in _rank_chunks(
-            len(split.dataset), chunk, runtime.data_parallel_rank, runtime.data_parallel_size
+            len(split.dataset), per_pass, runtime.data_parallel_rank, runtime.data_parallel_size
         ):
-            batch = to_device(split.collate([split.dataset[i] for i in rows]), runtime.device)
-            logps = model.forward_logprobs(batch, model.chunks, micro_batch_size=len(rows))
+            items = [split.dataset[i] for i in rows]
+            if interleaved:
+                # A short last pass is topped up with copies of its last example, which write
+                # the same values to the same table row; the micro-batch count stays valid.
+                items += items[-1:] * (per_pass - len(items))
+            mbs = chunk if interleaved else len(items)
+            batch = to_device(split.collate(items), runtime.device)
+            logps = model.forward_logprobs(batch, model.chunks, micro_batch_size=mbs)
             table[batch["index"]] = torch.stack(logps.chunk(2), dim=1).double()
     data_parallel_all_reduce(table)  # rows are disjoint across DP ranks
     return table.float().cpu()
