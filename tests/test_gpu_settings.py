@@ -129,3 +129,27 @@ def test_device_max_connections_for_tensor_parallel_cuda_runs() -> None:
 )
 def test_transformer_engine_range(version, warns) -> None:
     assert (transformer_engine_warning(version) is not None) == warns
+
+
+def test_srun_tasks_become_ranks_without_torchrun() -> None:
+    from megatron_kto.runtime.distributed import adopt_launcher_env
+
+    env = {
+        "SLURM_PROCID": "11",
+        "SLURM_NTASKS": "16",
+        "SLURM_LOCALID": "3",
+        "SLURM_JOB_ID": "123456",
+        "MASTER_ADDR": "node001",
+    }
+    adopt_launcher_env(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("11", "16", "3")
+    assert env["MASTER_PORT"] == str(20000 + 123456 % 20000)
+    # torchrun's variables win; a lone process stays a world of one.
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    adopt_launcher_env(torchrun)
+    assert torchrun["RANK"] == "1" and "LOCAL_RANK" not in torchrun
+    with pytest.raises(RuntimeError, match="MASTER_ADDR"):
+        adopt_launcher_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0"})
+    single = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}
+    adopt_launcher_env(single)  # an interactive 1-task allocation needs no rendezvous address
+    assert single["WORLD_SIZE"] == "1"
