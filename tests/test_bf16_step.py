@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from multirank import run_multirank
 from test_kto_model import VOCAB, _batch, _settings
 
 from megatron_kto.models.architecture import GPTArchitecture
@@ -24,8 +25,7 @@ from megatron_kto.runtime import init_runtime, teardown
 LR = 1e-3
 
 
-@pytest.fixture(scope="module")
-def steps():
+def _steps(rank: int, world_size: int) -> dict:
     rt = init_runtime(1, 1, seed=21)
     arch = GPTArchitecture(vocab_size=VOCAB, hidden_size=64, ffn_hidden_size=128, num_layers=2)
     fp32 = build_gpt_chunks(arch, ParallelLayout(precision="32"), rt.device)
@@ -100,8 +100,15 @@ def steps():
             },
             "main_dtypes": {p.dtype for g in inner.optimizer.param_groups for p in g["params"]},
         }
-    yield out
     teardown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def steps() -> dict:
+    # A process of its own: megatron's runtime patches the process (cpu_compat), and a later
+    # in-process `transformers` model would run under them.
+    return run_multirank(_steps, 1, timeout=240)[0]
 
 
 def test_bf16_parameters_and_compute_fp32_gradients_and_optimizer(steps) -> None:

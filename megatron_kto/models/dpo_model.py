@@ -127,16 +127,12 @@ class MegatronGPTDPOModel:
             )
         return micro
 
-    def get_loss_and_metrics(
+    def get_loss_and_metric_sums(
         self, batch: Batch, forward_only: bool
-    ) -> tuple[float, dict[str, float]]:
-        """DPO loss and metrics over this global batch (training step body or validation)."""
-        metrics = finalize_dpo_metrics(self.metric_sums(batch, forward_only))
-        return metrics["loss"], metrics
-
-    def metric_sums(self, batch: Batch, forward_only: bool) -> torch.Tensor:
-        """The work of `get_loss_and_metrics` without reading anything back to the host:
-        `DPO_METRICS` (sum, count) pairs [float64], reduced over DP, identical on every rank."""
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The body of `get_loss_and_metrics` before finalising: the all-reduced [2K]
+        (sum, count) tensor of `DPO_METRICS` and no per-batch scalars (for exact aggregation
+        over several global batches). Reads nothing back to the host."""
         step = gpt_forward_step(self._loss_fn)
         micro = self._micro_batches(batch)
         if forward_only:
@@ -149,4 +145,16 @@ class MegatronGPTDPOModel:
             local, (DPO_METRICS.size,), torch.float64, batch["chosen"].device
         )
         data_parallel_all_reduce(sums)
-        return sums
+        return sums, {}
+
+    @staticmethod
+    def finalize_metrics(sums: torch.Tensor, scalars: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Metrics (TRL names) from (possibly accumulated) sums."""
+        return finalize_dpo_metrics(sums)
+
+    def get_loss_and_metrics(
+        self, batch: Batch, forward_only: bool
+    ) -> tuple[float, dict[str, float]]:
+        """DPO loss and metrics over this global batch (training step body or validation)."""
+        metrics = self.finalize_metrics(*self.get_loss_and_metric_sums(batch, forward_only))
+        return metrics["loss"], metrics

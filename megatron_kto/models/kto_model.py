@@ -144,36 +144,19 @@ class MegatronGPTKTOModel:
         )
         return out.loss, {"sums": sums}
 
-    def get_loss_and_metrics(
+    def get_loss_and_metric_sums(
         self, batch: Batch, forward_only: bool
-    ) -> tuple[float, dict[str, float]]:
-        """KTO loss and metrics over this global batch (training step body or validation).
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The body of `get_loss_and_metrics`, before finalising: what a caller needs to
+        aggregate several global batches (a validation pass, a logging interval) exactly.
 
-        For training (`forward_only=False`) gradients are accumulated in the DDP buffers (and
-        reduced over DP by megatron's finalize hook); the caller steps the optimizer.
-
-        Args:
-            batch: collated KTO batch on the device, with `REF_SAMPLES`/`REF_KL` attached.
-            forward_only: validation (no backward).
+        Everything stays on the device — nothing here reads a device value on the host
+        (tests/test_hot_loop_sync.py) — so the kernels of all micro-batches queue up without a
+        stall.
 
         Returns:
-            (mean loss over the global batch, metrics dict with TRL names), same on all ranks.
-        """
-        sums, z0 = self.loss_and_metric_sums(batch, forward_only)
-        metrics = finalize_kto_metrics(sums, z0)  # the step's one device->host read
-        return metrics["loss"], metrics
-
-    def loss_and_metric_sums(
-        self, batch: Batch, forward_only: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The work of `get_loss_and_metrics`, leaving every result on the device.
-
-        Nothing here reads a device value on the host (tests/test_hot_loop_sync.py checks it),
-        so the forward/backward kernels of all micro-batches queue up without a stall.
-
-        Returns:
-            (`KTO_METRICS` (sum, count) pairs [float64], reduced over DP and identical on every
-            rank; z₀ as a 0-d tensor).
+            (the all-reduced [2K] (sum, count) tensor of `KTO_METRICS`, per-batch scalars
+            `{"kl": z₀}`), same on all ranks; `finalize_metrics` turns them into metrics.
         """
         z0 = self.kl_reference_point(batch)
         rows = {
@@ -194,4 +177,28 @@ class MegatronGPTKTOModel:
         device = batch["samples"].device
         sums = broadcast_from_last_stage(local, (KTO_METRICS.size,), torch.float64, device)
         data_parallel_all_reduce(sums)
-        return sums, z0
+        return sums, {"kl": z0}
+
+    @staticmethod
+    def finalize_metrics(sums: torch.Tensor, scalars: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Metrics (TRL names) from (possibly accumulated) sums; `scalars["kl"]` is the z₀ used
+        (its mean over the batches when accumulated). The step's one device->host read."""
+        return finalize_kto_metrics(sums, scalars["kl"])
+
+    def get_loss_and_metrics(
+        self, batch: Batch, forward_only: bool
+    ) -> tuple[float, dict[str, float]]:
+        """KTO loss and metrics over this global batch (training step body or validation).
+
+        For training (`forward_only=False`) gradients are accumulated in the DDP buffers (and
+        reduced over DP by megatron's finalize hook); the caller steps the optimizer.
+
+        Args:
+            batch: collated KTO batch on the device, with `REF_SAMPLES`/`REF_KL` attached.
+            forward_only: validation (no backward).
+
+        Returns:
+            (mean loss over the global batch, metrics dict with TRL names), same on all ranks.
+        """
+        metrics = self.finalize_metrics(*self.get_loss_and_metric_sums(batch, forward_only))
+        return metrics["loss"], metrics

@@ -110,19 +110,13 @@ class PrecomputedReference:
 
     def __init__(self, table: torch.Tensor):
         self.table = table
-        self._on_device: dict[torch.device, torch.Tensor] = {}
 
     def log_probs(self, batch: dict[str, torch.Tensor], forward: ForwardFn) -> torch.Tensor:
         """[R * B] log-probs: the batch's first rows, then its second rows (as `forward` would)."""
         if "index" not in batch:
             raise KeyError("reference_policy=precomputed needs batches with an `index` key")
-        index = batch["index"]
-        # The table (R floats per example) is copied to the batch's device once, so the lookup
-        # is a device-side gather: no device->host copy of the indices on every batch.
-        table = self._on_device.get(index.device)
-        if table is None:
-            table = self._on_device[index.device] = self.table.to(index.device)
-        return table[index.to(torch.long)].t().reshape(-1)
+        index = batch["index"].to(torch.long).cpu()
+        return self.table[index].t().reshape(-1).to(batch["index"].device)
 
 
 def copy_weights(src: list[torch.nn.Module], dst: list[torch.nn.Module]) -> None:
