@@ -3,9 +3,9 @@
 `overlap_param_gather` leaves each rank's parameters updated only in its own optimizer shard
 after a step; forward pre-hooks gather the rest during the next forward pass. The `cpu_swap`
 reference swap and checkpoint saves touch parameters *outside* a forward pass, so they must
-finish that gather first (`training_setup.finish_param_sync`). On 2 ranks (DP=2), 3 KTO steps
-with the cpu_swap reference are run with both overlaps off and on, and twice more with one
-of the two `finish_param_sync` calls removed, to show each is needed.
+finish that gather first (`training_setup.finish_param_sync`). On 4 ranks (PP=2 x DP=2), 3 KTO
+steps with the cpu_swap reference are run with both overlaps off and on, and twice more with
+one of the two `finish_param_sync` calls removed, to show each is needed.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ def _train(overlap: bool, root: Path) -> dict:
     )
     from megatron_kto.runtime import init_runtime
 
-    rt = init_runtime(1, 1, seed=5)
+    rt = init_runtime(1, 2, seed=5)
     arch = GPTArchitecture(vocab_size=VOCAB, num_layers=2, hidden_size=32, ffn_hidden_size=64)
     chunks = wrap_ddp(
-        build_gpt_chunks(arch, ParallelLayout(), rt.device),
+        build_gpt_chunks(arch, ParallelLayout(pipeline_model_parallel_size=2), rt.device),
         use_distributed_optimizer=True,
         overlap_grad_reduce=overlap,
         overlap_param_gather=overlap,
@@ -123,7 +123,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
-    return run_multirank(_worker, 2, str(tmp_path_factory.mktemp("overlap")), timeout=300)
+    return run_multirank(_worker, 4, str(tmp_path_factory.mktemp("overlap")), timeout=400)
 
 
 def test_overlapped_collectives_change_nothing(results) -> None:
