@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 #: Transformer Engine versions megatron-core 0.16.1 is tested with: its `dev` extra pins
 #: `transformer-engine>=2.9.0a0,<2.12.0`. Its code gates individual features on versions from
-#: 1.x to 2.10, so older releases import but lose features; outside this range we warn.
+#: 0.8 to 2.10 (`is_te_min_version`), so older releases import but lose features; outside the
+#: tested range we warn.
 TE_TESTED_MIN = Version("2.9.0a0")
 TE_TESTED_BELOW = Version("2.12.0")
 
