@@ -7,16 +7,18 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import random
 import socket
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_kto.runtime import cpu_compat
+from megatron_kto.runtime import cpu_compat, gpu_settings
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: torchrun's variable <- SLURM's, for `srun` starting one task per GPU without torchrun.
+_SLURM_VARS = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID"}
+
+
+def adopt_launcher_env(environ: MutableMapping[str, str] | None = None) -> None:
+    """Fill torchrun's RANK / WORLD_SIZE / LOCAL_RANK from SLURM's when `srun` started the tasks.
+
+    Under `srun --ntasks-per-node=<GPUs> python examples/train_gpt_kto.py ...` every task is a
+    rank (SLURM delivers `--signal` / time-limit signals to each of them, which the preemption
+    handler needs). The rendezvous address must be exported by the job script (MASTER_ADDR, the
+    first host of the allocation); MASTER_PORT defaults to one derived from the job id, the same
+    on every task. Variables already set (torchrun's) win. Call before reading WORLD_SIZE.
+
+    Raises:
+        RuntimeError: a multi-task SLURM step without MASTER_ADDR.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return
+    for ours, slurm in _SLURM_VARS.items():
+        env.setdefault(ours, env.get(slurm, "0"))
+    if int(env["WORLD_SIZE"]) > 1 and "MASTER_ADDR" not in env:
+        raise RuntimeError(
+            "srun started this task without torchrun: export MASTER_ADDR in the job script, "
+            "e.g. MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)"
+        )
+    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+
+
 def _ensure_env() -> None:
+    adopt_launcher_env()
     # A plain `python script.py` (no torchrun) runs as a world of one.
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -109,8 +141,18 @@ def init_runtime(
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     local_rank = int(os.environ["LOCAL_RANK"])
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
+        # Before set_device creates this rank's CUDA context, which reads these variables.
+        gpu_settings.apply_launch_environment(True, tensor_parallel_size)
+        # `srun --gpus-per-task=1` shows each task one GPU; otherwise one per local rank.
+        device_index = local_rank % torch.cuda.device_count()
+        if local_rank == 0:
+            warning = gpu_settings.transformer_engine_warning(
+                gpu_settings.Accelerator.detect().transformer_engine
+            )
+            if warning:
+                logging.getLogger(__name__).warning("%s", warning)
+        torch.cuda.set_device(device_index)
+        dev = torch.device("cuda", device_index)
         backend = "nccl"
     else:
         cpu_compat.apply(force=torch.cuda.is_available())
