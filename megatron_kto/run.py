@@ -34,7 +34,7 @@ from megatron_kto.models.reference import (
 )
 from megatron_kto.models.training_setup import build_optimizer, build_scheduler, wrap_ddp
 from megatron_kto.runtime import init_runtime, teardown
-from megatron_kto.runtime.distributed import adopt_launcher_env
+from megatron_kto.runtime.launcher_env import adopt_launcher_env
 
 
 def _say(rank0: bool, message: str) -> None:

@@ -132,11 +132,12 @@ def test_transformer_engine_range(version, warns) -> None:
 
 
 def test_srun_tasks_become_ranks_without_torchrun() -> None:
-    from megatron_kto.runtime.distributed import adopt_launcher_env
+    from megatron_kto.runtime.launcher_env import adopt_launcher_env
 
     env = {
         "SLURM_PROCID": "11",
         "SLURM_NTASKS": "16",
+        "SLURM_STEP_NUM_TASKS": "16",
         "SLURM_LOCALID": "3",
         "SLURM_JOB_ID": "123456",
         "MASTER_ADDR": "node001",
@@ -145,11 +146,16 @@ def test_srun_tasks_become_ranks_without_torchrun() -> None:
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("11", "16", "3")
     assert env["MASTER_PORT"] == str(20000 + 123456 % 20000)
     # torchrun's variables win; a lone process stays a world of one.
-    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}
     adopt_launcher_env(torchrun)
     assert torchrun["RANK"] == "1" and "LOCAL_RANK" not in torchrun
     with pytest.raises(RuntimeError, match="MASTER_ADDR"):
-        adopt_launcher_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0"})
-    single = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}
+        adopt_launcher_env({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "0"})
+    single = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0"}
     adopt_launcher_env(single)  # an interactive 1-task allocation needs no rendezvous address
     assert single["WORLD_SIZE"] == "1"
+    # The batch script of an 8-task allocation (no srun step): SLURM_PROCID=0 and
+    # SLURM_NTASKS=8 are set, but `python train.py` there is one process, not rank 0 of 8.
+    batch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0"}
+    adopt_launcher_env(batch)
+    assert "WORLD_SIZE" not in batch and "RANK" not in batch

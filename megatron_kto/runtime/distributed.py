@@ -11,7 +11,6 @@ import logging
 import os
 import random
 import socket
-from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kto.runtime import cpu_compat, gpu_settings
+from megatron_kto.runtime.launcher_env import adopt_launcher_env
 
 
 @dataclass(frozen=True)
@@ -52,35 +52,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-#: torchrun's variable <- SLURM's, for `srun` starting one task per GPU without torchrun.
-_SLURM_VARS = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID"}
-
-
-def adopt_launcher_env(environ: MutableMapping[str, str] | None = None) -> None:
-    """Fill torchrun's RANK / WORLD_SIZE / LOCAL_RANK from SLURM's when `srun` started the tasks.
-
-    Under `srun --ntasks-per-node=<GPUs> python examples/train_gpt_kto.py ...` every task is a
-    rank (SLURM delivers `--signal` / time-limit signals to each of them, which the preemption
-    handler needs). The rendezvous address must be exported by the job script (MASTER_ADDR, the
-    first host of the allocation); MASTER_PORT defaults to one derived from the job id, the same
-    on every task. Variables already set (torchrun's) win. Call before reading WORLD_SIZE.
-
-    Raises:
-        RuntimeError: a multi-task SLURM step without MASTER_ADDR.
-    """
-    env = os.environ if environ is None else environ
-    if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
-        return
-    for ours, slurm in _SLURM_VARS.items():
-        env.setdefault(ours, env.get(slurm, "0"))
-    if int(env["WORLD_SIZE"]) > 1 and "MASTER_ADDR" not in env:
-        raise RuntimeError(
-            "srun started this task without torchrun: export MASTER_ADDR in the job script, "
-            "e.g. MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)"
-        )
-    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
 
 
 def _ensure_env() -> None:
