@@ -1,14 +1,46 @@
-# GPU image: NGC PyTorch (CUDA, NCCL, Transformer Engine preinstalled) + megatron_kto.
+# GPU image: NGC PyTorch 25.11 (CUDA 13.0, PyTorch 2.10.0a0, Transformer Engine 2.9, NCCL) plus
+# megatron-core 0.16.1 and megatron_kto.
+#
+# Why this base: megatron-core 0.16.1 requires torch>=2.6.0 and is tested with Transformer Engine
+# >=2.9,<2.12 (its `dev` extra). NGC 25.01 ships torch 2.6.0a0, a pre-release that pip ranks
+# *below* 2.6.0, so installing megatron-core there replaced the image's torch with a PyPI wheel
+# (and broke TE and Apex, built against it). 25.11's 2.10.0a0 satisfies >=2.6.0 and its TE 2.9
+# is in the tested range. Since 25.03 NGC images pin every preinstalled package in
+# /etc/pip/constraint.txt; every pip install below runs under it, so pip can add packages but
+# never re-resolve torch / Transformer Engine / Apex: a conflict fails the build instead. The
+# build also compares the GPU stack before and after installing.
+#
 #   docker build -t megatron_kto .
-#   docker run --gpus all --rm -it megatron_kto \
-#     torchrun --nproc_per_node 8 examples/train_gpt_kto.py model=llama3_8b trainer.precision=bf16 ...
-FROM nvcr.io/nvidia/pytorch:25.01-py3
+#   docker run --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 --rm -it \
+#     -v /data:/data -v /ckpt:/ckpt megatron_kto \
+#     torchrun --nproc_per_node 8 examples/train_gpt_kto.py trainer.precision=bf16 ...
+# Multi-node (torchrun rendezvous, SLURM srun): README.md, "GPUs".
+FROM nvcr.io/nvidia/pytorch:25.11-py3
 
+ENV PYTHONUNBUFFERED=1
 WORKDIR /workspace/megatron_kto
+
+# The GPU stack as the image ships it (recorded before anything is installed).
+RUN test -f /etc/pip/constraint.txt \
+    && pip list --format=freeze \
+       | grep -iE '^(torch|transformer[-_]engine[-_a-z0-9]*|apex|nvidia-nccl[-a-z0-9]*)==' \
+       | sort > /opt/gpu_stack.txt \
+    && grep -iq '^torch==' /opt/gpu_stack.txt \
+    && grep -iq '^transformer[-_]engine' /opt/gpu_stack.txt \
+    && cat /opt/gpu_stack.txt
+
 COPY setup.py pyproject.toml README.md ./
 COPY megatron_kto ./megatron_kto
-# The container's torch and transformer-engine are kept; only our other dependencies are added.
-RUN pip install --no-cache-dir -e '.[tensorboard,parquet]'
+# megatron-core pinned to the version CI tests; our other dependencies under the constraints.
+RUN pip install --no-cache-dir --constraint /etc/pip/constraint.txt "megatron-core==0.16.1" \
+    && pip install --no-cache-dir --constraint /etc/pip/constraint.txt -e '.[tensorboard,parquet]' \
+    && pip list --format=freeze \
+       | grep -iE '^(torch|transformer[-_]engine[-_a-z0-9]*|apex|nvidia-nccl[-a-z0-9]*)==' \
+       | sort | diff /opt/gpu_stack.txt - \
+    && python -c "import importlib.metadata as m; print('megatron-core', m.version('megatron-core'))" \
+    && python -c "import sys; from megatron_kto.runtime.gpu_settings import Accelerator, \
+transformer_engine_warning as check; sys.exit(check(Accelerator.detect().transformer_engine))"
+
 COPY conf ./conf
 COPY examples ./examples
 COPY tools ./tools

@@ -34,6 +34,7 @@ from megatron_kto.models.reference import (
 )
 from megatron_kto.models.training_setup import build_optimizer, build_scheduler, wrap_ddp
 from megatron_kto.runtime import init_runtime, teardown
+from megatron_kto.runtime.launcher_env import adopt_launcher_env
 
 
 def _say(rank0: bool, message: str) -> None:
@@ -240,6 +241,10 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
 
     # megatron-core logs its DDP/optimizer configs at INFO on every rank; keep warnings and up.
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
+    try:
+        adopt_launcher_env()  # srun without torchrun: SLURM's task variables
+    except RuntimeError as e:
+        raise ConfigError(str(e)) from e
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # Before any process group or model exists. The entry scripts have already done it (and
     # printed its notes); it is idempotent, and callers like tools/bench_kto.py rely on it.

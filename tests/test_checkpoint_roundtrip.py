@@ -164,8 +164,38 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
         entry["step_diff"] = max_abs_diff(reference, run.params())
         broken[workaround] = entry
     out["broken"] = broken
+    measured = build_run(1, 1, True, seed=7)
+    measured.step(1)
+    out["save_host_bytes"] = _optimizer_save_host_bytes(measured)
     teardown()
     return out
+
+
+def _optimizer_save_host_bytes(run) -> dict[str, int]:
+    """Bytes of fp32 optimizer state this rank holds while building its save (distributed
+    optimizer, `fully_reshardable`, megatron-core's memory-efficient gather), and the model
+    shard's parameter count."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from megatron_kto.checkpointing import optimizer_state
+    from megatron_kto.checkpointing.model_io import model_sharded_state_dict
+
+    model_sd = model_sharded_state_dict(run.chunks)
+    sd = optimizer_state.sharded_state_dict(run.optimizer, model_sd, is_loading=False)
+    tensors = []
+
+    def walk(value):
+        if isinstance(value, (ShardedTensor, ShardedTensorFactory)):
+            tensors.append(value.data)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+
+    walk(sd["param_state"] or {})
+    return {
+        "state_bytes": sum(t.numel() * t.element_size() for t in tensors),
+        "params": sum(p.numel() for c in run.chunks for p in c.parameters()),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +238,15 @@ def test_checkpoint_files(results) -> None:
     # RNG files hold tensors and plain values only.
     torch.load(step_dir / "rng" / "rank_00001.pt", weights_only=True)
     assert (results[0]["tmp"] / "standard" / "latest").read_text().strip() == "step_2"
+
+
+def test_distributed_optimizer_save_gathers_on_dp_rank0_only(results) -> None:
+    """megatron-core's memory-efficient `fully_reshardable` save: DP rank 0 holds the model
+    shard's full fp32 state (param, exp_avg, exp_avg_sq = 12 bytes per parameter), DP rank 1
+    none of it (the default all-gather would give both ranks the 12 bytes per parameter)."""
+    rank0, rank1 = (r["save_host_bytes"] for r in results)
+    assert rank0["state_bytes"] == 12 * rank0["params"]
+    assert rank1["state_bytes"] == 0
 
 
 def test_each_workaround_is_needed(results) -> None:

@@ -107,19 +107,42 @@ def _compute_kto(model: Any, splits: Sequence[Any], runtime: Any, coverage: Cove
     return values, filled
 
 
+def examples_per_pass(micro_batch_size: int, runtime: Any) -> int:
+    """Examples per forward pass so that every pass suits megatron-core's schedule.
+
+    A pass over E examples runs their 2E rows (chosen + rejected) in micro-batches of
+    `micro_batch_size` rows. The interleaved schedule needs a number of micro-batches that is a
+    multiple of PP (`schedules.py`, forward_backward_pipelining_with_interleaving:
+    `microbatch_group_size_per_vp_stage`, which defaults to PP, must be <= the count and divide
+    it); the other schedules take any count, so one micro-batch of E rows per half is kept there.
+    """
+    if runtime.virtual_pipeline_parallel_size is None:
+        return micro_batch_size
+    pp = runtime.pipeline_parallel_size
+    # 2E / micro_batch_size = k * PP with the smallest k: E = micro_batch_size * PP / 2 (PP even).
+    return micro_batch_size * (pp // 2 if pp % 2 == 0 else pp)
+
+
 def _compute_dpo(model: Any, splits: Sequence[Any], runtime: Any):
     total = sum(len(s.dataset) for s in splits)
     values = torch.zeros(total, 2, dtype=torch.float64, device=runtime.device)
     chunk = model.settings.forward_micro_batch_size
+    interleaved = runtime.virtual_pipeline_parallel_size is not None
+    per_pass = examples_per_pass(chunk, runtime)
     dp_rank, dp_size = runtime.data_parallel_rank, runtime.data_parallel_size
     for split in splits:
         n = len(split.dataset)
         # Contiguous chunks dealt round-robin over DP ranks; TP/PP peers of one DP rank get the
         # same list, which is all the forward-only schedule needs (it has no DP collective).
-        for start in range(dp_rank * chunk, n, dp_size * chunk):
-            rows = range(start, min(start + chunk, n))
-            batch = to_device(split.collate([split.dataset[i] for i in rows]), runtime.device)
-            logps = model.forward_logprobs(batch, model.chunks, micro_batch_size=len(rows))
+        for start in range(dp_rank * per_pass, n, dp_size * per_pass):
+            items = [split.dataset[i] for i in range(start, min(start + per_pass, n))]
+            if interleaved:
+                # A short last pass is topped up with copies of its last example, which write
+                # the same values to the same table row; the micro-batch count stays valid.
+                items += items[-1:] * (per_pass - len(items))
+            mbs = chunk if interleaved else len(items)
+            batch = to_device(split.collate(items), runtime.device)
+            logps = model.forward_logprobs(batch, model.chunks, micro_batch_size=mbs)
             values[batch["index"]] = torch.stack(logps.chunk(2), dim=1).double()
     return values, torch.ones_like(values)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, package_info, parallel_state
+from megatron.core import package_info, parallel_state
 
 from megatron_kto.checkpointing import files, optimizer_state, rng
 from megatron_kto.checkpointing.errors import CheckpointError
@@ -29,8 +29,10 @@ from megatron_kto.checkpointing.model_io import (
     write_architecture,
 )
 from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir, restore_pretrained
+from megatron_kto.checkpointing.spec_compat import load_module_state, load_sharded
 from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.builder import unwrap
+from megatron_kto.models.training_setup import finish_param_sync
 
 __all__ = ["CheckpointManager", "current_layout", "resolve_pretrained_dir", "restore_pretrained"]
 
@@ -189,6 +191,9 @@ class CheckpointManager:
         if not self._all_ok(ok):
             raise CheckpointError(f"{tmp}: cannot create the checkpoint directory")
 
+        # With overlap_param_gather the last step's all-gather is still pending: save the
+        # updated weights, not the stale shards of other DP ranks.
+        finish_param_sync(model_chunks)
         model_sd = model_sharded_state_dict(model_chunks)
         sharded = dict(model_sd)
         kind = optimizer_state.optimizer_kind(optimizer)
@@ -404,10 +409,11 @@ class CheckpointManager:
         sharded = dict(model_sd)
         if optimizer is not None:
             sharded["optimizer"] = optimizer_state.sharded_state_dict(optimizer, model_sd, True)
-        loaded = dist_checkpointing.load(sharded, str(path))
+        # Tolerates Transformer Engine's extra state on either side (spec_compat).
+        loaded = load_sharded(sharded, path)
         for i, chunk in enumerate(model_chunks):
             key = "model" if len(model_chunks) == 1 else f"model{i}"
-            unwrap(chunk).load_state_dict(loaded[key], strict=True)
+            load_module_state(unwrap(chunk), loaded[key], str(path))
         if optimizer is not None:
             optimizer_state.load_state_dict(optimizer, loaded["optimizer"])
 

@@ -23,8 +23,10 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.checkpointing.locate import ARCH_FILE, read_architecture
+from megatron_kto.checkpointing.spec_compat import load_module_state, load_sharded
 from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.builder import unwrap
+from megatron_kto.models.training_setup import finish_param_sync
 
 __all__ = [
     "ARCH_FILE",
@@ -82,6 +84,7 @@ def save_model(ckpt_dir: str | Path, chunks: list[torch.nn.Module], arch: GPTArc
         arch: the model's architecture record.
     """
     ckpt_dir = Path(ckpt_dir)
+    finish_param_sync(chunks)  # DDP chunks with a deferred all-gather (overlap_param_gather)
     save_sharded(model_sharded_state_dict(chunks), ckpt_dir)
     if torch.distributed.get_rank() == 0:
         write_architecture(ckpt_dir, arch)
@@ -100,11 +103,14 @@ def load_model(ckpt_dir: str | Path, chunks: list[torch.nn.Module]) -> None:
         raise CheckpointError(f"{ckpt_dir}: not a complete dist checkpoint (no metadata.json)")
     sharded = model_sharded_state_dict(chunks)
     try:
-        loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
+        # Tolerates Transformer Engine's extra state on either side (spec_compat).
+        loaded = load_sharded(sharded, ckpt_dir)
+    except CheckpointError:
+        raise
     except Exception as e:  # megatron raises several types; surface one clear line
         raise CheckpointError(
             f"{ckpt_dir}: cannot load model weights: {type(e).__name__}: {e}"
         ) from e
     for i, chunk in enumerate(chunks):
         state = loaded["model"] if len(chunks) == 1 else loaded[f"model{i}"]
-        unwrap(chunk).load_state_dict(state, strict=True)
+        load_module_state(unwrap(chunk), state, str(ckpt_dir))

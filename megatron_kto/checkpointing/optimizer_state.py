@@ -2,8 +2,19 @@
 
 Both megatron optimizers store their state as sharded tensors keyed by the model parameters'
 global names, so a checkpoint reshards to another TP/PP/DP layout: the non-distributed
-optimizer natively, the distributed optimizer with the `fully_reshardable` format (the default
-`fully_sharded_model_space` cannot save on 0.16.1: "flattened_range is not supported").
+optimizer natively, the distributed optimizer with the `fully_reshardable` format.
+
+Distributed-optimizer formats in megatron-core 0.16.1 (`DistributedOptimizer.sharded_state_dict`):
+`fully_sharded_model_space` (its default) cannot be saved at all — dist_checkpointing rejects its
+flattened ShardedTensors ("flattened_range is not supported", mapping.py); `dp_reshardable`
+saves each rank's shard without any exchange but only reshards over DP (TP and PP must stay);
+`fully_reshardable` stores model-shaped tensors that load under any layout. It gathers each
+model-parallel shard's fp32 state (param, exp_avg, exp_avg_sq: 12 bytes per parameter) on the
+host; by default with an all-gather to every DP rank, with megatron-core's memory-efficient
+option (`distrib_optim_fully_reshardable_mem_efficient`, used here) with a gloo gather to DP
+rank 0 only, the other ranks holding just their own 12/DP bytes per parameter. The two variants
+are interchangeable on load. Loading still materialises the full 12 bytes per parameter of the
+model-parallel shard on every rank (megatron-core reads the whole shard, then slices).
 
 The workarounds below are needed on the torch `Adam`/`AdamW` fallback that megatron-core uses
 when neither Apex nor Transformer Engine is installed (always on CPU). Each names the
@@ -28,6 +39,9 @@ SHARDING_METADATA = {
     # Keys without a "chained_<i>." prefix: the same key whatever the optimizer grouping.
     "chained_optim_avoid_prefix": True,
 }
+#: Added for saves only: gather to DP rank 0 over gloo instead of an all-gather to every DP
+#: rank (see above). A load exchanges no data either way, and the two variants read the same.
+SAVE_METADATA = {**SHARDING_METADATA, "distrib_optim_fully_reshardable_mem_efficient": True}
 
 
 def inner_optimizers(optimizer: Any) -> list[Any]:
@@ -101,7 +115,8 @@ def untie_steps(optimizer: Any) -> None:
 def sharded_state_dict(optimizer: Any, model_sd: dict[str, Any], is_loading: bool) -> Any:
     """`optimizer.sharded_state_dict` for a save (`is_loading=False`) or a load."""
     init_empty_adam_state(optimizer)
-    sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING_METADATA)
+    metadata = SHARDING_METADATA if is_loading else SAVE_METADATA
+    sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     if is_loading:
         # sharded_state_dict(is_loading=True) itself runs load_state_dict(state_dict()).
         untie_steps(optimizer)

@@ -241,6 +241,14 @@ def run_entry_point(hydra_main: Callable[[], Any]) -> None:
     from megatron_kto.console import quiet_third_party
 
     quiet_third_party()
+    from megatron_kto.runtime.launcher_env import adopt_launcher_env
+
+    try:
+        # srun without torchrun: SLURM's task variables become RANK / WORLD_SIZE / LOCAL_RANK
+        # before anything reads them (validation's world size, rank 0's error line).
+        adopt_launcher_env()
+    except RuntimeError as e:
+        report_user_error(str(e))
     # Without this Hydra prints its report itself and exits 1; with it, Hydra re-raises.
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     sys.argv.extend(_missing_hydra_settings(sys.argv[1:]))

@@ -53,6 +53,8 @@ class Split:
     kl_prompt_keys: np.ndarray | None = None
     """KTO: prompt keys by dataset index; the sampler then yields (index, KL partner, epoch)
     entries chosen over the global batch (`data.kl_pairs`)."""
+    pin_memory: bool = False
+    """Batches come in pinned host memory (CUDA runs: asynchronous host->device copies)."""
 
     @property
     def num_global_batches(self) -> int:
@@ -86,7 +88,9 @@ class Split:
                 max_epochs=epoch + 1,
                 kl_prompt_keys=self.kl_prompt_keys,
             )
-        return build_dataloader(self.dataset, sampler, self.collate, self.num_workers)
+        return build_dataloader(
+            self.dataset, sampler, self.collate, self.num_workers, pin_memory=self.pin_memory
+        )
 
     def global_batches(
         self, epoch: int, count: int
@@ -195,4 +199,5 @@ def build_split(
         seed=m.seed,
         num_workers=d.num_workers,
         kl_prompt_keys=keys,
+        pin_memory=runtime.device.type == "cuda",
     )

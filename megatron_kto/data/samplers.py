@@ -254,6 +254,7 @@ def build_dataloader(
     batch_sampler: TrainingBatchSampler | ValidationBatchSampler,
     collate_fn: Callable[[list[Any]], Any],
     num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> DataLoader:
     """A DataLoader that yields one collated DP share per global batch.
 
@@ -262,6 +263,8 @@ def build_dataloader(
         batch_sampler: one of this module's samplers.
         collate_fn: e.g. ``functools.partial(kto_custom_collate, pad_id=tok.pad_id)``.
         num_workers: worker processes (0: collate in the main process).
+        pin_memory: return batches in pinned host memory, so that the trainer's
+            ``non_blocking`` copies to the GPU are asynchronous (CUDA runs only).
 
     Returns:
         The loader.
@@ -272,6 +275,7 @@ def build_dataloader(
         collate_fn=collate_fn,
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
+        pin_memory=pin_memory,
         # Every iterator over a DataLoader draws its workers' base seed from `generator`, by
         # default torch's global generator — the one dropout uses. A resumed run creates its
         # first iterator mid-epoch, where an uninterrupted run did not, so that draw would shift

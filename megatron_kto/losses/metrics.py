@@ -52,7 +52,8 @@ class MetricSums:
         """Build the flat tensor from ``{name: (sum, count)}``, which must name every metric.
 
         Values are detached and converted to float64 on ``device`` (default: the device of the
-        first tensor among the values, else CPU).
+        first tensor among the values, else CPU). Python numbers become device tensors through a
+        fill kernel, not a host->device copy, so packing never waits for the device.
         """
         missing = [n for n in self.names if n not in pairs]
         extra = [n for n in pairs if n not in self.names]
@@ -63,9 +64,9 @@ class MetricSums:
                 (v.device for pair in pairs.values() for v in pair if isinstance(v, Tensor)), "cpu"
             )
         flat = [
-            torch.as_tensor(v.detach() if isinstance(v, Tensor) else v, device=device)
-            .to(METRIC_DTYPE)
-            .reshape(())
+            v.detach().to(device=device, dtype=METRIC_DTYPE).reshape(())
+            if isinstance(v, Tensor)
+            else torch.full((), float(v), dtype=METRIC_DTYPE, device=device)
             for name in self.names
             for v in pairs[name]
         ]

@@ -19,6 +19,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.layer_specs import decoder_block_spec, resolve_attention_backend
+from megatron_kto.runtime.gpu_settings import Accelerator, fusion_settings
 
 _ACTIVATIONS = {"swiglu": F.silu, "gelu": F.gelu, "relu": F.relu}
 _HALF_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16}
@@ -95,13 +96,8 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         fp16=fp16,
         # CPU init builds the full master weight and slices it, so TP=1 and TP=2 start identical.
         use_cpu_initialization=not on_gpu,
-        # Fused kernels need CUDA (and Apex/TE); the unfused paths are numerically the same op.
-        bias_activation_fusion=on_gpu and arch.activation == "swiglu" and not arch.add_bias_linear,
-        bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        # Fused kernels where this machine has them (runtime.gpu_settings); all off on CPU.
+        **fusion_settings(Accelerator.detect(), arch),
         recompute_granularity=recompute,
         # megatron-core requires method and count for 'full' and no count for 'selective'.
         recompute_method=(layout.activations_checkpoint_method or "uniform")

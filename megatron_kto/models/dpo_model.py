@@ -135,7 +135,7 @@ class MegatronGPTDPOModel:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The body of `get_loss_and_metrics` before finalising: the all-reduced [2K]
         (sum, count) tensor of `DPO_METRICS` and no per-batch scalars (for exact aggregation
-        over several global batches)."""
+        over several global batches). Reads nothing back to the host."""
         step = gpt_forward_step(self._loss_fn)
         micro = self._micro_batches(batch)
         if forward_only:

@@ -118,12 +118,10 @@ class MegatronGPTKTOModel:
         r_kl = policy_kl[:, LOGP_SUM] - batch[REF_KL]
         if self.settings.average_log_probs:
             r_kl = per_token_mean(r_kl, policy_kl[:, NUM_TOKENS])
-        totals = torch.stack(
-            [
-                r_kl.sum().double(),
-                torch.tensor(float(r_kl.numel()), dtype=torch.float64, device=r_kl.device),
-            ]
-        )
+        # The count is a fill kernel, not torch.tensor(n, device=...): a host->device copy from
+        # pageable memory would wait for the queued forward pass.
+        count = torch.full((), float(r_kl.numel()), dtype=torch.float64, device=r_kl.device)
+        totals = torch.stack([r_kl.sum().double(), count])
         data_parallel_all_reduce(totals)
         return kl_reference_point(totals[0], totals[1]).float()
 
@@ -162,6 +160,10 @@ class MegatronGPTKTOModel:
         """The body of `get_loss_and_metrics`, before finalising: what a caller needs to
         aggregate several global batches (a validation pass, a logging interval) exactly.
 
+        Everything stays on the device — nothing here reads a device value on the host
+        (tests/test_hot_loop_sync.py) — so the kernels of all micro-batches queue up without a
+        stall.
+
         Returns:
             (the all-reduced [2K] (sum, count) tensor of `KTO_METRICS`, per-batch scalars
             `{"kl": z₀}`), same on all ranks; `finalize_metrics` turns them into metrics.
@@ -190,7 +192,7 @@ class MegatronGPTKTOModel:
     @staticmethod
     def finalize_metrics(sums: torch.Tensor, scalars: dict[str, torch.Tensor]) -> dict[str, float]:
         """Metrics (TRL names) from (possibly accumulated) sums; `scalars["kl"]` is the z₀ used
-        (its mean over the batches when accumulated)."""
+        (its mean over the batches when accumulated). The step's one device->host read."""
         return finalize_kto_metrics(sums, scalars["kl"])
 
     def get_loss_and_metrics(

@@ -3,8 +3,9 @@
 Memory cost per rank (P = this rank's parameter bytes):
 
 - `cpu_swap` (NeMo-Aligner's approach): +2P host memory (the reference copy and a backup of the
-  policy while the reference is swapped in), +0 device memory; costs two host<->device copies of
-  P per global batch.
+  policy while the reference is swapped in, both pinned on CUDA), +0 device memory; costs three
+  host<->device copies of P per reference pass (policy out, reference in, policy back in),
+  issued asynchronously on the compute stream.
 - `separate`: +P device memory for a frozen second model; no copies.
 - `precomputed`: +0 parameters anywhere; the run's reference forward passes are done before
   training (the KL rows of every epoch it will reach), then 1 + epochs floats per example (host
@@ -20,6 +21,7 @@ from typing import Protocol
 import torch
 
 from megatron_kto.models.builder import unwrap
+from megatron_kto.models.training_setup import finish_param_sync
 
 ForwardFn = Callable[[list[torch.nn.Module]], torch.Tensor]
 
@@ -48,10 +50,12 @@ class CPUSwapReference:
 
     def __init__(self, policy_chunks: list[torch.nn.Module]):
         self._policy = policy_chunks
+        # Pinned host buffers make the copies asynchronous DMA transfers on CUDA (pageable
+        # memory would stage through a bounce buffer and block the host on every copy).
         pin = torch.cuda.is_available()
-        self._ref = [t.detach().to("cpu", copy=True) for t in _tensors(policy_chunks)]
-        if pin:
-            self._ref = [t.pin_memory() for t in self._ref]
+        finish_param_sync(policy_chunks)
+        live = _tensors(policy_chunks)
+        self._ref = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t) for t in live]
         self._backup = [torch.empty_like(t, pin_memory=pin) for t in self._ref]
         self._held = False
 
@@ -75,7 +79,15 @@ class CPUSwapReference:
 
     @contextlib.contextmanager
     def swapped(self) -> Iterator[list[torch.nn.Module]]:
-        """Swap reference weights in (in place, so DDP buffer views stay valid), then back."""
+        """Swap reference weights in (in place, so DDP buffer views stay valid), then back.
+
+        All copies are `non_blocking` on the current stream and nothing waits for them: the
+        stream orders backup -> reference-in -> forward -> restore, and the host never reads
+        the pinned buffers, so a later swap cannot overwrite a buffer still being copied.
+        """
+        # A deferred parameter all-gather (distributed optimizer, overlap_param_gather) would
+        # otherwise back up stale shards now and gather the *reference* into them later.
+        finish_param_sync(self._policy)
         live = _tensors(self._policy)
         for t, ref, backup in zip(live, self._ref, self._backup, strict=True):
             backup.copy_(t, non_blocking=True)
@@ -85,8 +97,6 @@ class CPUSwapReference:
         finally:
             for t, backup in zip(live, self._backup, strict=True):
                 t.copy_(backup, non_blocking=True)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
 
 
 class SeparateReference:

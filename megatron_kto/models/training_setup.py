@@ -16,6 +16,8 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_kto.runtime.gpu_settings import ddp_overlap_settings
+
 _DECAY_STYLE = {"CosineAnnealing": "cosine", "Constant": "constant", "Linear": "linear"}
 
 
@@ -24,23 +26,28 @@ def wrap_ddp(
     use_distributed_optimizer: bool,
     overlap_grad_reduce: bool | None = None,
     bucket_size: int | None = None,
+    overlap_param_gather: bool | None = None,
 ) -> list[DistributedDataParallel]:
     """Wrap each chunk in megatron-core DDP (contiguous fp32 grad buffers) and set schedule hooks.
 
     Args:
         chunks: this rank's model chunks.
         use_distributed_optimizer: shard optimizer state over DP (ZeRO-1).
-        overlap_grad_reduce: overlap the DP gradient reduction with backward (None: off).
+        overlap_grad_reduce, overlap_param_gather: overlap the DP collectives with compute;
+            None = on with the distributed optimizer (`gpu_settings.ddp_overlap_settings`).
         bucket_size: elements per reduction bucket (None: megatron-core's default).
 
     Returns:
         The DDP-wrapped chunks.
     """
     ddp_config = DistributedDataParallelConfig(
+        # Gradients are accumulated and reduced in fp32 whatever the parameter dtype (bf16).
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=bool(overlap_grad_reduce),
         use_distributed_optimizer=use_distributed_optimizer,
         bucket_size=bucket_size,
+        **ddp_overlap_settings(
+            use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather
+        ),
     )
     config = chunks[0].config
     wrapped = [
@@ -133,3 +140,17 @@ def zero_grads(ddp_chunks: list[DistributedDataParallel], optimizer) -> None:
     for chunk in ddp_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+
+
+def finish_param_sync(chunks: list[torch.nn.Module]) -> None:
+    """Complete the parameter all-gather that `overlap_param_gather` defers to the next forward.
+
+    With it, an optimizer step leaves each rank's parameters updated only in its own distributed
+    optimizer shard; the other shards are gathered by forward pre-hooks of the next forward
+    pass. Code that reads or overwrites parameters outside a forward pass (the `cpu_swap`
+    reference swap, checkpoint saves) must call this first, or it sees (and would restore) stale
+    shards. A no-op for chunks without deferred gathers.
+    """
+    for chunk in chunks:
+        if getattr(chunk, "use_forward_hook", False):
+            chunk.start_param_sync(force_sync=True)

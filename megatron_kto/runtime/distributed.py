@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import random
 import socket
@@ -16,7 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_kto.runtime import cpu_compat
+from megatron_kto.runtime import cpu_compat, gpu_settings
+from megatron_kto.runtime.launcher_env import adopt_launcher_env
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ def _free_port() -> int:
 
 
 def _ensure_env() -> None:
+    adopt_launcher_env()
     # A plain `python script.py` (no torchrun) runs as a world of one.
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -109,8 +112,18 @@ def init_runtime(
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     local_rank = int(os.environ["LOCAL_RANK"])
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
+        # Before set_device creates this rank's CUDA context, which reads these variables.
+        gpu_settings.apply_launch_environment(True, tensor_parallel_size)
+        # `srun --gpus-per-task=1` shows each task one GPU; otherwise one per local rank.
+        device_index = local_rank % torch.cuda.device_count()
+        if local_rank == 0:
+            warning = gpu_settings.transformer_engine_warning(
+                gpu_settings.Accelerator.detect().transformer_engine
+            )
+            if warning:
+                logging.getLogger(__name__).warning("%s", warning)
+        torch.cuda.set_device(device_index)
+        dev = torch.device("cuda", device_index)
         backend = "nccl"
     else:
         cpu_compat.apply(force=torch.cuda.is_available())

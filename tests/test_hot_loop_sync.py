@@ -1,0 +1,147 @@
+"""The loss path never waits for the device: no host<->device synchronisation per micro-batch.
+
+`tests/sync_guard.HostSyncGuard` records every call that would block the host on a GPU
+(`.item()`, `.tolist()`, `float(t)`, `torch.tensor(data, device=...)`, ...) while the
+reference pass and the KTO/DPO loss-and-metrics pass run through megatron-core's schedule with
+several micro-batches. The only read-back allowed is the step's single metrics finalisation,
+after the metric sums have been reduced.
+
+Before this test existed the guard found two per micro-batch/step on this path:
+`torch.tensor(n, device=...)` for the KL-row count (kto_model.kl_reference_point) and
+`torch.as_tensor(python_int, device=...)` for metric counts (losses/metrics.MetricSums.pack).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sync_guard import HostSyncGuard
+from test_kto_model import VOCAB, _batch, _settings
+
+from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
+from megatron_kto.models.dpo_model import (
+    REF_CHOSEN,
+    REF_REJECTED,
+    DPOSettings,
+    MegatronGPTDPOModel,
+)
+from megatron_kto.models.kto_model import REF_KL, REF_SAMPLES, MegatronGPTKTOModel
+from megatron_kto.models.reference import CPUSwapReference
+from megatron_kto.models.training_setup import wrap_ddp
+from megatron_kto.runtime import init_runtime, teardown
+
+# megatron-core's RNG tracker compares two *host* RNG-state tensors with `.item()` on leaving
+# `fork()` (tensor_parallel/random.py); on a GPU those stay on the host, so it is no sync there.
+HOST_ONLY = ("megatron/core/tensor_parallel/random.py",)
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    rt = init_runtime(1, 1, seed=11)
+    yield rt
+    teardown()
+
+
+def test_guard_records_what_blocks_and_nothing_else() -> None:
+    x = torch.ones(3)
+    original_item = torch.Tensor.item
+    with HostSyncGuard() as guard:
+        torch.tensor(2.0, device="cpu")  # host->device copy on a GPU
+        x.sum().item()
+        float(x[0])
+        bool(x[0] > 0)
+        x.tolist()
+        torch.full((), 2.0, device="cpu")  # a fill kernel: fine
+        torch.tensor([1.0, 2.0])  # host tensor from host data: fine
+        x.double()
+    assert [c.name.split(".")[-1] for c in guard.calls] == [
+        "tensor",
+        "item",
+        "__float__",
+        "__bool__",
+        "tolist",
+    ], guard.report()
+    assert torch.Tensor.item is original_item  # patches are undone
+    with HostSyncGuard(ignore=("test_hot_loop_sync.py",)) as guard:
+        x.sum().item()
+    assert guard.calls == []
+
+
+def _kto_model(runtime, micro_batch_size: int):
+    arch = GPTArchitecture(vocab_size=VOCAB)
+    chunks = wrap_ddp(build_gpt_chunks(arch, ParallelLayout(), runtime.device), False)
+    return MegatronGPTKTOModel(chunks, CPUSwapReference(chunks), _settings(micro_batch_size))
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_kto_step_has_no_host_sync_before_its_metrics(runtime, forward_only) -> None:
+    model = _kto_model(runtime, micro_batch_size=1)  # 4 micro-batches
+    batch = _batch()
+    with HostSyncGuard(ignore=HOST_ONLY) as guard:
+        ref = model.get_ref_policy_logprobs(batch)  # cpu_swap reference pass
+        batch[REF_SAMPLES], batch[REF_KL] = ref.chunk(2)
+        sums, scalars = model.get_loss_and_metric_sums(batch, forward_only=forward_only)
+    assert guard.calls == [], guard.report()
+
+    # The same numbers come out of the public call, which then reads them back once.
+    batch2 = _batch()
+    batch2[REF_SAMPLES], batch2[REF_KL] = ref.chunk(2)
+    with HostSyncGuard(ignore=HOST_ONLY) as guard:
+        loss, metrics = model.get_loss_and_metrics(batch2, forward_only=True)
+    assert {c.where.split(" ")[-1] for c in guard.calls} <= {"finalize", "finalize_kto_metrics"}
+    assert metrics["kl"] == pytest.approx(scalars["kl"].item())
+
+
+def test_dpo_step_has_no_host_sync_before_its_metrics(runtime) -> None:
+    arch = GPTArchitecture(vocab_size=VOCAB)
+    chunks = wrap_ddp(build_gpt_chunks(arch, ParallelLayout(), runtime.device), False)
+    settings = DPOSettings(
+        beta=0.1,
+        loss_type="sigmoid",
+        label_smoothing=0.0,
+        average_log_probs=False,
+        sft_loss_weight=0.5,
+        micro_batch_size=1,
+        forward_micro_batch_size=2,
+        vocab_size=VOCAB,
+    )
+    model = MegatronGPTDPOModel(chunks, CPUSwapReference(chunks), settings)
+    kto = _batch()
+    batch = {
+        "chosen": kto["samples"],
+        "rejected": kto["kl_samples"],
+        "chosen_labels": kto["sample_labels"],
+        "rejected_labels": kto["kl_sample_labels"],
+        "position_ids": kto["position_ids"],
+    }
+    with HostSyncGuard(ignore=HOST_ONLY) as guard:
+        ref = model.get_ref_policy_logprobs(batch)
+        batch[REF_CHOSEN], batch[REF_REJECTED] = ref.chunk(2)
+        model.get_loss_and_metric_sums(batch, forward_only=False)
+    assert guard.calls == [], guard.report()
+
+
+def test_cuda_runs_load_batches_into_pinned_memory(tmp_path) -> None:
+    """`build_split` asks for pinned batches exactly when the run's device is CUDA, so the
+    trainer's `to_device(non_blocking=True)` copies are asynchronous there."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from hydra import compose, initialize_config_dir
+
+    from megatron_kto.config.schema import register
+    from megatron_kto.data.pipeline import build_split
+    from megatron_kto.data.tokenizers import load_tokenizer
+
+    repo = Path(__file__).resolve().parents[1]
+    register()
+    with initialize_config_dir(config_dir=str(repo / "conf"), version_base="1.3"):
+        cfg = compose(config_name="gpt_kto", overrides=["model.data.use_cache=false"])
+    tokenizer = load_tokenizer("sentencepiece", str(repo / cfg.model.tokenizer.model))
+    for device, pinned in (("cpu", False), ("cuda", True)):
+        runtime = SimpleNamespace(
+            device=torch.device(device), local_rank=0, data_parallel_rank=0, data_parallel_size=1
+        )
+        split = build_split(cfg, "validation", "kto", tokenizer, runtime, 128)
+        assert split.loader().pin_memory is pinned
