@@ -7,9 +7,10 @@ Composed as the entry scripts compose them (Hydra, `conf/`, the schema) and chec
 from __future__ import annotations
 
 import pytest
+
 from megatron_kto.config.entry import compose_run_config
 from megatron_kto.config.validate import ConfigError, validate
-from megatron_kto.models.layer_specs import transformer_engine_available
+from megatron_kto.runtime.gpu_settings import transformer_engine_available
 
 
 def _compose(overrides: list[str], world: int = 1):

@@ -197,7 +197,7 @@ def test_lr_alone_is_enough(extra):
         (["model.hidden_dropout=1.0"], "model.hidden_dropout", "[0, 1)"),
         (["model.activations_checkpoint_granularity=full",
           "model.activations_checkpoint_num_layers=3"],
-         "model.activations_checkpoint_num_layers", "between 1 and the layers per pipeline"),
+         "model.activations_checkpoint_num_layers", "between 1 and the 2 layers of each model chunk"),
         (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps", ">= 1"),
         (["trainer.max_time=1h"], "trainer.max_time", "1h"),
         (["trainer.kto.val_check_interval=0"], "trainer.kto.val_check_interval", "an int"),

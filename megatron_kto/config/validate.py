@@ -418,7 +418,7 @@ def _check_recompute(m: Any, layers_per_chunk: int) -> None:
 
 def _check_attention_backend(name: str) -> None:
     """`model.attention_backend` is known and can run here ('te' needs TE and CUDA)."""
-    from megatron_kto.models.layer_specs import resolve_attention_backend
+    from megatron_kto.runtime.gpu_settings import resolve_attention_backend
 
     try:
         resolve_attention_backend(name)

@@ -17,9 +17,7 @@ same kernels as megatron's `WrappedTorchNorm`, plus sequence-parallel support.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
-import torch
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
@@ -33,39 +31,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kto.models.attention import SDPAttention
 from megatron_kto.models.norms import LocalNorm
-
-ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local")
-
-
-def transformer_engine_available() -> bool:
-    """True when Transformer Engine is importable and CUDA is present (TE needs both)."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
-
-
-def resolve_attention_backend(name: str) -> str:
-    """Turn `model.attention_backend` into the backend actually used ('te', 'sdpa' or 'local').
-
-    Raises:
-        ValueError: unknown name, or 'te' where Transformer Engine cannot run (message names
-            the key).
-    """
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(
-            f"model.attention_backend: must be one of {list(ATTENTION_BACKENDS)}, got {name!r}"
-        )
-    if name == "auto":
-        return "te" if transformer_engine_available() else "sdpa"
-    if name == "te" and not transformer_engine_available():
-        missing = (
-            "transformer_engine is not installed"
-            if importlib.util.find_spec("transformer_engine") is None
-            else "CUDA is not available"
-        )
-        raise ValueError(
-            f"model.attention_backend: 'te' needs Transformer Engine and CUDA ({missing}); "
-            "use 'auto', 'sdpa' or 'local'"
-        )
-    return name
+from megatron_kto.runtime.gpu_settings import (  # noqa: F401  (re-exported)
+    ATTENTION_BACKENDS,
+    resolve_attention_backend,
+    transformer_engine_available,
+)
 
 
 def local_layer_spec(normalization: str, attention: str) -> ModuleSpec:
