@@ -57,7 +57,7 @@ def _steps(rank: int, world_size: int) -> dict:
             betas=(0.9, 0.98),
             eps=1e-8,
             clip_grad=0.0,
-            bf16=name == "bf16",
+            precision="bf16" if name == "bf16" else "32",
             use_distributed_optimizer=False,
         )
         model = MegatronGPTKTOModel(ddp, CPUSwapReference(ddp), _settings(2))

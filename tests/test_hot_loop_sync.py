@@ -128,16 +128,12 @@ def test_cuda_runs_load_batches_into_pinned_memory(tmp_path) -> None:
     from pathlib import Path
     from types import SimpleNamespace
 
-    from hydra import compose, initialize_config_dir
-
-    from megatron_kto.config.schema import register
+    from megatron_kto.config.entry import compose_run_config
     from megatron_kto.data.pipeline import build_split
     from megatron_kto.data.tokenizers import load_tokenizer
 
     repo = Path(__file__).resolve().parents[1]
-    register()
-    with initialize_config_dir(config_dir=str(repo / "conf"), version_base="1.3"):
-        cfg = compose(config_name="gpt_kto", overrides=["model.data.use_cache=false"])
+    cfg = compose_run_config("gpt_kto", ["example=tiny_kto", "model.data.use_cache=false"]).cfg
     tokenizer = load_tokenizer("sentencepiece", str(repo / cfg.model.tokenizer.model))
     for device, pinned in (("cpu", False), ("cuda", True)):
         runtime = SimpleNamespace(

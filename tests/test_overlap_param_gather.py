@@ -54,7 +54,7 @@ def _train(overlap: bool, root: Path) -> dict:
         betas=(0.9, 0.98),
         eps=1e-8,
         clip_grad=1.0,
-        bf16=False,
+        precision="32",
         use_distributed_optimizer=True,
     )
     model = MegatronGPTKTOModel(chunks, CPUSwapReference(chunks), _settings(2))

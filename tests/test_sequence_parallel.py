@@ -153,7 +153,7 @@ def _kto_step(ckpt_dir: Path, name: str) -> dict:
         betas=(0.9, 0.98),
         eps=ADAM_EPS,
         clip_grad=1.0,
-        bf16=False,
+        precision="32",
         use_distributed_optimizer=False,
     )
     model = MegatronGPTKTOModel(chunks, SeparateReference(reference), settings)

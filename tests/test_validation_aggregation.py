@@ -87,7 +87,7 @@ def _trainer(runtime, template, log_every: int, max_steps: int = 0) -> KTOTraine
     model = MegatronGPTKTOModel(chunks, reference, settings)
     optimizer = build_optimizer(
         chunks, lr=1e-2, min_lr=1e-2, weight_decay=0.0, betas=(0.9, 0.98), eps=1e-8,
-        clip_grad=1.0, bf16=False, use_distributed_optimizer=False,
+        clip_grad=1.0, precision="32", use_distributed_optimizer=False,
     )  # fmt: skip
     scheduler = build_scheduler(
         optimizer, name="Constant", lr=1e-2, min_lr=1e-2, warmup_steps=0, constant_steps=0,

@@ -54,15 +54,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: Launcher variables `_ensure_env` invented for a world of one; `teardown` removes them again,
+#: so that programs started later by this process (tests, tools) do not inherit a rendezvous
+#: port that this process's store may still hold.
+_INVENTED_ENV: list[str] = []
+
+
 def _ensure_env() -> None:
     adopt_launcher_env()
     # A plain `python script.py` (no torchrun) runs as a world of one.
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
+        defaults["MASTER_PORT"] = str(_free_port())
+    for key, value in defaults.items():
+        if key not in os.environ:
+            os.environ[key] = value
+            _INVENTED_ENV.append(key)
 
 
 def set_seed(seed: int) -> None:
@@ -175,3 +182,5 @@ def teardown() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    while _INVENTED_ENV:
+        os.environ.pop(_INVENTED_ENV.pop(), None)
