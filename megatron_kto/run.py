@@ -95,6 +95,7 @@ def _loss_settings(cfg: Any, algorithm: str, vocab_size: int):
         "beta": loss_cfg.ref_policy_kl_penalty,
         "loss_type": loss_cfg.loss_type,
         "sft_loss_weight": loss_cfg.sft_loss_weight,
+        "logprob_chunk_size": m.logprob_chunk_size,
     }
     if algorithm == "kto":
         return KTOSettings(

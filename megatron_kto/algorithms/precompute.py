@@ -45,7 +45,8 @@ def compute_table(model: Any, splits: Sequence[Any], runtime: Any, chunk: int) -
         chunk: examples per forward pass (per DP rank).
 
     Returns:
-        [N, 2] float32 table on the CPU, identical on every rank.
+        [N, 2] float32 table on the CPU, identical on every rank (KTO without KL rows: the
+        second column is 0 and never read).
     """
     total = sum(len(s.dataset) for s in splits)
     table = torch.zeros(total, 2, dtype=torch.float64, device=runtime.device)
@@ -55,7 +56,9 @@ def compute_table(model: Any, splits: Sequence[Any], runtime: Any, chunk: int) -
         ):
             batch = to_device(split.collate([split.dataset[i] for i in rows]), runtime.device)
             logps = model.forward_logprobs(batch, model.chunks, micro_batch_size=len(rows))
-            table[batch["index"]] = torch.stack(logps.chunk(2), dim=1).double()
+            # [R * B] → [B, R]; R = 1 for a KTO loss without KL rows (that column stays 0).
+            per_row = logps.view(-1, len(rows)).t().double()
+            table[batch["index"], : per_row.shape[1]] = per_row
     data_parallel_all_reduce(table)  # rows are disjoint across DP ranks
     return table.float().cpu()
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.models.output_head import DEFAULT_LOGPROB_CHUNK_SIZE
 
 
 @dataclass
@@ -241,6 +242,8 @@ class ModelConfig(GPTArchitecture):
     """None, 'full' or 'selective'."""
     activations_checkpoint_num_layers: int = 1
     """Layers per recompute block ('full')."""
+    logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE
+    """Output layer on completion tokens only, this many at a time (0: full logits everywhere)."""
     kto: KTOLossConfig = field(default_factory=KTOLossConfig)
     """KTO loss."""
     dpo: DPOLossConfig = field(default_factory=DPOLossConfig)

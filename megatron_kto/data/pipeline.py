@@ -21,6 +21,7 @@ from megatron_kto.data.samplers import (
 )
 from megatron_kto.data.stats import DatasetStats
 from megatron_kto.data.tokenizers import Tokenizer
+from megatron_kto.losses.kto import uses_kl_reference_point
 
 #: Where relative paths in the bundled configs are anchored when not found from the cwd.
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -141,6 +142,8 @@ def build_split(
             pad_id=tokenizer.pad_id,
             pad_to_multiple_of=d.pad_to_multiple_of,
             max_length=max_length,
+            # A loss that ignores z₀ needs no KL rows: none are built, so none are run.
+            kl_rows=uses_kl_reference_point(m.kto.loss_type),
         )
     else:
         collate = partial(
