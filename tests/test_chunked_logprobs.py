@@ -70,9 +70,9 @@ def test_chunked_logprobs_match_float64_log_softmax(chunk_size):
     assert not mean_logit.requires_grad
 
 
-def _batch(rows: int = 4, length: int = 12) -> dict[str, torch.Tensor]:
+def _batch(rows: int = 4, length: int = 12, seed: int = 1) -> dict[str, torch.Tensor]:
     """Rows with different prompt lengths and right padding: scored positions differ per row."""
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (rows, length), generator=g)
     labels = torch.full_like(tokens, IGNORE_INDEX)
     labels[:, :-1] = tokens[:, 1:]
@@ -154,3 +154,60 @@ def test_hidden_states_output_skips_the_output_layer_and_restores(runtime):
         logits = model(batch["tokens"], batch["position_ids"], None)
     assert logits.shape == (4, 12, PADDED) and calls == [1]
     hook.remove()
+
+
+def test_dpo_step_equal_with_chunked_logprobs(runtime):
+    """DPO shares the machinery: loss, metrics and gradients of one training step agree."""
+    from megatron_kto.models.dpo_model import (
+        REF_CHOSEN,
+        REF_REJECTED,
+        DPOSettings,
+        MegatronGPTDPOModel,
+    )
+    from megatron_kto.models.reference import SeparateReference, copy_weights
+
+    arch = GPTArchitecture(vocab_size=VOCAB, padded_vocab_size=PADDED, init_method_std=0.1)
+    policy = build_gpt_chunks(arch, ParallelLayout(), runtime.device)
+    reference = build_gpt_chunks(arch, ParallelLayout(), runtime.device)
+    copy_weights(policy, reference)
+    with torch.no_grad():
+        for p in reference[0].parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    chunks = wrap_ddp(policy, False)
+    chosen, rejected = _batch(), _batch(seed=2)
+    cpu_batch = {
+        "chosen": chosen["tokens"],
+        "rejected": rejected["tokens"],
+        "chosen_labels": chosen["labels"],
+        "rejected_labels": rejected["labels"],
+        "position_ids": chosen["position_ids"],
+    }
+    results = {}
+    for chunk_size in (0, 3):
+        settings = DPOSettings(
+            beta=0.3,
+            loss_type="sigmoid",
+            label_smoothing=0.0,
+            average_log_probs=False,
+            sft_loss_weight=0.2,
+            micro_batch_size=2,
+            forward_micro_batch_size=2,
+            vocab_size=VOCAB,
+            logprob_chunk_size=chunk_size,
+        )
+        model = MegatronGPTDPOModel(chunks, SeparateReference(reference), settings)
+        batch = to_device(cpu_batch, runtime.device)
+        batch[REF_CHOSEN], batch[REF_REJECTED] = model.get_ref_policy_logprobs(batch).chunk(2)
+        for c in chunks:
+            c.zero_grad_buffer()
+        loss, metrics = model.get_loss_and_metrics(batch, forward_only=False)
+        grads = {n: p.main_grad.clone() for n, p in chunks[0].module.named_parameters()}
+        results[chunk_size] = (loss, metrics, grads)
+    (loss0, m0, g0), (loss3, m3, g3) = results[0], results[3]
+    assert abs(m0["rewards/margins"]) > 1e-3
+    assert abs(loss3 - loss0) <= TOL * max(1.0, abs(loss0))
+    for key, want in m0.items():
+        assert abs(m3[key] - want) <= TOL * max(1.0, abs(want)), key
+    for name, want in g0.items():
+        scale = want.abs().max().item()
+        assert scale > 0 and (g3[name] - want).abs().max().item() <= TOL * scale, name
