@@ -77,6 +77,22 @@ def _factory_checks() -> dict:
     }
 
 
+def _device_context_checks() -> dict:
+    """Inside `with torch.device("meta")` the patched factories still obey the block's device."""
+    like = torch.ones(3)
+    calls = {
+        "zeros": lambda: torch.zeros(2),
+        "ones": lambda: torch.ones(2),
+        "empty": lambda: torch.empty(2),
+        "tensor": lambda: torch.tensor([1.0, 2.0]),
+        "full": lambda: torch.full((2,), 7.0),
+        "arange": lambda: torch.arange(4),
+        "empty_like": lambda: torch.empty_like(like),
+    }
+    with torch.device("meta"):
+        return {name: call().device.type for name, call in calls.items()}
+
+
 def _rng_restore_checks() -> dict:
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -176,6 +192,7 @@ def _worker(rank: int, world_size: int) -> dict:
             "dp_size": rt.data_parallel_size,
         }
         facts["factories"] = _factory_checks()
+        facts["device_context"] = _device_context_checks()
         facts["type"] = _type_checks()
         facts["rng_restore"] = _rng_restore_checks()
         facts["causality_tp1"] = _causality_checks(tp_size=1)
@@ -231,6 +248,15 @@ def test_init_runtime_without_torchrun_env(facts):
 def test_teardown_twice_is_safe(facts):
     for f in facts:
         assert f["teardown_twice"] == {"dist_initialized": False, "megatron_initialized": False}
+
+
+def test_factories_follow_a_device_context(facts):
+    """`with torch.device(...)` still reaches the patched factories (transformers loads models in
+    a meta-device block and detects it with `torch.tensor([]).device`); `*_like` follows its
+    input, as in plain torch."""
+    for rank_facts in facts:
+        got = rank_facts["device_context"]
+        assert got == {**{k: "meta" for k in got}, "empty_like": "cpu"}, got
 
 
 def test_factories_map_cuda_to_cpu(facts):

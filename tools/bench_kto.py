@@ -492,7 +492,10 @@ def render_notes(report: dict[str, Any]) -> str:
         f"optimizer {trl['optim']}, attention '{trl['attn_implementation']}'.",
         "Same passes per step on both sides: reference forward over samples + KL rows, policy "
         "forward over the KL rows without autograd (TRL also wraps it in torch.no_grad), policy "
-        "forward+backward over the sample rows; the ratio is implementation overhead.",
+        "forward+backward over the sample rows; the ratio is implementation overhead."
+        if report["ours"]["spec"]["kto"]["loss_type"] == "kto"
+        else "Same passes per step on both sides: this loss ignores z0, so neither side builds "
+        "or runs KL rows (reference forward and policy forward+backward over the samples).",
         "Differences: we run megatron-core's GPTModel (local spec on CPU) through its pipeline "
         "schedule in micro-batches and swap the reference weights in (cpu_swap) or keep a copy; "
         "TRL runs the whole batch as one micro-batch through HF Trainer/accelerate with a second "

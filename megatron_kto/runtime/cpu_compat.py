@@ -140,6 +140,15 @@ def apply(force: bool = False) -> bool:
         return False
     check_version()
 
+    # `with torch.device(...)` redirects the factories listed by torch.utils._device.
+    # _device_constructors(), a set cached on first use from the `torch.*` attributes: built after
+    # the patch below it would hold our wrappers, not torch's builtins, and factories called in
+    # such a block would ignore its device (transformers then misses its meta-device loading
+    # context and leaves non-persistent buffers such as RoPE's inv_freq uninitialised). Build it
+    # from the originals first.
+    from torch.utils import _device
+
+    _device._device_constructors()
     for name in _FACTORIES:
         setattr(torch, name, _cpu_device_factory(getattr(torch, name)))
     # p2p_communication.py ~190-321, layers.py, mappings.py, distrib_optimizer.py ~791 etc. pass
