@@ -31,6 +31,13 @@ setup(
         "wandb": ["wandb"],
         "tensorboard": ["tensorboard"],
         "parquet": ["pyarrow"],
-        "dev": ["pytest>=8", "ruff>=0.6", "transformers>=4.45", "trl==1.16.0", "pyarrow", "tensorboard"],
+        "dev": [
+            "pytest>=8",
+            "ruff>=0.6",
+            "transformers>=4.45",
+            "trl==1.16.0",
+            "pyarrow",
+            "tensorboard",
+        ],
     },
 )

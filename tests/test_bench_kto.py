@@ -38,6 +38,7 @@ def test_bench_runs_and_reports_positive_figures(tmp_path):
             "--warmup=1",
             "--steps=1",
             "--threads=1",
+            "--preset=example",
             "--trl" if HAS_TRL else "--no-trl",
             f"--json={out}",
             "model.global_batch_size=4",
@@ -96,3 +97,29 @@ def test_combine_runs_pools_steps_and_keeps_highest_peak():
 def test_summarize_median_and_mean():
     assert bench_kto.summarize([1.0, 2.0, 6.0]) == {"median": 2.0, "mean": 3.0}
     assert all(math.isnan(v) for v in bench_kto.summarize([]).values())
+
+
+def test_make_bench_data_is_long_tailed_seeded_and_capped():
+    """The generated set tokenises to the drawn lengths: long tail (p99 far above p50), capped
+    rows, the requested class ratio, and the same rows for the same seed."""
+    import make_bench_data
+
+    from megatron_kto.data.tokenizers import load_tokenizer
+
+    tok = load_tokenizer("sentencepiece", str(make_bench_data.DEFAULT_TOKENIZER))
+    rows = make_bench_data.make_rows(tok, 300, seed=3, max_length=512, desirable=(2, 1))
+    again = make_bench_data.make_rows(tok, 300, seed=3, max_length=512, desirable=(2, 1))
+    assert rows == again
+    assert rows != make_bench_data.make_rows(tok, 300, seed=4, max_length=512)
+    stats = make_bench_data.length_stats(tok, rows)
+    assert (stats["desirable"], stats["undesirable"]) == (200, 100)
+    assert 120 <= stats["prompt"]["p50"] <= 180 and 200 <= stats["completion"]["p50"] <= 300
+    assert stats["prompt"]["max"] <= 256 and stats["row"]["max"] <= 512
+    # Uncapped, the log-normal tail shows (sigma 0.7: p99 ≈ 5 x median).
+    wide = make_bench_data.length_stats(tok, make_bench_data.make_rows(tok, 300, max_length=8192))
+    for part in ("prompt", "completion"):
+        assert wide[part]["p99"] >= 3 * wide[part]["p50"], (part, wide[part])
+    labels = [r["label"] for r in rows]
+    assert labels[:10] != sorted(labels[:10], reverse=True) or labels[10:20] != sorted(
+        labels[10:20], reverse=True
+    ), "classes are shuffled, not in blocks"

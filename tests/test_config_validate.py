@@ -88,6 +88,7 @@ def test_wrong_type_fails_at_composition():
             "model.kto.log_prob_forward_micro_batch_size",
         ),
         (["trainer.precision=16-true"], 1, "trainer.precision"),
+        (["model.logprob_chunk_size=-1"], 1, "model.logprob_chunk_size"),
         (["trainer.devices=4"], 2, "trainer.devices"),
         (["model.data.truncation_mode=middle"], 1, "model.data.truncation_mode"),
         (

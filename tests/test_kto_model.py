@@ -136,7 +136,9 @@ def test_efficient_gradient_equals_naive(runtime, micro_batch_size, sft, options
     naive = _grads(chunks)
 
     assert abs(loss - out.loss.item()) < 1e-6
-    assert abs(metrics["kl"] - z0.item()) < 1e-6
+    # z₀ is a difference of two ~-40 sums: the chunked completion-only output layer sums in
+    # another order than full logits, so compare relative to the summed magnitudes.
+    assert abs(metrics["kl"] - z0.item()) < 1e-5 * max(1.0, z0.item())
     assert z0.item() > 0, "test should exercise a positive KL reference point"
     for name in naive:
         torch.testing.assert_close(efficient[name], naive[name], rtol=1e-5, atol=1e-7, msg=name)

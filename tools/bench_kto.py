@@ -1,8 +1,17 @@
 #!/usr/bin/env python
 """Benchmark KTO training steps: samples/s, tokens/s, MFU and peak memory, side by side with TRL.
 
-    python tools/bench_kto.py [--warmup 5] [--steps 20] [--repeat 1] [--threads N]
-        [--trl | --no-trl] [--json OUT] [hydra overrides ...]
+    python tools/bench_kto.py [--preset longtail|example] [--warmup 5] [--steps 20]
+        [--repeat 1] [--threads N] [--trl | --no-trl] [--json OUT] [hydra overrides ...]
+
+What runs by default (``--preset longtail``) is the compute-dominated case on realistic data:
+a Llama-style model of 8 layers × hidden 512 (ffn 1536, 8 query / 4 KV heads, the bundled
+tokenizer's vocabulary) on a KTO set with long-tailed lengths and 2:1 desirable:undesirable
+labels (``tools/make_bench_data.py`` defaults: log-normal prompt / completion lengths with
+medians 150 / 250 tokens, capped at 1024 per row; generated once, seeded, into the temporary
+directory), global batch 16, micro-batch 4 (``model.micro_batch_size=16`` for one micro-batch,
+as TRL runs). ``--preset example`` runs ``conf/gpt_kto.yaml`` as it is (the bundled tiny
+example). Hydra overrides given on the command line come after the preset's and win.
 
 Our side is the real training path: ``conf/gpt_kto.yaml`` (or ``--config-name``) composed with
 Hydra plus the overrides given, run by ``megatron_kto.run.run_alignment`` for ``warmup + steps``
@@ -21,7 +30,7 @@ tokenised by the same tokenizer (a SentencePiece model is wrapped as a ``LlamaTo
 with the same β, λ_D/λ_U, learning rate and schedule, Adam settings, gradient clip, batch size
 (``per_device_train_batch_size`` = global batch size) and ``max_length``, for the same number of
 steps. A ``TrainerCallback`` times each step from the end of the previous one, so data loading and
-collation are inside the step as they are on our side (``megatron_kto.logging.trl_baseline``).
+collation are inside the step as they are on our side (``tools/trl_baseline.py``).
 
 Both sides count work the same way: tokens are the unpadded input positions of the sample rows
 plus the KL rows (sequence length − 1 per row: the last token has no target), and MFU counts
@@ -48,7 +57,8 @@ from __future__ import annotations
 # a child's max-RSS counter starts from its parent's (Linux keeps it across fork/exec), so the
 # parent must stay small for the workers' peak-memory figures to be their own. That is also why
 # the report code lives here rather than in megatron_kto.logging (whose __init__ imports torch);
-# the TRL side, which runs in a worker, is megatron_kto.logging.trl_baseline.
+# the TRL side, which runs in a worker, is tools/trl_baseline.py (benchmark-only code stays
+# beside the benchmark, out of the library).
 import argparse
 import json
 import os
@@ -74,6 +84,45 @@ BENCH_DEFAULTS = [
     "model.data.shuffle=false",
 ]
 _FIGURES = ("step_time", "samples_per_sec", "tokens_per_sec", "mfu", "cpu_time")
+
+#: The long-tailed benchmark set: `tools/make_bench_data.py` arguments (its defaults, named so
+#: the file name changes if they do).
+LONGTAIL_DATA = {"rows": 2048, "seed": 0, "max_length": 1024}
+#: `--preset longtail`: the compute-dominated shape on that set.
+LONGTAIL_MODEL = [
+    "model.num_layers=8",
+    "model.hidden_size=512",
+    "model.ffn_hidden_size=1536",
+    "model.num_attention_heads=8",
+    "model.num_query_groups=4",
+    f"model.encoder_seq_length={LONGTAIL_DATA['max_length']}",
+    f"model.data.max_length={LONGTAIL_DATA['max_length']}",
+    "model.data.data_prefix.validation=[]",
+]
+
+
+def longtail_data() -> Path:
+    """The long-tailed set, generated on first use (in a subprocess, so that this process does
+    not import the tokenizer: see the note on max-RSS above)."""
+    d = LONGTAIL_DATA
+    path = (
+        Path(tempfile.gettempdir())
+        / "megatron_kto_bench"
+        / (f"kto_longtail_rows{d['rows']}_seed{d['seed']}_max{d['max_length']}.jsonl")
+    )
+    if not path.exists():
+        cmd = [sys.executable, str(Path(__file__).with_name("make_bench_data.py")), "--out",
+               str(path), "--rows", str(d["rows"]), "--seed", str(d["seed"]),
+               "--max-length", str(d["max_length"])]  # fmt: skip
+        subprocess.run(cmd, check=True, cwd=REPO, stdout=sys.stderr)
+    return path
+
+
+def preset_overrides(preset: str) -> list[str]:
+    """Hydra overrides of a `--preset` (before the user's own)."""
+    if preset == "example":
+        return []
+    return [*LONGTAIL_MODEL, f"model.data.data_prefix.train=[{longtail_data()}]"]
 
 
 # --- shared helpers ----------------------------------------------------------------------------
@@ -249,6 +298,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any] | None:
     log_dir = args.log_dir or _default_log_dir()
     overrides = [
         *BENCH_DEFAULTS,
+        *preset_overrides(args.preset),
         f"exp_manager.explicit_log_dir={log_dir}",
         *args.overrides,
         f"trainer.kto.max_steps={args.warmup + args.steps}",
@@ -296,8 +346,9 @@ def run_trl(
     spec: dict[str, Any], peak_flops: float, warmup: int, steps: int, threads: int | None
 ) -> dict[str, Any]:
     """Time TRL's KTOTrainer on the run `spec` describes; per-step figures as on our side."""
+    from trl_baseline import run_trl_kto
+
     from megatron_kto.logging.throughput import FWD_BWD_MULTIPLIER, kto_pass_tokens
-    from megatron_kto.logging.trl_baseline import run_trl_kto
 
     threads = _set_threads(threads)
     run = run_trl_kto(spec, warmup + steps)
@@ -416,7 +467,8 @@ def render_header(report: dict[str, Any]) -> str:
             f"{arch['ffn_hidden_size']}, heads {arch['num_attention_heads']}/"
             f"{arch['num_query_groups'] or arch['num_attention_heads']} (q/kv), vocab "
             f"{spec['padded_vocab']}, precision {spec['precision']}",
-            f"  data: {', '.join(spec['train_files'])}; global batch {spec['global_batch_size']} "
+            f"  data ({report.get('preset', 'example')} preset): {', '.join(spec['train_files'])}; "
+            f"global batch {spec['global_batch_size']} "
             f"(ours: micro-batch {spec['micro_batch_size']}, reference {spec['reference_policy']}), "
             f"max_length {spec['max_length']}, beta {spec['kto']['beta']}, lr {spec['optim']['lr']}",
             f"  steps: {report['warmup']} warm-up + {report['steps']} timed, "
@@ -440,7 +492,10 @@ def render_notes(report: dict[str, Any]) -> str:
         f"optimizer {trl['optim']}, attention '{trl['attn_implementation']}'.",
         "Same passes per step on both sides: reference forward over samples + KL rows, policy "
         "forward over the KL rows without autograd (TRL also wraps it in torch.no_grad), policy "
-        "forward+backward over the sample rows; the ratio is implementation overhead.",
+        "forward+backward over the sample rows; the ratio is implementation overhead."
+        if report["ours"]["spec"]["kto"]["loss_type"] == "kto"
+        else "Same passes per step on both sides: this loss ignores z0, so neither side builds "
+        "or runs KL rows (reference forward and policy forward+backward over the samples).",
         "Differences: we run megatron-core's GPTModel (local spec on CPU) through its pipeline "
         "schedule in micro-batches and swap the reference weights in (cpu_swap) or keep a copy; "
         "TRL runs the whole batch as one micro-batch through HF Trainer/accelerate with a second "
@@ -469,6 +524,12 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="Hydra overrides (key=value) configure our side, e.g. model.global_batch_size=32.",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=("longtail", "example"),
+        default="longtail",
+        help="longtail (default): 8x512 model on long-tailed data; example: conf as it is",
     )
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
@@ -566,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "steps": args.steps,
         "repeat": args.repeat,
+        "preset": args.preset,
         "overrides": args.overrides,
         "environment": _environment(),
     }

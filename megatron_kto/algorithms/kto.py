@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 
 from megatron_kto.algorithms.dpo import DPOTrainer
@@ -13,16 +15,28 @@ from megatron_kto.models.schedule import Batch
 class KTOTrainer(DPOTrainer):
     """Trains a `MegatronGPTKTOModel`; everything but the batch preparation is `DPOTrainer`'s."""
 
+    def augment_dataloader(self, dataloader: Iterable[Batch]) -> Iterator[Batch]:
+        """Attach reference log-probs to each global batch, split into sample and KL halves.
+
+        Moves each batch to the device and adds `ref_policy_log_probs_samples` [B] and
+        `ref_policy_log_probs_kl` [B], computed in one forward-only pass of the reference over
+        the 2B rows (only the former when the loss ignores z₀: no KL rows are built then). The
+        loop is `DPOTrainer`'s; the split is `attach_reference`.
+        """
+        return super().augment_dataloader(dataloader)
+
     def attach_reference(self, batch: Batch, ref: torch.Tensor) -> None:
-        """Store the reference log-probs of the 2B rows (one forward-only pass of the reference
-        over samples and KL rows), split into `ref_policy_log_probs_samples` [B] and
-        `ref_policy_log_probs_kl` [B]."""
-        batch[REF_SAMPLES], batch[REF_KL] = ref.chunk(2)
+        """Store the reference log-probs of the sample rows, then of the KL rows (if any)."""
+        rows = batch["samples"].shape[0]
+        batch[REF_SAMPLES] = ref[:rows]
+        if self.model.settings.uses_kl_rows:
+            batch[REF_KL] = ref[rows : 2 * rows]
 
     def step_cost_tokens(self, batch: Batch) -> tuple[float, float]:
         """KTO step cost: reference fwd over samples+KL (1x each), policy fwd over KL (1x),
-        policy fwd+bwd over samples (3x) — in real (unpadded) tokens."""
+        policy fwd+bwd over samples (3x) — in real (unpadded) tokens; no KL term when the loss
+        ignores z₀ (the KL rows are then neither built nor run)."""
         samples = int(batch["sample_lengths"].sum())
-        kl = int(batch["kl_sample_lengths"].sum())
+        kl = int(batch["kl_sample_lengths"].sum()) if self.model.settings.uses_kl_rows else 0
         forward_only, forward_backward = kto_pass_tokens(samples, kl)
         return float(samples + kl), forward_only + FWD_BWD_MULTIPLIER * forward_backward

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from megatron_kto.models.forward import LOGP_SUM, data_parallel_all_reduce, forward_sequence_stats
-from megatron_kto.models.schedule import to_device
+from megatron_kto.models.schedule import scored_per_row, to_device
 
 TABLE_FILE = "table.npy"
 FINGERPRINT_FILE = "fingerprint.json"
@@ -90,6 +90,12 @@ def _compute_kto(model: Any, splits: Sequence[Any], runtime: Any, coverage: Cove
             seen[np.asarray([i for i, _, _ in entries])] = True
             batch = to_device(split.collate([split.dataset[e] for e in share]), runtime.device)
             rows = batch["index"]
+            if not s.uses_kl_rows:  # the loss ignores z0: no KL row exists (column stays 0)
+                if need_samples:
+                    values[rows, 0] = model.forward_logprobs(batch, model.chunks).double()
+                    filled[rows, 0] = 1.0
+                filled[rows, 1 + epoch] = 1.0
+                continue
             if need_samples:
                 logps = model.forward_logprobs(batch, model.chunks).double()
                 values[rows, 0], filled[rows, 0] = logps[: len(share)], 1.0
@@ -102,6 +108,8 @@ def _compute_kto(model: Any, splits: Sequence[Any], runtime: Any, coverage: Cove
                     batch["position_ids"],
                     s.forward_micro_batch_size,
                     s.vocab_size,
+                    s.logprob_chunk_size,
+                    scored_per_row(batch, "kl_sample_labels"),
                 )[:, LOGP_SUM].double()
             values[rows, 1 + epoch], filled[rows, 1 + epoch] = kl, 1.0
     return values, filled
@@ -161,7 +169,7 @@ def compute_table(
 
     Returns:
         float32 table on the CPU ([N, 1 + epochs] KTO, [N, 2] DPO), identical on every rank;
-        NaN where the run needs nothing.
+        NaN where the run needs nothing (KTO without KL rows: the KL columns are 0, never read).
     """
     kto = splits[0].kl_prompt_keys is not None
     if kto:

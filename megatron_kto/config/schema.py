@@ -294,6 +294,8 @@ class ModelConfig(ArchitectureFields):
     activations_checkpoint_num_layers: int | None = None
     """'full' only: layers per recompute block (uniform) or recomputed layers per model chunk
     (block); None means 1."""
+    logprob_chunk_size: int = 1024
+    """Output layer on completion tokens only, this many at a time (0: full logits everywhere)."""
     kto: KTOLossConfig = field(default_factory=KTOLossConfig)
     """KTO loss."""
     dpo: DPOLossConfig = field(default_factory=DPOLossConfig)

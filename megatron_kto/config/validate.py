@@ -288,6 +288,11 @@ def validate(
         )
     _need(m.micro_batch_size >= 1, "model.micro_batch_size", "must be >= 1")
     _need(
+        m.logprob_chunk_size >= 0,
+        "model.logprob_chunk_size",
+        f"must be >= 0 (0 computes full logits), got {m.logprob_chunk_size}",
+    )
+    _need(
         m.global_batch_size % (m.micro_batch_size * dp) == 0,
         "model.global_batch_size",
         f"{m.global_batch_size} is not divisible by micro_batch_size ({m.micro_batch_size}) x "

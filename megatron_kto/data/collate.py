@@ -113,6 +113,7 @@ def kto_custom_collate(
     pad_id: int,
     pad_to_multiple_of: int = 1,
     max_length: int | None = None,
+    kl_rows: bool = True,
 ) -> dict[str, Tensor]:
     """Collate KTO examples with their KL rows.
 
@@ -132,6 +133,8 @@ def kto_custom_collate(
         pad_to_multiple_of: T is rounded up to a multiple of this.
         max_length: most tokens of a KL row's prompt + completion; its completion is cut from
             the right to fit (None: no limit).
+        kl_rows: build the KL rows; False for a loss that ignores z₀ (`apo_zero_unpaired`):
+            then the ``kl_*`` keys are absent, T is the longest sample row, and B = 1 is fine.
 
     Returns:
         ``samples``, ``kl_samples``, ``sample_labels``, ``kl_sample_labels``, ``position_ids``:
@@ -141,6 +144,8 @@ def kto_custom_collate(
     Raises:
         ValueError: B < 2, or all rows share one prompt (no KL pair exists).
     """
+    if not kl_rows:
+        return _kto_samples_only(examples, pad_id, pad_to_multiple_of)
     batch = len(examples)
     # Training and validation give each row its KL partner, chosen over the global batch
     # (`data.kl_pairs`); then a batch (a data-parallel share) of one is fine.
@@ -176,6 +181,26 @@ def kto_custom_collate(
             "preference": torch.tensor([int(bool(e["label"])) for e in examples], dtype=torch.long),
             "sample_lengths": torch.tensor(sample_lengths, dtype=torch.long),
             "kl_sample_lengths": torch.tensor(kl_lengths, dtype=torch.long),
+        },
+    )
+
+
+def _kto_samples_only(
+    examples: Sequence[dict[str, Any]], pad_id: int, pad_to_multiple_of: int
+) -> dict[str, Tensor]:
+    if not examples:
+        raise ValueError("kto_custom_collate got an empty batch")
+    rows = [inputs_and_labels(e["prompt_ids"], e["completion_ids"]) for e in examples]
+    lengths = [len(inputs) for inputs, _ in rows]
+    length = _padded_length(lengths, pad_to_multiple_of)
+    return _with_index(
+        examples,
+        {
+            "samples": _padded([r[0] for r in rows], length, pad_id),
+            "sample_labels": _padded([r[1] for r in rows], length, IGNORE_INDEX),
+            "position_ids": torch.arange(length, dtype=torch.long).repeat(len(examples), 1),
+            "preference": torch.tensor([int(bool(e["label"])) for e in examples], dtype=torch.long),
+            "sample_lengths": torch.tensor(lengths, dtype=torch.long),
         },
     )
 

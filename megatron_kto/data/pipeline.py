@@ -22,6 +22,7 @@ from megatron_kto.data.samplers import (
 )
 from megatron_kto.data.stats import DatasetStats
 from megatron_kto.data.tokenizers import Tokenizer
+from megatron_kto.losses.kto import uses_kl_reference_point
 
 #: Where relative paths in the bundled configs are anchored when not found from the cwd.
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -170,8 +171,8 @@ def build_split(
         except ValueError as err:
             if m.kto.loss_type != "apo_zero_unpaired":
                 raise ConfigError(str(err)) from None
-            # This loss has no KL term (its KL rows only feed the reported `kl`): with a single
-            # prompt, rows are told apart by position.
+            # This loss has no KL term (no KL rows are built): with a single prompt, rows are
+            # told apart by position so the sampler's partner rule has nothing to refuse.
             keys = np.arange(len(keys), dtype=np.int64)
         dataset = BatchKLPartners(dataset, index_offset)
     elif index_offset is not None:
@@ -182,6 +183,8 @@ def build_split(
             pad_id=tokenizer.pad_id,
             pad_to_multiple_of=d.pad_to_multiple_of,
             max_length=max_length,
+            # A loss that ignores z₀ needs no KL rows: none are built, so none are run.
+            kl_rows=uses_kl_reference_point(m.kto.loss_type),
         )
     else:
         collate = partial(

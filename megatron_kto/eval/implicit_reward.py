@@ -35,6 +35,7 @@ from megatron_kto.models.forward import (
     data_parallel_all_reduce,
     forward_sequence_stats,
 )
+from megatron_kto.models.output_head import DEFAULT_LOGPROB_CHUNK_SIZE
 from megatron_kto.runtime.distributed import Runtime
 
 
@@ -109,6 +110,7 @@ def sequence_logps(
             batch["position_ids"],
             len(rows),
             vocab_size,
+            DEFAULT_LOGPROB_CHUNK_SIZE,
         )
         table[rows.start : rows.stop, 0] = stats[:, LOGP_SUM].double()
         table[rows.start : rows.stop, 1] = stats[:, NUM_TOKENS].double()

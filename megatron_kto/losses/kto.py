@@ -35,6 +35,14 @@ KTOLossType = Literal["kto", "apo_zero_unpaired"]
 KTO_LOSS_TYPES: tuple[str, ...] = ("kto", "apo_zero_unpaired")
 
 
+def uses_kl_reference_point(loss_type: str) -> bool:
+    """Whether the loss reads z₀ — if not, the KL rows need no forward pass at all (TRL 1.16
+    skips them too for ``apo_zero_unpaired`` and logs ``kl`` = 0)."""
+    if loss_type not in KTO_LOSS_TYPES:
+        raise ValueError(f"unknown KTO loss_type {loss_type!r}; expected one of {KTO_LOSS_TYPES}")
+    return loss_type == "kto"
+
+
 @dataclass(frozen=True)
 class KTOLossOutput:
     """Per-example KTO results.

@@ -18,11 +18,17 @@ from megatron_kto.models.forward import (
     NUM_TOKENS,
     data_parallel_all_reduce,
     forward_sequence_stats,
-    gpt_forward_step,
-    sequence_stats,
+    stats_forward_step,
 )
+from megatron_kto.models.output_head import DEFAULT_LOGPROB_CHUNK_SIZE
 from megatron_kto.models.reference import ReferencePolicy
-from megatron_kto.models.schedule import Batch, broadcast_from_last_stage, run_schedule
+from megatron_kto.models.schedule import (
+    NUM_SCORED,
+    Batch,
+    broadcast_from_last_stage,
+    run_schedule,
+    scored_per_row,
+)
 
 REF_CHOSEN = "ref_policy_log_probs_chosen"
 REF_REJECTED = "ref_policy_log_probs_rejected"
@@ -42,6 +48,8 @@ class DPOSettings:
     vocab_size: int
     sft_average_log_probs: bool = True
     preference_loss_weight: float = 1.0
+    logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE
+    """Tokens per chunk of the completion-only output layer; 0 computes full logits."""
 
 
 def _logps(stats: torch.Tensor, average: bool) -> torch.Tensor:
@@ -69,16 +77,18 @@ class MegatronGPTDPOModel:
         positions = torch.cat([batch["position_ids"], batch["position_ids"]])
         s = self.settings
         mbs = micro_batch_size or s.forward_micro_batch_size
-        stats = forward_sequence_stats(chunks, tokens, labels, positions, mbs, s.vocab_size)
+        scored = scored_per_row(batch, "chosen_labels") + scored_per_row(batch, "rejected_labels")
+        stats = forward_sequence_stats(
+            chunks, tokens, labels, positions, mbs, s.vocab_size, s.logprob_chunk_size, scored
+        )
         return _logps(stats, s.average_log_probs)
 
     def get_ref_policy_logprobs(self, batch: Batch) -> torch.Tensor:
         """Reference log-probs of chosen rows then rejected rows ([2B])."""
         return self.reference.log_probs(batch, lambda chunks: self.forward_logprobs(batch, chunks))
 
-    def _loss_fn(self, batch: Batch, output: torch.Tensor):
+    def _loss_fn(self, batch: Batch, stats: torch.Tensor):
         s = self.settings
-        stats = sequence_stats(output, batch["labels"], s.vocab_size)
         n = stats.shape[0] // 2
         logps = _logps(stats, s.average_log_probs)
         chosen_tokens = stats[:n, NUM_TOKENS]
@@ -114,6 +124,8 @@ class MegatronGPTDPOModel:
         pairs = batch["chosen"].shape[0]
         if pairs % mbs:
             raise ValueError(f"{pairs} pairs cannot be split into micro-batches of {mbs}")
+        chosen_scored = scored_per_row(batch, "chosen_labels")
+        rejected_scored = scored_per_row(batch, "rejected_labels")
         micro = []
         for i in range(0, pairs, mbs):
             sl = slice(i, i + mbs)
@@ -126,6 +138,7 @@ class MegatronGPTDPOModel:
                     ),
                     "ref_chosen": batch[REF_CHOSEN][sl],
                     "ref_rejected": batch[REF_REJECTED][sl],
+                    NUM_SCORED: sum(chosen_scored[sl]) + sum(rejected_scored[sl]),
                 }
             )
         return micro
@@ -136,7 +149,8 @@ class MegatronGPTDPOModel:
         """The body of `get_loss_and_metrics` before finalising: the all-reduced [2K]
         (sum, count) tensor of `DPO_METRICS` and no per-batch scalars (for exact aggregation
         over several global batches). Reads nothing back to the host."""
-        step = gpt_forward_step(self._loss_fn)
+        s = self.settings
+        step = stats_forward_step(self._loss_fn, s.vocab_size, s.logprob_chunk_size)
         micro = self._micro_batches(batch)
         if forward_only:
             with torch.no_grad():

@@ -8,8 +8,14 @@ from collections.abc import Callable, Iterator
 import torch
 from megatron.core import parallel_state
 
-from megatron_kto.models.logprobs import masked_sum, mean_logit_sums, token_logprobs
+from megatron_kto.models.logprobs import IGNORE_INDEX, masked_sum, mean_logit_sums, token_logprobs
+from megatron_kto.models.output_head import (
+    completion_stats,
+    hidden_states_output,
+    output_head,
+)
 from megatron_kto.models.schedule import (
+    NUM_SCORED,
     Batch,
     broadcast_from_last_stage,
     run_schedule,
@@ -47,6 +53,42 @@ def gpt_forward_step(loss_fn: Callable[[Batch, torch.Tensor], object]) -> Callab
     return forward_step
 
 
+def stats_forward_step(
+    loss_fn: Callable[[Batch, torch.Tensor], object], vocab_size: int, chunk_size: int
+) -> Callable:
+    """A megatron-core forward step whose loss function sees per-row statistics, not logits.
+
+    `loss_fn(batch, stats)` gets the micro-batch and its `sequence_stats`-style [N, 3] tensor
+    (`LOGP_SUM`, `NUM_TOKENS`, `LOGIT_SUM`). With `chunk_size` > 0 the model's last stage stops
+    at its hidden states and the output layer runs on completion positions only, `chunk_size`
+    tokens at a time (`models.output_head`); 0 computes full logits at every position.
+    """
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        context = hidden_states_output(model) if chunk_size else contextlib.nullcontext()
+        with context:
+            output = model(batch["tokens"], batch["position_ids"], None)
+
+        def loss_func(output_tensor, non_loss_data: bool = False):
+            if chunk_size:
+                stats = completion_stats(
+                    output_tensor,
+                    batch["labels"],
+                    output_head(model),
+                    vocab_size,
+                    chunk_size,
+                    batch.get(NUM_SCORED),
+                )
+            else:
+                stats = sequence_stats(output_tensor, batch["labels"], vocab_size)
+            return loss_fn(batch, stats)
+
+        return output, loss_func
+
+    return forward_step
+
+
 @contextlib.contextmanager
 def eval_mode(chunks: list[torch.nn.Module]) -> Iterator[None]:
     """Disable dropout for forward-only passes; restore the previous modes afterwards."""
@@ -67,6 +109,8 @@ def forward_sequence_stats(
     position_ids: torch.Tensor,
     micro_batch_size: int,
     vocab_size: int,
+    chunk_size: int = 0,
+    scored: list[int] | None = None,
 ) -> torch.Tensor:
     """Forward-only pass over N rows through the pipeline schedule, without an autograd graph.
 
@@ -75,13 +119,19 @@ def forward_sequence_stats(
         tokens, labels, position_ids: [N, T] on the device.
         micro_batch_size: rows per micro-batch (must divide N).
         vocab_size: real vocabulary size (padded logit columns are left out).
+        chunk_size: > 0: output layer on completion positions only, in chunks of this many
+            tokens; 0: full logits (`stats_forward_step`).
+        scored: scored positions per row as host ints (`schedule.scored_per_row`); None counts
+            them from `labels` (one device-to-host copy on an accelerator).
 
     Returns:
         [N, 3] float32 (`LOGP_SUM`, `NUM_TOKENS`, `LOGIT_SUM` columns) on every pipeline stage.
     """
     batch = {"tokens": tokens, "labels": labels, "position_ids": position_ids}
-    micro = split_micro_batches(batch, micro_batch_size)
-    step = gpt_forward_step(lambda b, out: sequence_stats(out, b["labels"], vocab_size))
+    if chunk_size and scored is None:
+        scored = (labels != IGNORE_INDEX).sum(dim=-1).tolist()
+    micro = split_micro_batches(batch, micro_batch_size, scored=scored)
+    step = stats_forward_step(lambda b, stats: stats, vocab_size, chunk_size)
     with torch.no_grad(), eval_mode(chunks):
         results = run_schedule(chunks, micro, step, forward_only=True, collect_non_loss_data=True)
     local = torch.cat(results, dim=0) if results else None

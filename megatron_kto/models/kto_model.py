@@ -8,6 +8,12 @@ Per global batch (DESIGN.md §1, "Efficiency"):
    so these rows never enter autograd — then forward+backward over the B sample rows only.
 
 Micro-batch size 1 therefore works: the KL estimate always uses the whole global batch.
+
+A loss that ignores z₀ (`apo_zero_unpaired`) has no KL rows at all: the collate does not build
+them, neither pass runs over them, and the `kl` metric reads 0 (as TRL logs it).
+
+Every pass computes log-probs only where the loss looks (completion positions), chunk by chunk,
+unless `logprob_chunk_size` is 0 (`models.output_head`).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_kto.losses._common import per_token_mean
-from megatron_kto.losses.kto import kl_reference_point, kto_total_loss
+from megatron_kto.losses.kto import kl_reference_point, kto_total_loss, uses_kl_reference_point
 from megatron_kto.losses.metrics import KTO_METRICS, finalize_kto_metrics, kto_metric_sums
 from megatron_kto.models.forward import (
     LOGIT_SUM,
@@ -25,14 +31,15 @@ from megatron_kto.models.forward import (
     NUM_TOKENS,
     data_parallel_all_reduce,
     forward_sequence_stats,
-    gpt_forward_step,
-    sequence_stats,
+    stats_forward_step,
 )
+from megatron_kto.models.output_head import DEFAULT_LOGPROB_CHUNK_SIZE
 from megatron_kto.models.reference import ReferencePolicy
 from megatron_kto.models.schedule import (
     Batch,
     broadcast_from_last_stage,
     run_schedule,
+    scored_per_row,
     split_micro_batches,
 )
 
@@ -56,6 +63,13 @@ class KTOSettings:
     """Rewards (and z₀) from per-token mean log-probs (NeMo's preference_average_log_probs)."""
     sft_average_log_probs: bool = True
     preference_loss_weight: float = 1.0
+    logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE
+    """Tokens per chunk of the completion-only output layer; 0 computes full logits."""
+
+    @property
+    def uses_kl_rows(self) -> bool:
+        """Whether z₀ enters the loss (else no KL row is built or run)."""
+        return uses_kl_reference_point(self.loss_type)
 
 
 class MegatronGPTKTOModel:
@@ -74,27 +88,29 @@ class MegatronGPTKTOModel:
         self.reference = reference
         self.settings = settings
 
-    def _stats(self, chunks: list[torch.nn.Module], tokens, labels, position_ids) -> torch.Tensor:
-        return forward_sequence_stats(
-            chunks,
-            tokens,
-            labels,
-            position_ids,
-            self.settings.forward_micro_batch_size,
-            self.settings.vocab_size,
-        )
-
     def forward_logprobs(
         self, batch: Batch, chunks: list[torch.nn.Module], micro_batch_size: int | None = None
     ) -> torch.Tensor:
-        """Summed completion log-probs of the samples then the KL rows ([2B]) under `chunks`,
-        forward-only, identical on every pipeline stage."""
-        tokens = torch.cat([batch["samples"], batch["kl_samples"]])
-        labels = torch.cat([batch["sample_labels"], batch["kl_sample_labels"]])
-        positions = torch.cat([batch["position_ids"], batch["position_ids"]])
-        mbs = micro_batch_size or self.settings.forward_micro_batch_size
+        """Summed completion log-probs of the samples then the KL rows ([2B]; [B], the samples
+        alone, when the loss ignores z₀) under `chunks`, forward-only, identical on every
+        pipeline stage."""
+        keys = [("samples", "sample_labels")]
+        if self.settings.uses_kl_rows:
+            keys.append(("kl_samples", "kl_sample_labels"))
+        tokens = torch.cat([batch[t] for t, _ in keys])
+        labels = torch.cat([batch[lab] for _, lab in keys])
+        positions = torch.cat([batch["position_ids"]] * len(keys))
+        scored = [n for _, lab in keys for n in scored_per_row(batch, lab)]
+        s = self.settings
         stats = forward_sequence_stats(
-            chunks, tokens, labels, positions, mbs, self.settings.vocab_size
+            chunks,
+            tokens,
+            labels,
+            positions,
+            micro_batch_size or s.forward_micro_batch_size,
+            s.vocab_size,
+            s.logprob_chunk_size,
+            scored,
         )
         return stats[:, LOGP_SUM]
 
@@ -106,14 +122,28 @@ class MegatronGPTKTOModel:
 
         Returns:
             [2B] float32 summed completion log-probs: rows 0..B-1 are the samples, rows B..2B-1
-            the KL rows; identical on every pipeline stage.
+            the KL rows (absent when the loss ignores z₀); identical on every pipeline stage.
         """
         return self.reference.log_probs(batch, lambda chunks: self.forward_logprobs(batch, chunks))
 
     def kl_reference_point(self, batch: Batch) -> torch.Tensor:
-        """z₀ for this global batch: policy forward-only over the KL rows, reduced over DP."""
-        policy_kl = self._stats(
-            self.chunks, batch["kl_samples"], batch["kl_sample_labels"], batch["position_ids"]
+        """z₀ for this global batch: policy forward-only over the KL rows, reduced over DP.
+
+        0 without running anything when the loss does not use z₀.
+        """
+        device = batch["samples"].device
+        if not self.settings.uses_kl_rows:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        s = self.settings
+        policy_kl = forward_sequence_stats(
+            self.chunks,
+            batch["kl_samples"],
+            batch["kl_sample_labels"],
+            batch["position_ids"],
+            s.forward_micro_batch_size,
+            s.vocab_size,
+            s.logprob_chunk_size,
+            scored_per_row(batch, "kl_sample_labels"),
         )
         r_kl = policy_kl[:, LOGP_SUM] - batch[REF_KL]
         if self.settings.average_log_probs:
@@ -125,9 +155,8 @@ class MegatronGPTKTOModel:
         data_parallel_all_reduce(totals)
         return kl_reference_point(totals[0], totals[1]).float()
 
-    def _loss_fn(self, batch: Batch, output: torch.Tensor, z0: torch.Tensor):
+    def _loss_fn(self, batch: Batch, stats: torch.Tensor, z0: torch.Tensor):
         s = self.settings
-        stats = sequence_stats(output, batch["labels"], s.vocab_size)
         policy_logps, num_tokens = stats[:, LOGP_SUM], stats[:, NUM_TOKENS]
         out = kto_total_loss(
             policy_logps,
@@ -176,8 +205,13 @@ class MegatronGPTKTOModel:
             "preference": batch["preference"],
             "ref_logps": batch[REF_SAMPLES],
         }
-        micro = split_micro_batches(rows, self.settings.micro_batch_size)
-        step = gpt_forward_step(lambda b, out: self._loss_fn(b, out, z0))
+        s = self.settings
+        micro = split_micro_batches(
+            rows, s.micro_batch_size, scored=scored_per_row(batch, "sample_labels")
+        )
+        step = stats_forward_step(
+            lambda b, stats: self._loss_fn(b, stats, z0), s.vocab_size, s.logprob_chunk_size
+        )
         if forward_only:
             with torch.no_grad():
                 reported = run_schedule(self.chunks, micro, step, forward_only=True)

@@ -27,7 +27,12 @@ from megatron.core.utils import get_model_config
 
 from megatron_kto.models.logprobs import IGNORE_INDEX
 
-Batch = dict[str, torch.Tensor]
+Batch = dict[str, Any]
+
+#: Batch key of host-side facts about label tensors: {labels key: scored positions per row}.
+HOST_SCORED = "host_scored"
+#: Micro-batch key: number of scored positions in the micro-batch, a host int.
+NUM_SCORED = "num_scored"
 
 #: Fill values of the [rows, T] keys a micro-batch may carry when its length is padded. Padding
 #: goes on the right: attention is causal, so real positions never see it, and its labels are
@@ -37,14 +42,41 @@ SEQUENCE_PAD_VALUES = {"tokens": 0, "labels": IGNORE_INDEX, "position_ids": 0}
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
-    """Move every tensor of a batch to `device` (non-blocking on CUDA)."""
-    return {
+    """Move every tensor of a batch to `device` (non-blocking on CUDA).
+
+    Label tensors still on the host (keys ending in ``labels``) also leave their per-row counts
+    of scored positions under `HOST_SCORED`, as Python ints: the completion-only output layer
+    needs them to select positions without a device-to-host sync in every micro-batch.
+    """
+    host = dict(batch.get(HOST_SCORED, {}))
+    for k, v in batch.items():
+        if k.endswith("labels") and torch.is_tensor(v) and v.device.type == "cpu":
+            host[k] = (v != IGNORE_INDEX).sum(dim=-1).tolist()
+    out = {
         k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
     }
+    if host:
+        out[HOST_SCORED] = host
+    return out
+
+
+def scored_per_row(batch: Batch, key: str) -> list[int]:
+    """Scored positions per row of `batch[key]` (a labels tensor) as host ints.
+
+    From `HOST_SCORED` when `to_device` recorded them; otherwise counted from the tensor, which
+    costs one device-to-host copy on an accelerator — once per pass, never per micro-batch.
+    """
+    recorded = batch.get(HOST_SCORED, {}).get(key)
+    if recorded is not None:
+        return list(recorded)
+    return (batch[key] != IGNORE_INDEX).sum(dim=-1).tolist()
 
 
 def split_micro_batches(
-    batch: Batch, micro_batch_size: int, keys: Sequence[str] | None = None
+    batch: Batch,
+    micro_batch_size: int,
+    keys: Sequence[str] | None = None,
+    scored: Sequence[int] | None = None,
 ) -> list[Batch]:
     """Split a batch of B rows into B / micro_batch_size micro-batches along dim 0.
 
@@ -52,6 +84,8 @@ def split_micro_batches(
         batch: tensors whose first dimension is the row index.
         micro_batch_size: rows per micro-batch; must divide B.
         keys: the keys to keep (all tensors by default).
+        scored: scored positions per row (host ints); each micro-batch then gets their sum
+            under `NUM_SCORED`.
 
     Returns:
         The micro-batches, in order.
@@ -60,10 +94,15 @@ def split_micro_batches(
     rows = batch[keys[0]].shape[0]
     if rows % micro_batch_size:
         raise ValueError(f"{rows} rows cannot be split into micro-batches of {micro_batch_size}")
-    return [
-        {k: batch[k][i : i + micro_batch_size] for k in keys}
-        for i in range(0, rows, micro_batch_size)
-    ]
+    if scored is not None and len(scored) != rows:
+        raise ValueError(f"{len(scored)} scored counts for {rows} rows")
+    micro = []
+    for i in range(0, rows, micro_batch_size):
+        part: Batch = {k: batch[k][i : i + micro_batch_size] for k in keys}
+        if scored is not None:
+            part[NUM_SCORED] = int(sum(scored[i : i + micro_batch_size]))
+        micro.append(part)
+    return micro
 
 
 def pad_sequence_dim(batch: Batch, multiple: int) -> Batch:
