@@ -83,6 +83,7 @@ def _loss_settings(cfg: Any, algorithm: str, vocab_size: int):
         "preference_loss_weight": loss_cfg.preference_loss_weight,
         "average_log_probs": loss_cfg.preference_average_log_probs,
         "logprob_chunk_size": m.logprob_chunk_size,
+        "pack_sequences": m.data.pack_sequences,
     }
     if algorithm == "kto":
         return KTOSettings(

@@ -207,15 +207,6 @@ def test_attention_dropout_is_seeded_and_off_in_eval(runtime):
     assert torch.equal(d, e) and (a - d).abs().max() > 1e-3
 
 
-def test_packed_sequences_are_refused_clearly(runtime):
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    sdpa, _, _ = _attention_pair(4, 2)
-    q, k, v = _qkv(8, 1, 4, 2, 8)
-    with pytest.raises(NotImplementedError, match="packed"):
-        sdpa(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
-
-
 # ---------------------------------------------------------------------------------------------
 # Whole model: sdpa vs local on the same weights
 # ---------------------------------------------------------------------------------------------

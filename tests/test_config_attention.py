@@ -25,7 +25,7 @@ def _compose(overrides: list[str], world: int = 1):
     "overrides,world",
     [
         (["model.attention_backend=sdpa"], 1),
-        (["model.attention_backend=local"], 1),
+        (["model.attention_backend=local", "model.data.pack_sequences=false"], 1),
         (["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"], 2),
         (["model.activations_checkpoint_granularity=selective"], 1),
         (["model.activations_checkpoint_granularity=full"], 1),
@@ -58,10 +58,21 @@ def test_default_backend_is_auto():
     validate(_compose([]), 1, "kto")
 
 
+def test_packing_is_on_by_default():
+    assert _compose([]).model.data.pack_sequences is True
+    assert _compose(["model.data.pack_sequences=false"]).model.data.pack_sequences is False
+
+
 @pytest.mark.parametrize(
     "overrides,world,key,fragment",
     [
         (["model.attention_backend=flash"], 1, "model.attention_backend", "must be one of"),
+        (
+            ["model.attention_backend=local"],
+            1,
+            "model.data.pack_sequences",
+            "model.attention_backend=local (megatron's unfused attention) cannot take them",
+        ),
         (["model.sequence_parallel=true"], 1, "model.sequence_parallel", "tensor_model_parallel"),
         (
             ["model.activations_checkpoint_granularity=partial"],

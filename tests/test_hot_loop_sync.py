@@ -9,6 +9,15 @@ after the metric sums have been reduced.
 Before this test existed the guard found two per micro-batch/step on this path:
 `torch.tensor(n, device=...)` for the KL-row count (kto_model.kl_reference_point) and
 `torch.as_tensor(python_int, device=...)` for metric counts (losses/metrics.MetricSums.pack).
+
+Batches enter the model as the trainer hands them over: through `schedule.to_device`, which
+records the host-side facts (scored positions and packed lengths per row) that selection and
+packing use instead of reading the device. Both micro-batch layouts are checked: padded, and
+packed (`models.packing`). Packed micro-batches pass THD parameters to megatron's attention,
+whose *unfused* THD RoPE (`rope_utils._apply_rotary_pos_emb_thd`, CPU and GPUs without
+Transformer Engine) reads `cu_seqlens` on the host; with TE the fused THD RoPE kernel is used
+(`runtime.gpu_settings`: apply_rope_fusion) and reads nothing, so that file is left out for the
+packed runs — and only that file.
 """
 
 from __future__ import annotations
@@ -28,12 +37,19 @@ from megatron_kto.models.dpo_model import (
 )
 from megatron_kto.models.kto_model import REF_KL, REF_SAMPLES, MegatronGPTKTOModel
 from megatron_kto.models.reference import CPUSwapReference
+from megatron_kto.models.schedule import to_device
 from megatron_kto.models.training_setup import wrap_ddp
 from megatron_kto.runtime import init_runtime, teardown
 
 # megatron-core's RNG tracker compares two *host* RNG-state tensors with `.item()` on leaving
 # `fork()` (tensor_parallel/random.py); on a GPU those stay on the host, so it is no sync there.
 HOST_ONLY = ("megatron/core/tensor_parallel/random.py",)
+#: See the module docstring: megatron's unfused THD RoPE (not used with Transformer Engine).
+UNFUSED_THD_ROPE = ("megatron/core/models/common/embeddings/rope_utils.py",)
+
+
+def _ignored(pack: bool) -> tuple[str, ...]:
+    return HOST_ONLY + (UNFUSED_THD_ROPE if pack else ())
 
 
 @pytest.fixture(scope="module")
@@ -68,32 +84,44 @@ def test_guard_records_what_blocks_and_nothing_else() -> None:
     assert guard.calls == []
 
 
-def _kto_model(runtime, micro_batch_size: int):
+def _kto_model(runtime, micro_batch_size: int, pack: bool):
     arch = GPTArchitecture(vocab_size=VOCAB)
     chunks = wrap_ddp(build_gpt_chunks(arch, ParallelLayout(), runtime.device), False)
-    return MegatronGPTKTOModel(chunks, CPUSwapReference(chunks), _settings(micro_batch_size))
+    settings = _settings(micro_batch_size, pack_sequences=pack)
+    return MegatronGPTKTOModel(chunks, CPUSwapReference(chunks), settings)
 
 
-@pytest.mark.parametrize("forward_only", [False, True])
-def test_kto_step_has_no_host_sync_before_its_metrics(runtime, forward_only) -> None:
-    model = _kto_model(runtime, micro_batch_size=1)  # 4 micro-batches
+def _device_batch(runtime) -> dict:
+    """`test_kto_model._batch` with rows of different lengths, as the trainer hands it over."""
     batch = _batch()
-    with HostSyncGuard(ignore=HOST_ONLY) as guard:
+    for i in range(4):
+        batch["sample_labels"][i, 11 - i :] = -100
+        batch["kl_sample_labels"][i, 11 - 2 * i :] = -100
+    return to_device(batch, runtime.device)
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_kto_step_has_no_host_sync_before_its_metrics(runtime, forward_only, pack) -> None:
+    model = _kto_model(runtime, micro_batch_size=1, pack=pack)  # 4 micro-batches
+    batch = _device_batch(runtime)
+    with HostSyncGuard(ignore=_ignored(pack)) as guard:
         ref = model.get_ref_policy_logprobs(batch)  # cpu_swap reference pass
         batch[REF_SAMPLES], batch[REF_KL] = ref.chunk(2)
         sums, scalars = model.get_loss_and_metric_sums(batch, forward_only=forward_only)
     assert guard.calls == [], guard.report()
 
     # The same numbers come out of the public call, which then reads them back once.
-    batch2 = _batch()
+    batch2 = _device_batch(runtime)
     batch2[REF_SAMPLES], batch2[REF_KL] = ref.chunk(2)
-    with HostSyncGuard(ignore=HOST_ONLY) as guard:
+    with HostSyncGuard(ignore=_ignored(pack)) as guard:
         loss, metrics = model.get_loss_and_metrics(batch2, forward_only=True)
     assert {c.where.split(" ")[-1] for c in guard.calls} <= {"finalize", "finalize_kto_metrics"}
     assert metrics["kl"] == pytest.approx(scalars["kl"].item())
 
 
-def test_dpo_step_has_no_host_sync_before_its_metrics(runtime) -> None:
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+def test_dpo_step_has_no_host_sync_before_its_metrics(runtime, pack) -> None:
     arch = GPTArchitecture(vocab_size=VOCAB)
     chunks = wrap_ddp(build_gpt_chunks(arch, ParallelLayout(), runtime.device), False)
     settings = DPOSettings(
@@ -105,6 +133,7 @@ def test_dpo_step_has_no_host_sync_before_its_metrics(runtime) -> None:
         micro_batch_size=1,
         forward_micro_batch_size=2,
         vocab_size=VOCAB,
+        pack_sequences=pack,
     )
     model = MegatronGPTDPOModel(chunks, CPUSwapReference(chunks), settings)
     kto = _batch()
@@ -115,7 +144,9 @@ def test_dpo_step_has_no_host_sync_before_its_metrics(runtime) -> None:
         "rejected_labels": kto["kl_sample_labels"],
         "position_ids": kto["position_ids"],
     }
-    with HostSyncGuard(ignore=HOST_ONLY) as guard:
+    batch["rejected_labels"][:, 8:] = -100  # shorter rejected rows
+    batch = to_device(batch, runtime.device)
+    with HostSyncGuard(ignore=_ignored(pack)) as guard:
         ref = model.get_ref_policy_logprobs(batch)
         batch[REF_CHOSEN], batch[REF_REJECTED] = ref.chunk(2)
         model.get_loss_and_metric_sums(batch, forward_only=False)

@@ -64,10 +64,12 @@ def test_collate_without_kl_rows(examples):
 
 
 def _count_rows(chunks, counts: list[int]):
-    def hook(_module, args):
-        counts.append(int(args[0].shape[0]))
+    def hook(_module, args, kwargs):
+        # A packed micro-batch is one [1, L] row of several examples (models.packing).
+        packed = kwargs.get("packed_seq_params")
+        counts.append(packed.num_rows if packed is not None else int(args[0].shape[0]))
 
-    return [unwrap(c).register_forward_pre_hook(hook) for c in chunks]
+    return [unwrap(c).register_forward_pre_hook(hook, with_kwargs=True) for c in chunks]
 
 
 def _step(runtime, examples, settings_cls, kl_rows: bool):

@@ -143,6 +143,8 @@ def _kto_step(ckpt_dir: Path, name: str) -> dict:
         micro_batch_size=2,
         forward_micro_batch_size=4,
         vocab_size=arch.vocab_size,
+        # megatron's unfused attention cannot take packed rows (config validation refuses it).
+        pack_sequences=layout.attention_backend != "local",
     )
     chunks = wrap_ddp(policy, use_distributed_optimizer=False)
     optimizer = build_optimizer(
@@ -244,11 +246,18 @@ def _assert_same_step(got: dict, rank: int, name: str, exact: bool) -> None:
         f"{got['reference_grad_norm']:.6g}"
     )
     assert got["metrics"].keys() == want.keys()
+    # Rewards and z₀ are β × differences of summed log-probs: their fp32 rounding scales with
+    # the sums, not with the (small) difference — 1e-6 of the sums' size — and packed
+    # micro-batches under SP (padded to a multiple of TP) run other GEMM shapes than without SP.
+    logp_scale = max(1.0, *(abs(v) for k, v in want.items() if k.startswith("logps/")))
     for key, value in want.items():
         if exact:
             assert got["metrics"][key] == value, (name, rank, key)
         else:
-            assert got["metrics"][key] == pytest.approx(value, rel=RTOL, abs=1e-6), (name, key)
+            assert got["metrics"][key] == pytest.approx(value, rel=RTOL, abs=1e-6 * logp_scale), (
+                name,
+                key,
+            )
     if exact:
         assert got["grad_norm"] == got["reference_grad_norm"]
         assert got["weight_max_abs_diff"] == 0.0, got["worst_weight"]

@@ -122,7 +122,13 @@ def preset_overrides(preset: str) -> list[str]:
     """Hydra overrides of a `--preset` (before the user's own)."""
     if preset == "example":
         return []
-    return [*LONGTAIL_MODEL, f"model.data.data_prefix.train=[{longtail_data()}]"]
+    # The bundled example's settings (fp32, tokenizer, batch sizes, lr) under the larger shape:
+    # a run that names its own data no longer gets them implicitly (config/entry.py).
+    return [
+        "example=tiny_kto",
+        *LONGTAIL_MODEL,
+        f"model.data.data_prefix.train=[{longtail_data()}]",
+    ]
 
 
 # --- shared helpers ----------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from megatron_kto.models.forward import LOGP_SUM, data_parallel_all_reduce, forward_sequence_stats
-from megatron_kto.models.schedule import scored_per_row, to_device
+from megatron_kto.models.schedule import row_lengths, scored_per_row, to_device
 
 TABLE_FILE = "table.npy"
 FINGERPRINT_FILE = "fingerprint.json"
@@ -110,6 +110,8 @@ def _compute_kto(model: Any, splits: Sequence[Any], runtime: Any, coverage: Cove
                     s.vocab_size,
                     s.logprob_chunk_size,
                     scored_per_row(batch, "kl_sample_labels"),
+                    s.pack_sequences,
+                    row_lengths(batch, "kl_sample_labels") if s.pack_sequences else None,
                 )[:, LOGP_SUM].double()
             values[rows, 1 + epoch], filled[rows, 1 + epoch] = kl, 1.0
     return values, filled

@@ -222,7 +222,9 @@ class DataConfig:
     truncation_mode: str = "keep_end"
     """Prompt truncation: 'keep_end' (drop the left) or 'keep_start'."""
     pad_to_multiple_of: int = 1
-    """Pad batch length to a multiple of this (8 helps tensor cores)."""
+    """Pad batch length to a multiple of this (8 helps tensor cores; unpacked batches only)."""
+    pack_sequences: bool = True
+    """Padding-free micro-batches: rows packed end to end, attention and positions per row."""
     shuffle: bool = True
     """Shuffle training data each epoch (seeded)."""
     num_workers: int = 0

@@ -308,6 +308,13 @@ def validate(
         )
     _check_recompute(m, layers_per_chunk=m.num_layers // (pp * (vpp or 1)))
     _check_attention_backend(m.attention_backend)
+    _need(
+        not (m.data.pack_sequences and m.attention_backend == "local"),
+        "model.data.pack_sequences",
+        "packed micro-batches need attention that keeps rows apart (te or sdpa); "
+        "model.attention_backend=local (megatron's unfused attention) cannot take them: set "
+        "model.data.pack_sequences=false or choose another backend",
+    )
     _choice(m.data.truncation_mode, "model.data.truncation_mode", ("keep_end", "keep_start"))
     _choice(m.tokenizer.library, "model.tokenizer.library", ("sentencepiece", "huggingface"))
     _check_optimizer(m.optim)

@@ -18,8 +18,15 @@ What it keeps from megatron's contract:
 * attention dropout drawn from megatron's tensor-parallel RNG stream (forked here, or already
   active under sequence parallelism), so each TP rank draws independent masks for its own heads
   and activation recomputation replays them exactly;
-* `packed_seq_params` is accepted in the signature; packed (THD) batches are not implemented here
-  yet and are refused with a clear error rather than silently attending across rows.
+* packed micro-batches (`packed_seq_params` with ``qkv_format='thd'``, see `models.packing`):
+  megatron's attention hands over [t, heads, d] tensors of concatenated rows (RoPE already
+  applied per row from `cu_seqlens`); each row attends causally within itself, one SDPA call per
+  row. Per-row calls, not one call with a block-diagonal [t, t] mask: the mask would make SDPA
+  compute (and, on CPU, allocate) all t² scores — more work than the padding it replaces, and
+  ~64 MiB of fp32 mask per layer at t = 4k — whereas per-row calls cost Σ lᵢ², and the fused
+  kernel (is_causal, no mask) stays usable. Row lengths come from the host
+  (`PackedRows.seqlens`), so no device-to-host copy is needed; plain `PackedSeqParams` fall
+  back to reading `cu_seqlens`.
 """
 
 from __future__ import annotations
@@ -110,18 +117,16 @@ class SDPAttention(MegatronModule):
             attention_mask: None, or bool broadcastable to [b, heads/TP, sq, sk], True = masked.
             attn_mask_type: overrides the constructor's mask type (used when no mask is given).
             attention_bias: unsupported (must be None).
-            packed_seq_params: unsupported for now (must be None).
+            packed_seq_params: THD parameters of a packed micro-batch (query [t, heads/TP, d],
+                key/value [t, groups/TP, d]); causal attention within each row.
 
         Returns:
-            [sq, b, heads/TP · d] context, in the query's dtype.
+            [sq, b, heads/TP · d] context, in the query's dtype ([t, heads/TP · d] when packed).
         """
-        if packed_seq_params is not None:
-            raise NotImplementedError(
-                "packed sequences (packed_seq_params) are not implemented for "
-                "model.attention_backend=sdpa yet; use model.attention_backend=te"
-            )
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by SDPAttention")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, attention_mask, packed_seq_params)
         sq, batch = query.shape[0], query.shape[1]
         sk = key.shape[0]
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -165,6 +170,62 @@ class SDPAttention(MegatronModule):
             context = self._sdpa(q, k, v, attn_mask, dropout_p, is_causal, native_gqa)
         # [b, n, sq, d] -> [sq, b, n·d]
         return context.permute(2, 0, 1, 3).reshape(sq, batch, -1)
+
+    def _packed(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        params: PackedSeqParams,
+    ) -> torch.Tensor:
+        """Causal attention within each row of a packed (THD) micro-batch: [t, heads/TP · d]."""
+        if params.qkv_format != "thd":
+            raise NotImplementedError(
+                f"SDPAttention takes packed sequences in the 'thd' format, got {params.qkv_format!r}"
+            )
+        if attention_mask is not None:
+            raise NotImplementedError("SDPAttention: packed sequences take no attention_mask")
+        seqlens = getattr(params, "seqlens", None)
+        if not seqlens:
+            # Plain PackedSeqParams: the lengths are only on the device (one host copy).
+            seqlens = (params.cu_seqlens_q[1:] - params.cu_seqlens_q[:-1]).tolist()
+        if sum(seqlens) != query.shape[0]:
+            raise ValueError(f"packed rows of {sum(seqlens)} tokens, but {query.shape[0]} given")
+        # [t, n, d] -> [n, t, d] (a view), split into rows along t.
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))
+        groups = self.heads_per_partition // self.groups_per_partition
+        native_gqa = groups > 1 and native_gqa_is_fast(q, None)
+        if groups > 1 and not native_gqa:
+            k = k.repeat_interleave(groups, dim=0)
+            v = v.repeat_interleave(groups, dim=0)
+        dropout_p = self.dropout_p if self.training else 0.0
+
+        def rows() -> list[torch.Tensor]:
+            out = []
+            for qi, ki, vi in zip(*(t.split(list(seqlens), dim=1) for t in (q, k, v))):
+                if qi.shape[1] == 0:
+                    continue
+                out.append(
+                    self._sdpa(
+                        qi.unsqueeze(0),
+                        ki.unsqueeze(0),
+                        vi.unsqueeze(0),
+                        None,
+                        dropout_p,
+                        qi.shape[1] > 1,
+                        native_gqa,
+                    )[0]
+                )
+            return out
+
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():  # see `forward`
+                context = rows()
+        else:
+            context = rows()
+        # [n, l_i, d] per row -> [t, n, d] -> [t, n·d]
+        return torch.cat(context, dim=1).transpose(0, 1).reshape(query.shape[0], -1)
 
     def _sdpa(self, q, k, v, attn_mask, dropout_p, is_causal, native_gqa) -> torch.Tensor:
         return F.scaled_dot_product_attention(

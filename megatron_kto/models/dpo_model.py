@@ -1,7 +1,8 @@
 """MegatronGPTDPOModel: DPO on megatron-core GPT chunks (same machinery as the KTO model).
 
 A training micro-batch holds `micro_batch_size` pairs: their chosen rows followed by their
-rejected rows, so each pair's loss is computed inside one micro-batch.
+rejected rows, so each pair's loss is computed inside one micro-batch (packed end to end, in that
+order, unless `pack_sequences` is off).
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from megatron_kto.models.forward import (
     stats_forward_step,
 )
 from megatron_kto.models.output_head import DEFAULT_LOGPROB_CHUNK_SIZE
+from megatron_kto.models.packing import DEFAULT_PACK_SEQUENCES, ROW_LENGTHS
 from megatron_kto.models.reference import ReferencePolicy
 from megatron_kto.models.schedule import (
     NUM_SCORED,
     Batch,
     broadcast_from_last_stage,
+    row_lengths,
     run_schedule,
     scored_per_row,
 )
@@ -50,6 +53,8 @@ class DPOSettings:
     preference_loss_weight: float = 1.0
     logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE
     """Tokens per chunk of the completion-only output layer; 0 computes full logits."""
+    pack_sequences: bool = DEFAULT_PACK_SEQUENCES
+    """Padding-free micro-batches: rows packed end to end (`models.packing`)."""
 
 
 def _logps(stats: torch.Tensor, average: bool) -> torch.Tensor:
@@ -78,8 +83,20 @@ class MegatronGPTDPOModel:
         s = self.settings
         mbs = micro_batch_size or s.forward_micro_batch_size
         scored = scored_per_row(batch, "chosen_labels") + scored_per_row(batch, "rejected_labels")
+        lengths = None
+        if s.pack_sequences:
+            lengths = row_lengths(batch, "chosen_labels") + row_lengths(batch, "rejected_labels")
         stats = forward_sequence_stats(
-            chunks, tokens, labels, positions, mbs, s.vocab_size, s.logprob_chunk_size, scored
+            chunks,
+            tokens,
+            labels,
+            positions,
+            mbs,
+            s.vocab_size,
+            s.logprob_chunk_size,
+            scored,
+            s.pack_sequences,
+            lengths,
         )
         return _logps(stats, s.average_log_probs)
 
@@ -126,6 +143,9 @@ class MegatronGPTDPOModel:
             raise ValueError(f"{pairs} pairs cannot be split into micro-batches of {mbs}")
         chosen_scored = scored_per_row(batch, "chosen_labels")
         rejected_scored = scored_per_row(batch, "rejected_labels")
+        pack = self.settings.pack_sequences
+        chosen_lengths = row_lengths(batch, "chosen_labels") if pack else None
+        rejected_lengths = row_lengths(batch, "rejected_labels") if pack else None
         micro = []
         for i in range(0, pairs, mbs):
             sl = slice(i, i + mbs)
@@ -141,6 +161,8 @@ class MegatronGPTDPOModel:
                     NUM_SCORED: sum(chosen_scored[sl]) + sum(rejected_scored[sl]),
                 }
             )
+            if pack:
+                micro[-1][ROW_LENGTHS] = chosen_lengths[sl] + rejected_lengths[sl]
         return micro
 
     def get_loss_and_metric_sums(
@@ -152,11 +174,12 @@ class MegatronGPTDPOModel:
         s = self.settings
         step = stats_forward_step(self._loss_fn, s.vocab_size, s.logprob_chunk_size)
         micro = self._micro_batches(batch)
+        pack = s.pack_sequences
         if forward_only:
             with torch.no_grad():
-                reported = run_schedule(self.chunks, micro, step, forward_only=True)
+                reported = run_schedule(self.chunks, micro, step, forward_only=True, pack=pack)
         else:
-            reported = run_schedule(self.chunks, micro, step, forward_only=False)
+            reported = run_schedule(self.chunks, micro, step, forward_only=False, pack=pack)
         local = torch.stack([r["sums"] for r in reported]).sum(0) if reported else None
         sums = broadcast_from_last_stage(
             local, (DPO_METRICS.size,), torch.float64, batch["chosen"].device

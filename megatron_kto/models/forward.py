@@ -8,16 +8,24 @@ from collections.abc import Callable, Iterator
 import torch
 from megatron.core import parallel_state
 
-from megatron_kto.models.logprobs import IGNORE_INDEX, masked_sum, mean_logit_sums, token_logprobs
+from megatron_kto.models.logprobs import (
+    IGNORE_INDEX,
+    masked_sum,
+    mean_logit_sums,
+    mean_logits,
+    token_logprobs,
+)
 from megatron_kto.models.output_head import (
     completion_stats,
     hidden_states_output,
     output_head,
 )
+from megatron_kto.models.packing import DEFAULT_PACK_SEQUENCES, PACKED, PackedRows, segment_sums
 from megatron_kto.models.schedule import (
     NUM_SCORED,
     Batch,
     broadcast_from_last_stage,
+    row_lengths,
     run_schedule,
     split_micro_batches,
 )
@@ -26,15 +34,36 @@ from megatron_kto.models.schedule import (
 LOGP_SUM, NUM_TOKENS, LOGIT_SUM = 0, 1, 2
 
 
-def sequence_stats(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def sequence_stats(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    packed: PackedRows | None = None,
+) -> torch.Tensor:
     """Per-row [logp_sum, num_tokens, logit_sum] from this TP rank's logits ([N, 3] float32).
 
     `vocab_size` is the real vocabulary: padded logit columns are not tokens. `logit_sum` is read
-    before `token_logprobs`, which may normalise fp32 logits in place.
+    before `token_logprobs`, which may normalise fp32 logits in place. A packed micro-batch
+    ([1, L] logits and labels, `packed` its `PackedRows`) gives one row per packed row.
     """
-    logit_sum = mean_logit_sums(logits, labels, vocab_size)
-    logp_sum, count = masked_sum(token_logprobs(logits, labels, vocab_size), labels)
-    return torch.stack([logp_sum, count.to(logp_sum.dtype), logit_sum], dim=-1)
+    if packed is None:
+        logit_sum = mean_logit_sums(logits, labels, vocab_size)
+        logp_sum, count = masked_sum(token_logprobs(logits, labels, vocab_size), labels)
+        return torch.stack([logp_sum, count.to(logp_sum.dtype), logit_sum], dim=-1)
+    mask = (labels != IGNORE_INDEX).reshape(-1)
+    logit_mean = mean_logits(logits, vocab_size).reshape(-1) * mask
+    logp = token_logprobs(logits, labels, vocab_size).reshape(-1)
+    per_position = torch.stack([logp, mask.to(logp.dtype), logit_mean], dim=-1)
+    positions = torch.arange(per_position.shape[0], device=per_position.device)
+    return segment_sums(per_position, positions, *labels.shape, packed)
+
+
+def model_call(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """Run a model chunk on a micro-batch (with its THD parameters when it is packed)."""
+    packed = batch.get(PACKED)
+    if packed is None:
+        return model(batch["tokens"], batch["position_ids"], None)
+    return model(batch["tokens"], batch["position_ids"], None, packed_seq_params=packed)
 
 
 def gpt_forward_step(loss_fn: Callable[[Batch, torch.Tensor], object]) -> Callable:
@@ -43,7 +72,7 @@ def gpt_forward_step(loss_fn: Callable[[Batch, torch.Tensor], object]) -> Callab
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model(batch["tokens"], batch["position_ids"], None)
+        output = model_call(model, batch)
 
         def loss_func(output_tensor, non_loss_data: bool = False):
             return loss_fn(batch, output_tensor)
@@ -68,7 +97,7 @@ def stats_forward_step(
         batch = next(data_iterator)
         context = hidden_states_output(model) if chunk_size else contextlib.nullcontext()
         with context:
-            output = model(batch["tokens"], batch["position_ids"], None)
+            output = model_call(model, batch)
 
         def loss_func(output_tensor, non_loss_data: bool = False):
             if chunk_size:
@@ -79,9 +108,12 @@ def stats_forward_step(
                     vocab_size,
                     chunk_size,
                     batch.get(NUM_SCORED),
+                    batch.get(PACKED),
                 )
             else:
-                stats = sequence_stats(output_tensor, batch["labels"], vocab_size)
+                stats = sequence_stats(
+                    output_tensor, batch["labels"], vocab_size, batch.get(PACKED)
+                )
             return loss_fn(batch, stats)
 
         return output, loss_func
@@ -111,6 +143,8 @@ def forward_sequence_stats(
     vocab_size: int,
     chunk_size: int = 0,
     scored: list[int] | None = None,
+    pack: bool = DEFAULT_PACK_SEQUENCES,
+    lengths: list[int] | None = None,
 ) -> torch.Tensor:
     """Forward-only pass over N rows through the pipeline schedule, without an autograd graph.
 
@@ -123,6 +157,9 @@ def forward_sequence_stats(
             tokens; 0: full logits (`stats_forward_step`).
         scored: scored positions per row as host ints (`schedule.scored_per_row`); None counts
             them from `labels` (one device-to-host copy on an accelerator).
+        pack: padding-free micro-batches (`models.packing`).
+        lengths: packed row lengths as host ints (`schedule.row_lengths`); None computes them
+            from `labels` when packing (one device-to-host copy on an accelerator).
 
     Returns:
         [N, 3] float32 (`LOGP_SUM`, `NUM_TOKENS`, `LOGIT_SUM` columns) on every pipeline stage.
@@ -130,10 +167,16 @@ def forward_sequence_stats(
     batch = {"tokens": tokens, "labels": labels, "position_ids": position_ids}
     if chunk_size and scored is None:
         scored = (labels != IGNORE_INDEX).sum(dim=-1).tolist()
-    micro = split_micro_batches(batch, micro_batch_size, scored=scored)
+    if pack and lengths is None:
+        lengths = row_lengths(batch, "labels")
+    micro = split_micro_batches(
+        batch, micro_batch_size, scored=scored, lengths=lengths if pack else None
+    )
     step = stats_forward_step(lambda b, stats: stats, vocab_size, chunk_size)
     with torch.no_grad(), eval_mode(chunks):
-        results = run_schedule(chunks, micro, step, forward_only=True, collect_non_loss_data=True)
+        results = run_schedule(
+            chunks, micro, step, forward_only=True, collect_non_loss_data=True, pack=pack
+        )
     local = torch.cat(results, dim=0) if results else None
     return broadcast_from_last_stage(local, (tokens.shape[0], 3), torch.float32, tokens.device)
 

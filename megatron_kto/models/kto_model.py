@@ -13,7 +13,8 @@ A loss that ignores z₀ (`apo_zero_unpaired`) has no KL rows at all: the collat
 them, neither pass runs over them, and the `kl` metric reads 0 (as TRL logs it).
 
 Every pass computes log-probs only where the loss looks (completion positions), chunk by chunk,
-unless `logprob_chunk_size` is 0 (`models.output_head`).
+unless `logprob_chunk_size` is 0 (`models.output_head`), and runs padding-free micro-batches
+(rows packed end to end, `models.packing`) unless `pack_sequences` is off.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ from megatron_kto.models.forward import (
     stats_forward_step,
 )
 from megatron_kto.models.output_head import DEFAULT_LOGPROB_CHUNK_SIZE
+from megatron_kto.models.packing import DEFAULT_PACK_SEQUENCES
 from megatron_kto.models.reference import ReferencePolicy
 from megatron_kto.models.schedule import (
     Batch,
     broadcast_from_last_stage,
+    row_lengths,
     run_schedule,
     scored_per_row,
     split_micro_batches,
@@ -65,6 +68,8 @@ class KTOSettings:
     preference_loss_weight: float = 1.0
     logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE
     """Tokens per chunk of the completion-only output layer; 0 computes full logits."""
+    pack_sequences: bool = DEFAULT_PACK_SEQUENCES
+    """Padding-free micro-batches: rows packed end to end (`models.packing`)."""
 
     @property
     def uses_kl_rows(self) -> bool:
@@ -102,6 +107,9 @@ class MegatronGPTKTOModel:
         positions = torch.cat([batch["position_ids"]] * len(keys))
         scored = [n for _, lab in keys for n in scored_per_row(batch, lab)]
         s = self.settings
+        lengths = (
+            [n for _, lab in keys for n in row_lengths(batch, lab)] if s.pack_sequences else None
+        )
         stats = forward_sequence_stats(
             chunks,
             tokens,
@@ -111,6 +119,8 @@ class MegatronGPTKTOModel:
             s.vocab_size,
             s.logprob_chunk_size,
             scored,
+            s.pack_sequences,
+            lengths,
         )
         return stats[:, LOGP_SUM]
 
@@ -144,6 +154,8 @@ class MegatronGPTKTOModel:
             s.vocab_size,
             s.logprob_chunk_size,
             scored_per_row(batch, "kl_sample_labels"),
+            s.pack_sequences,
+            row_lengths(batch, "kl_sample_labels") if s.pack_sequences else None,
         )
         r_kl = policy_kl[:, LOGP_SUM] - batch[REF_KL]
         if self.settings.average_log_probs:
@@ -207,16 +219,20 @@ class MegatronGPTKTOModel:
         }
         s = self.settings
         micro = split_micro_batches(
-            rows, s.micro_batch_size, scored=scored_per_row(batch, "sample_labels")
+            rows,
+            s.micro_batch_size,
+            scored=scored_per_row(batch, "sample_labels"),
+            lengths=row_lengths(batch, "sample_labels") if s.pack_sequences else None,
         )
         step = stats_forward_step(
             lambda b, stats: self._loss_fn(b, stats, z0), s.vocab_size, s.logprob_chunk_size
         )
+        pack = s.pack_sequences
         if forward_only:
             with torch.no_grad():
-                reported = run_schedule(self.chunks, micro, step, forward_only=True)
+                reported = run_schedule(self.chunks, micro, step, forward_only=True, pack=pack)
         else:
-            reported = run_schedule(self.chunks, micro, step, forward_only=False)
+            reported = run_schedule(self.chunks, micro, step, forward_only=False, pack=pack)
         local = torch.stack([r["sums"] for r in reported]).sum(0) if reported else None
         device = batch["samples"].device
         sums = broadcast_from_last_stage(local, (KTO_METRICS.size,), torch.float64, device)

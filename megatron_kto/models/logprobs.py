@@ -71,6 +71,21 @@ def masked_mean(token_values: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return total / count.clamp(min=1)
 
 
+def mean_logits(vocab_parallel_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Per-position mean logit over the real vocabulary ([..., T] float32, no gradient).
+
+    Reduces over the TP group (a [..., T] tensor, not the vocabulary); call before
+    `token_logprobs` overwrites fp32 logits.
+    """
+    with torch.no_grad():
+        real = real_columns(vocab_parallel_logits, vocab_size)
+        per_token = vocab_parallel_logits[..., :real].float().sum(dim=-1)
+        torch.distributed.all_reduce(
+            per_token, group=parallel_state.get_tensor_model_parallel_group()
+        )
+        return per_token / vocab_size
+
+
 def mean_logit_sums(
     vocab_parallel_logits: torch.Tensor, labels: torch.Tensor, vocab_size: int
 ) -> torch.Tensor:
@@ -87,11 +102,4 @@ def mean_logit_sums(
     Returns:
         [B] detached float32 sums; divide by the token count for a mean.
     """
-    with torch.no_grad():
-        real = real_columns(vocab_parallel_logits, vocab_size)
-        per_token = vocab_parallel_logits[..., :real].float().sum(dim=-1)
-        torch.distributed.all_reduce(
-            per_token, group=parallel_state.get_tensor_model_parallel_group()
-        )
-        per_token = per_token / vocab_size
-        return (per_token * (labels != IGNORE_INDEX)).sum(dim=-1)
+    return (mean_logits(vocab_parallel_logits, vocab_size) * (labels != IGNORE_INDEX)).sum(dim=-1)

@@ -17,9 +17,9 @@ same output weight to the selected positions, in chunks (`models.chunked_logprob
 
 Selection is free of host syncs when the number of scored positions of the micro-batch is known
 on the host (`num_scored`, see `schedule.to_device`): `torch.nonzero_static` then has a static
-size. Per-row sums scatter the per-token values back into the [rows × sequence] layout and sum
-each row (deterministic, unlike an atomic index_add); a packed micro-batch ([1, total tokens]
-with per-row segments) only needs another row id per position.
+size. Per-row sums scatter the per-token values back into a [rows × row length] layout and sum
+each row (deterministic, unlike an atomic index_add; `packing.segment_sums`); a packed
+micro-batch ([1, total tokens]) maps each position to its row with the packing's row ids.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from megatron_kto.config.schema import ModelConfig
 from megatron_kto.models.builder import unwrap
 from megatron_kto.models.chunked_logprobs import chunked_token_logprobs
 from megatron_kto.models.logprobs import IGNORE_INDEX
+from megatron_kto.models.packing import PackedRows, segment_sums
 
 #: Default tokens per chunk of the completion-only output layer (the schema holds defaults).
 DEFAULT_LOGPROB_CHUNK_SIZE: int = ModelConfig.logprob_chunk_size
@@ -102,6 +103,7 @@ def completion_stats(
     vocab_size: int,
     chunk_size: int,
     num_scored: int | None = None,
+    packed: PackedRows | None = None,
 ) -> torch.Tensor:
     """Per-row [logp_sum, num_tokens, logit_sum] from final hidden states ([B, 3] float32).
 
@@ -117,6 +119,8 @@ def completion_stats(
         vocab_size: the real vocabulary size (padded columns are left out).
         chunk_size: tokens per output-layer chunk.
         num_scored: number of scored labels in `labels` if known on the host (no sync then).
+        packed: the `PackedRows` of a packed micro-batch (hidden [L, 1, H], labels [1, L]);
+            the result then has one row per packed row.
     """
     if head.sequence_parallel:
         hidden = tensor_parallel.gather_from_sequence_parallel_region(
@@ -126,9 +130,10 @@ def completion_stats(
     if tuple(labels.shape) != (rows, seq):
         raise ValueError(f"labels {tuple(labels.shape)} do not match hidden states {(seq, rows)}")
     positions = scored_positions(labels, num_scored)
-    row, col = positions // seq, positions % seq
     # Hidden states are sequence-major: position (row, col) is entry col * rows + row.
-    selected = hidden.reshape(seq * rows, width).index_select(0, col * rows + row)
+    selected = hidden.reshape(seq * rows, width).index_select(
+        0, (positions % seq) * rows + positions // seq
+    )
     if parallel_state.get_tensor_model_parallel_world_size() > 1 and not head.sequence_parallel:
         # Identity forward, all-reduce of the vocabulary-partial gradients in the backward.
         selected = tensor_parallel.copy_to_tensor_model_parallel_region(selected)
@@ -136,8 +141,5 @@ def completion_stats(
     logp, mean_logit = chunked_token_logprobs(
         selected.to(head.weight.dtype), head.weight, target, chunk_size, vocab_size
     )
-    per_token = torch.stack([logp, mean_logit], dim=-1)
-    dense = per_token.new_zeros(rows * seq, 2).index_put((positions,), per_token)
-    sums = dense.view(rows, seq, 2).sum(dim=1)
-    count = (labels != IGNORE_INDEX).sum(dim=-1).to(sums.dtype)
-    return torch.stack([sums[:, 0], count, sums[:, 1]], dim=-1)
+    per_token = torch.stack([logp, torch.ones_like(logp), mean_logit], dim=-1)
+    return segment_sums(per_token, positions, rows, seq, packed)

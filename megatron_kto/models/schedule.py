@@ -6,11 +6,16 @@ training and `loss_func(output_tensor, non_loss_data=True)` returns collected da
 forward-only passes. Results exist only on the last pipeline stage; `broadcast_from_last_stage`
 hands fixed-size tensors to the other stages.
 
-Sequence parallelism splits the sequence dimension over the TP ranks, and megatron-core's
-scatter asserts that it divides evenly; `run_schedule` therefore right-pads every micro-batch to
-a multiple of TP when the model runs with `sequence_parallel` (`pad_sequence_dim`). This is the
-one place every forward pass goes through (training, reference, KL rows, precompute, eval), and
-it keeps the data pipeline free of model-layout knowledge.
+`run_schedule` is the one place every forward pass goes through (training, reference, KL rows,
+precompute, eval), so the micro-batch layout is decided there, free of data-pipeline knowledge:
+
+* padding-free (`pack=True`): each micro-batch's rows are packed end to end (`models.packing`);
+  with sequence parallelism the packed length is rounded up to a multiple of TP, and with
+  pipeline parallelism every micro-batch of the pass gets the pass's longest packed length
+  (megatron-core's p2p buffers have one shape per schedule; see `pipeline_packed_length`);
+* padded: sequence parallelism splits the sequence dimension over the TP ranks, and
+  megatron-core's scatter asserts that it divides evenly, so every micro-batch is right-padded
+  to a multiple of TP (`pad_sequence_dim`).
 """
 
 from __future__ import annotations
@@ -26,11 +31,20 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from megatron_kto.models.logprobs import IGNORE_INDEX
+from megatron_kto.models.packing import (
+    PAD_VALUES,
+    ROW_LENGTHS,
+    host_row_lengths,
+    pack_micro_batch,
+    packed_length,
+)
 
 Batch = dict[str, Any]
 
 #: Batch key of host-side facts about label tensors: {labels key: scored positions per row}.
 HOST_SCORED = "host_scored"
+#: Batch key of host-side facts about label tensors: {labels key: `packing.kept_lengths` per row}.
+HOST_LENGTHS = "host_lengths"
 #: Micro-batch key: number of scored positions in the micro-batch, a host int.
 NUM_SCORED = "num_scored"
 
@@ -38,25 +52,29 @@ NUM_SCORED = "num_scored"
 #: goes on the right: attention is causal, so real positions never see it, and its labels are
 #: ignored, so it carries no loss. Position ids of padding are 0 (any valid id works; a
 #: continued arange could run past a learned position table).
-SEQUENCE_PAD_VALUES = {"tokens": 0, "labels": IGNORE_INDEX, "position_ids": 0}
+SEQUENCE_PAD_VALUES = PAD_VALUES
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
     """Move every tensor of a batch to `device` (non-blocking on CUDA).
 
-    Label tensors still on the host (keys ending in ``labels``) also leave their per-row counts
-    of scored positions under `HOST_SCORED`, as Python ints: the completion-only output layer
-    needs them to select positions without a device-to-host sync in every micro-batch.
+    Label tensors still on the host (keys ending in ``labels``) also leave per-row host ints:
+    their counts of scored positions under `HOST_SCORED` and their packed lengths
+    (`packing.kept_lengths`) under `HOST_LENGTHS` — the completion-only output layer and the
+    packing of micro-batches need them without a device-to-host sync in every micro-batch.
     """
-    host = dict(batch.get(HOST_SCORED, {}))
+    scored = dict(batch.get(HOST_SCORED, {}))
+    lengths = dict(batch.get(HOST_LENGTHS, {}))
     for k, v in batch.items():
         if k.endswith("labels") and torch.is_tensor(v) and v.device.type == "cpu":
-            host[k] = (v != IGNORE_INDEX).sum(dim=-1).tolist()
+            scored[k] = (v != IGNORE_INDEX).sum(dim=-1).tolist()
+            lengths[k] = host_row_lengths(v)
     out = {
         k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
     }
-    if host:
-        out[HOST_SCORED] = host
+    if scored:
+        out[HOST_SCORED] = scored
+        out[HOST_LENGTHS] = lengths
     return out
 
 
@@ -72,11 +90,22 @@ def scored_per_row(batch: Batch, key: str) -> list[int]:
     return (batch[key] != IGNORE_INDEX).sum(dim=-1).tolist()
 
 
+def row_lengths(batch: Batch, key: str) -> list[int]:
+    """Packed length (`packing.kept_lengths`) of every row of `batch[key]` (a labels tensor), as
+    host ints: from `HOST_LENGTHS` when `to_device` recorded them, else computed (one
+    device-to-host copy on an accelerator, once per pass)."""
+    recorded = batch.get(HOST_LENGTHS, {}).get(key)
+    if recorded is not None:
+        return list(recorded)
+    return host_row_lengths(batch[key])
+
+
 def split_micro_batches(
     batch: Batch,
     micro_batch_size: int,
     keys: Sequence[str] | None = None,
     scored: Sequence[int] | None = None,
+    lengths: Sequence[int] | None = None,
 ) -> list[Batch]:
     """Split a batch of B rows into B / micro_batch_size micro-batches along dim 0.
 
@@ -86,6 +115,8 @@ def split_micro_batches(
         keys: the keys to keep (all tensors by default).
         scored: scored positions per row (host ints); each micro-batch then gets their sum
             under `NUM_SCORED`.
+        lengths: packed lengths per row (host ints, `row_lengths`); each micro-batch then gets
+            its rows' under `ROW_LENGTHS` (what `run_schedule` packs it with).
 
     Returns:
         The micro-batches, in order.
@@ -94,13 +125,16 @@ def split_micro_batches(
     rows = batch[keys[0]].shape[0]
     if rows % micro_batch_size:
         raise ValueError(f"{rows} rows cannot be split into micro-batches of {micro_batch_size}")
-    if scored is not None and len(scored) != rows:
-        raise ValueError(f"{len(scored)} scored counts for {rows} rows")
+    for name, values in (("scored counts", scored), ("row lengths", lengths)):
+        if values is not None and len(values) != rows:
+            raise ValueError(f"{len(values)} {name} for {rows} rows")
     micro = []
     for i in range(0, rows, micro_batch_size):
         part: Batch = {k: batch[k][i : i + micro_batch_size] for k in keys}
         if scored is not None:
             part[NUM_SCORED] = int(sum(scored[i : i + micro_batch_size]))
+        if lengths is not None:
+            part[ROW_LENGTHS] = list(lengths[i : i + micro_batch_size])
         micro.append(part)
     return micro
 
@@ -143,6 +177,44 @@ def sequence_multiple(model_chunk: torch.nn.Module) -> int:
     return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
 
+def pipeline_packed_length(lengths: Sequence[Sequence[int]], multiple: int) -> int:
+    """The one packed length of all micro-batches of a pipelined pass: the longest.
+
+    megatron-core's p2p buffers have one shape per schedule (`seq_length`). Its alternative,
+    `config.variable_seq_lengths`, sends every tensor's shape first — a blocking exchange with a
+    device sync per message — and, under the interleaved schedule at PP=2, would post a
+    gradient's and an activation's shape to the same peer in an order the receiver does not
+    share (see `builder.make_transformer_config`, batch_p2p_comm). Padding each packed
+    micro-batch of a pass to the longest costs at most what padding rows already cost.
+    """
+    return max(packed_length(row, multiple) for row in lengths)
+
+
+def prepare_micro_batches(
+    model_chunks: list[torch.nn.Module], micro_batches: list[Batch], pack: bool
+) -> list[Batch]:
+    """The micro-batches as the model takes them: packed (`pack`), else padded to a multiple of
+    TP under sequence parallelism. Packing needs each micro-batch's `ROW_LENGTHS`."""
+    multiple = sequence_multiple(model_chunks[0])
+    if not pack:
+        if multiple > 1:
+            micro_batches = [pad_sequence_dim(b, multiple) for b in micro_batches]
+        return micro_batches
+    missing = [i for i, b in enumerate(micro_batches) if ROW_LENGTHS not in b]
+    if missing:
+        raise ValueError(
+            f"packing needs the row lengths of every micro-batch (split_micro_batches(lengths=)); "
+            f"micro-batches {missing} have none"
+        )
+    lengths = [b[ROW_LENGTHS] for b in micro_batches]
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        common = pipeline_packed_length(lengths, multiple)
+        return [pack_micro_batch(b, n, common) for b, n in zip(micro_batches, lengths)]
+    return [
+        pack_micro_batch(b, n, packed_length(n, multiple)) for b, n in zip(micro_batches, lengths)
+    ]
+
+
 def run_schedule(
     model_chunks: list[torch.nn.Module],
     micro_batches: list[Batch],
@@ -150,25 +222,26 @@ def run_schedule(
     *,
     forward_only: bool,
     collect_non_loss_data: bool = False,
+    pack: bool = False,
 ) -> list[Any]:
     """Run one megatron-core forward(-backward) schedule over `micro_batches`.
 
     Args:
         model_chunks: this rank's model chunks (DDP-wrapped for training).
         micro_batches: equally shaped micro-batches ([mbs, T] tensors), already on the device;
-            with sequence parallelism they are right-padded to a multiple of TP here.
-        forward_step: megatron-core forward step function.
+            packed here (`pack`), or right-padded to a multiple of TP under sequence parallelism.
+        forward_step: megatron-core forward step function; a packed micro-batch carries its
+            `packing.PackedRows` under `packing.PACKED` for the model call.
         forward_only: no backward pass.
         collect_non_loss_data: collect `loss_func(output, non_loss_data=True)` results.
+        pack: pack each micro-batch's rows end to end (`models.packing`; needs `ROW_LENGTHS`).
 
     Returns:
         Per micro-batch results of the loss function on the last pipeline stage; [] elsewhere.
     """
     if not micro_batches:
         return []
-    multiple = sequence_multiple(model_chunks[0])
-    if multiple > 1:
-        micro_batches = [pad_sequence_dim(b, multiple) for b in micro_batches]
+    micro_batches = prepare_micro_batches(model_chunks, micro_batches, pack)
     seq_length = micro_batches[0]["position_ids"].shape[1]
     micro_batch_size = micro_batches[0]["position_ids"].shape[0]
     # Interleaved schedules take one iterator per model chunk over the same micro-batches.

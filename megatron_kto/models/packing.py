@@ -1,0 +1,193 @@
+"""Padding-free micro-batches: the rows of a micro-batch packed end to end (THD layout).
+
+A padded micro-batch is [rows, T] with every row right-padded to the longest; on long-tailed
+data most of every pass is then padding. A packed micro-batch is [1, L] with L = Σ row lengths:
+
+* each row keeps its first ``length`` positions, where ``length`` is its last scored position
+  (label != -100) + 1 — positions after it carry no label and, attention being causal, cannot
+  change a scored one, so every statistic the losses read is unchanged;
+* position ids restart per row (they are the padded batch's own position ids, gathered);
+* attention never crosses rows: megatron-core's `PackedSeqParams` in the `thd` format carry the
+  row boundaries (`cu_seqlens`). megatron's attention then applies RoPE per row from
+  `cu_seqlens` (`rope_utils._apply_rotary_pos_emb_thd`, or TE's fused THD kernel), and the core
+  attention runs causally inside each row: Transformer Engine's fused attention with
+  `padding_causal` masks, or `SDPAttention`, which runs one causal SDPA call per row;
+* per-row statistics are segment sums over the flat positions (`segment_sums`).
+
+When the packed length must divide a multiple (TP under sequence parallelism) or match a common
+length (pipeline parallelism: megatron-core's p2p buffers have one fixed shape per schedule), a
+padding segment of its own is appended: pad tokens, no labels, attending only to themselves.
+
+`PackedRows` extends `PackedSeqParams` with what the non-TE path needs on the host (segment
+lengths, so per-row attention needs no device-to-host copy) and with the row id of every
+position. Transformer Engine reads only `PackedSeqParams`' own fields
+(`TEDotProductAttention.kept_packed_seq_params`), so the extra fields never reach it.
+
+Packing is sync-free: row lengths are known on the host (`schedule.to_device` records them from
+the host labels), and on the device the same rule gives the same lengths, from which the gather
+index (`torch.nonzero_static`, host-known size), row ids and `cu_seqlens` are built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_kto.config.schema import DataConfig
+from megatron_kto.models.logprobs import IGNORE_INDEX
+
+#: Default of `model.data.pack_sequences` (the schema holds defaults).
+DEFAULT_PACK_SEQUENCES: bool = DataConfig.pack_sequences
+
+#: Micro-batch key of a packed micro-batch's `PackedRows`.
+PACKED = "packed_seq_params"
+#: Micro-batch key: per-row kept lengths (host ints) of a padded micro-batch, for packing.
+ROW_LENGTHS = "row_lengths"
+
+#: Fill values of the [rows, T] keys a micro-batch may carry when its length is padded
+#: (positions of padding restart at 0: any valid id works, and a learned position table has 0).
+PAD_VALUES = {"tokens": 0, "labels": IGNORE_INDEX, "position_ids": 0}
+
+
+@dataclass
+class PackedRows(PackedSeqParams):
+    """megatron-core's THD packing parameters, plus host facts and per-position row ids."""
+
+    seqlens: tuple[int, ...] = ()
+    """Length of every segment on the host: the rows in order, then the padding segment if any."""
+    num_rows: int = 0
+    """Rows packed (segments after them are padding)."""
+    row_ids: torch.Tensor | None = None
+    """[L] row of every packed position (`num_rows` for the padding segment)."""
+
+
+def kept_lengths(labels: torch.Tensor) -> torch.Tensor:
+    """Positions of each row that a packed micro-batch keeps: its last scored position + 1
+    (at least 1), as a [rows] long tensor on the labels' device. No host sync.
+
+    Args:
+        labels: [rows, T] next-token targets, `IGNORE_INDEX` where nothing is scored.
+    """
+    columns = torch.arange(1, labels.shape[-1] + 1, device=labels.device)
+    last = torch.where(labels != IGNORE_INDEX, columns, torch.zeros_like(columns))
+    return last.amax(dim=-1).clamp(min=1)
+
+
+def host_row_lengths(labels: torch.Tensor) -> list[int]:
+    """`kept_lengths` as host ints (a device-to-host copy if `labels` is on an accelerator)."""
+    return kept_lengths(labels).tolist()
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def packed_length(lengths: Sequence[int], multiple: int = 1) -> int:
+    """Length of the packed micro-batch of rows of `lengths`, rounded up to `multiple`."""
+    return _round_up(int(sum(lengths)), multiple)
+
+
+def pack_micro_batch(batch: dict, lengths: Sequence[int], length: int | None = None) -> dict:
+    """Pack a padded micro-batch into one row of concatenated rows.
+
+    Args:
+        batch: a micro-batch whose [rows, T] tensors are `tokens`, `labels`, `position_ids`
+            (the keys of `PAD_VALUES`); other entries (per-row tensors, host ints) pass through.
+        lengths: `kept_lengths` of its rows, as host ints.
+        length: total packed length (>= sum(lengths)); the rest becomes a padding segment.
+            None: exactly sum(lengths).
+
+    Returns:
+        A new micro-batch: the [rows, T] keys as [1, length] tensors, `PACKED` the
+        `PackedRows`; `ROW_LENGTHS` dropped.
+
+    Raises:
+        ValueError: a [rows, T] tensor under a key with no fill value, a length that does not fit.
+    """
+    labels = batch["labels"]
+    rows, width = labels.shape
+    if len(lengths) != rows:
+        raise ValueError(f"{len(lengths)} row lengths for a micro-batch of {rows} rows")
+    real = int(sum(lengths))
+    total = real if length is None else int(length)
+    if total < real:
+        raise ValueError(f"packed length {total} is shorter than the rows' {real} tokens")
+    pad = total - real
+    device = labels.device
+    kept = kept_lengths(labels)
+    keep = torch.arange(width, device=device) < kept[:, None]
+    # Static size: the host knows how many positions are kept, so selecting them never waits.
+    flat = torch.nonzero_static(keep.reshape(-1), size=real).squeeze(1)
+    out = {k: v for k, v in batch.items() if k != ROW_LENGTHS}
+    for key, value in batch.items():
+        if not (torch.is_tensor(value) and value.dim() == 2 and value.shape == (rows, width)):
+            continue
+        if key not in PAD_VALUES:
+            raise ValueError(
+                f"cannot pack micro-batch key {key!r} [rows, {width}]: no fill value for its "
+                f"padding (known: {sorted(PAD_VALUES)})"
+            )
+        packed = value.reshape(-1).index_select(0, flat)
+        if pad:
+            if key == "position_ids":
+                fill = torch.arange(pad, dtype=value.dtype, device=device)
+            else:
+                fill = torch.full((pad,), PAD_VALUES[key], dtype=value.dtype, device=device)
+            packed = torch.cat([packed, fill])
+        out[key] = packed.unsqueeze(0)
+    row_ids = flat // width
+    bounds = [torch.zeros(1, dtype=torch.int32, device=device), kept.cumsum(0).to(torch.int32)]
+    seqlens = tuple(int(n) for n in lengths)
+    if pad:
+        row_ids = F.pad(row_ids, (0, pad), value=rows)
+        bounds.append(torch.full((1,), total, dtype=torch.int32, device=device))
+        seqlens += (pad,)
+    cu_seqlens = torch.cat(bounds)
+    out[PACKED] = PackedRows(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=max(seqlens),
+        max_seqlen_kv=max(seqlens),
+        seqlens=seqlens,
+        num_rows=rows,
+        row_ids=row_ids,
+    )
+    return out
+
+
+def segment_sums(
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    rows: int,
+    seq: int,
+    packed: PackedRows | None = None,
+) -> torch.Tensor:
+    """Per-row sums of per-position values, deterministically (no atomic adds).
+
+    The values are scattered into a dense [rows × row length] layout and summed per row, as the
+    padded path sums its [rows, T] positions.
+
+    Args:
+        values: [n, k] values at `positions` (differentiable).
+        positions: [n] flat indices into the micro-batch's [rows, seq] positions.
+        rows, seq: the micro-batch's tensor shape ([1, L] when packed).
+        packed: the micro-batch's `PackedRows`; None for a padded micro-batch.
+
+    Returns:
+        [rows, k] sums (the packed micro-batch's real rows when packed).
+    """
+    if packed is None:
+        row, col, num_rows, width = positions // seq, positions % seq, rows, seq
+    else:
+        row = packed.row_ids.index_select(0, positions)
+        col = positions - packed.cu_seqlens_q.index_select(0, row).to(positions.dtype)
+        num_rows, width = len(packed.seqlens), max(packed.seqlens)
+    dense = values.new_zeros(num_rows * width, values.shape[-1])
+    dense = dense.index_put((row * width + col,), values)
+    sums = dense.view(num_rows, width, -1).sum(dim=1)
+    return sums if packed is None else sums[: packed.num_rows]
