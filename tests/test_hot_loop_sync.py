@@ -28,6 +28,7 @@ from megatron_kto.models.dpo_model import (
 )
 from megatron_kto.models.kto_model import REF_KL, REF_SAMPLES, MegatronGPTKTOModel
 from megatron_kto.models.reference import CPUSwapReference
+from megatron_kto.models.schedule import to_device
 from megatron_kto.models.training_setup import wrap_ddp
 from megatron_kto.runtime import init_runtime, teardown
 
@@ -77,7 +78,9 @@ def _kto_model(runtime, micro_batch_size: int):
 @pytest.mark.parametrize("forward_only", [False, True])
 def test_kto_step_has_no_host_sync_before_its_metrics(runtime, forward_only) -> None:
     model = _kto_model(runtime, micro_batch_size=1)  # 4 micro-batches
-    batch = _batch()
+    # As the trainer hands batches over: moved by `to_device`, which also notes on the host how
+    # many positions each row scores (the completion-only output layer selects by those counts).
+    batch = to_device(_batch(), runtime.device)
     with HostSyncGuard(ignore=HOST_ONLY) as guard:
         ref = model.get_ref_policy_logprobs(batch)  # cpu_swap reference pass
         batch[REF_SAMPLES], batch[REF_KL] = ref.chunk(2)
@@ -85,7 +88,7 @@ def test_kto_step_has_no_host_sync_before_its_metrics(runtime, forward_only) -> 
     assert guard.calls == [], guard.report()
 
     # The same numbers come out of the public call, which then reads them back once.
-    batch2 = _batch()
+    batch2 = to_device(_batch(), runtime.device)
     batch2[REF_SAMPLES], batch2[REF_KL] = ref.chunk(2)
     with HostSyncGuard(ignore=HOST_ONLY) as guard:
         loss, metrics = model.get_loss_and_metrics(batch2, forward_only=True)
@@ -108,13 +111,16 @@ def test_dpo_step_has_no_host_sync_before_its_metrics(runtime) -> None:
     )
     model = MegatronGPTDPOModel(chunks, CPUSwapReference(chunks), settings)
     kto = _batch()
-    batch = {
-        "chosen": kto["samples"],
-        "rejected": kto["kl_samples"],
-        "chosen_labels": kto["sample_labels"],
-        "rejected_labels": kto["kl_sample_labels"],
-        "position_ids": kto["position_ids"],
-    }
+    batch = to_device(
+        {
+            "chosen": kto["samples"],
+            "rejected": kto["kl_samples"],
+            "chosen_labels": kto["sample_labels"],
+            "rejected_labels": kto["kl_sample_labels"],
+            "position_ids": kto["position_ids"],
+        },
+        runtime.device,
+    )
     with HostSyncGuard(ignore=HOST_ONLY) as guard:
         ref = model.get_ref_policy_logprobs(batch)
         batch[REF_CHOSEN], batch[REF_REJECTED] = ref.chunk(2)
