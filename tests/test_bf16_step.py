@@ -44,9 +44,11 @@ def _steps(rank: int, world_size: int) -> dict:
     }
     out = {}
     for name, chunks in (("fp32", fp32), ("bf16", bf16)):
+        # The decoder's final hidden states: what the (completion-only, chunked) output layer
+        # multiplies; they are bf16 when the transformer computes in bf16.
         logits_dtype = []
-        hook = unwrap(chunks[0]).output_layer.register_forward_hook(
-            lambda m, i, o, seen=logits_dtype: seen.append(o[0].dtype)
+        hook = unwrap(chunks[0]).decoder.final_layernorm.register_forward_hook(
+            lambda m, i, o, seen=logits_dtype: seen.append(o.dtype)
         )
         ddp = wrap_ddp(chunks, use_distributed_optimizer=False)
         optimizer = build_optimizer(
@@ -114,7 +116,7 @@ def steps() -> dict:
 def test_bf16_parameters_and_compute_fp32_gradients_and_optimizer(steps) -> None:
     b = steps["bf16"]
     assert b["param_dtypes"] == {torch.bfloat16}
-    assert b["logits_dtype"] == {torch.bfloat16}, "the output layer must compute in bf16"
+    assert b["logits_dtype"] == {torch.bfloat16}, "the transformer must compute in bf16"
     assert b["grad_dtypes"] == {torch.float32}, "gradients accumulate/reduce in fp32"
     assert b["main_dtypes"] == {torch.float32}, "the optimizer steps fp32 main weights"
     assert b["adam_dtypes"] == {torch.float32}, "Adam moments are fp32"

@@ -263,7 +263,7 @@ def test_counts_and_fractions_keep_nemo_meaning():
 )  # fmt: skip
 def test_nemo_keys_on_our_config_say_what_they_are(override, message):
     """On our own config a NeMo-only key is still an error, but one that says what it is."""
-    from megatron_kto.config.validate import check_known_keys, composition_error_line
+    from megatron_kto.config.keys import check_known_keys, composition_error_line
 
     try:
         check_known_keys(_compose("gpt_kto", [override]))

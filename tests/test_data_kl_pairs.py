@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from megatron_kto.data.collate import kto_custom_collate
 from megatron_kto.data.kl_pairs import batch_partners, check_distinct_prompts, partner_positions
@@ -159,7 +160,9 @@ def test_build_split_refuses_a_single_prompt_dataset(tmp_path):
             overrides=[f"model.data.data_prefix.train=[{data}]", "model.data.use_cache=false"],
         )
     tok = load_tokenizer("sentencepiece", str(REPO / "examples/data/tokenizer/tiny_sp.model"))
-    runtime = types.SimpleNamespace(local_rank=0, data_parallel_rank=0, data_parallel_size=1)
+    runtime = types.SimpleNamespace(
+        local_rank=0, data_parallel_rank=0, data_parallel_size=1, device=torch.device("cpu")
+    )
     with pytest.raises(ConfigError, match="model.data.data_prefix.train: all 4 examples"):
         build_split(cfg, "train", "kto", tok, runtime, 64)
     cfg.model.kto.loss_type = "apo_zero_unpaired"  # no KL term: accepted

@@ -37,4 +37,6 @@ def test_apo_zero_unpaired_run_reports_kl_zero(tmp_path):
         assert math.isfinite(row["loss"]) and row["loss"] > 0, row
     for row in train:
         assert row["tokens_per_sec"] > 0 and row["mfu"] > 0, row
-    assert val[0]["rewards/margins"] != 0, "the policy moved away from the reference"
+    # (The first validation batch of the bundled set is all desirable: rewards/chosen is the
+    # class it has, and margins are 0 without both classes.)
+    assert val[0]["rewards/chosen"] != 0, "the policy moved away from the reference"

@@ -587,7 +587,7 @@ def _run_ours_reporting_user_errors(args: argparse.Namespace) -> dict[str, Any] 
     the entry scripts report it."""
     from hydra.errors import HydraException
 
-    from megatron_kto.config.validate import composition_error_line
+    from megatron_kto.config.keys import composition_error_line
     from megatron_kto.data.errors import DataFormatError
     from megatron_kto.run import USER_ERRORS
 

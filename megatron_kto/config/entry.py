@@ -30,8 +30,8 @@ from typing import Any, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
+from megatron_kto.config.keys import composition_error_line
 from megatron_kto.config.prepare import ConfigSources, PreparedRun, prepare_run_config
-from megatron_kto.config.validate import composition_error_line
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 

@@ -26,7 +26,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_kto.config.validate import ConfigError, _suggestion
+from megatron_kto.config.errors import ConfigError
+from megatron_kto.config.keys import suggestion
 
 #: Our own algorithm configs, whose values (not their defaults lists) a foreign config is laid
 #: over, as Hydra lays command-line overrides over them.
@@ -317,7 +318,7 @@ def adapt_nemo_aligner_config(cfg: DictConfig, algorithm: str) -> tuple[DictConf
                 if handle(path, value):
                     continue
                 options = schema_node.keys() if isinstance(schema_node, DictConfig) else []
-                raise ConfigError(f"{path}: unknown config key{_suggestion(str(key), options)}")
+                raise ConfigError(f"{path}: unknown config key{suggestion(str(key), options)}")
             child = schema_node._get_node(key)
             if path == "model.data.data_prefix":
                 value = _data_prefix(value)

@@ -28,12 +28,8 @@ from typing import Any
 from megatron_kto.checkpointing import files
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.checkpointing.locate import ARCH_FILE, read_architecture, resolve_pretrained_dir
-from megatron_kto.config.validate import (
-    ConfigError,
-    canonical_precision,
-    check_known_keys,
-    validate,
-)
+from megatron_kto.config.keys import check_known_keys
+from megatron_kto.config.validate import ConfigError, canonical_precision, validate
 from megatron_kto.models.architecture import GPTArchitecture
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"

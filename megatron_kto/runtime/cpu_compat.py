@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -166,6 +167,15 @@ def apply(force: bool = False) -> bool:
     from torch import _dynamo
 
     _dynamo.config.disable = True
+    # tensor_parallel/layers.py ~730/738 advises CUDA_DEVICE_MAX_CONNECTIONS=1 when it builds TP>1
+    # linear layers (async grad all-reduce, sequence parallelism); it concerns CUDA streams and
+    # means nothing here.
+    warnings.filterwarnings(
+        "ignore",
+        message="When using (async grad allreduce|sequence parallelism) it is recommended to set "
+        "the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+        category=UserWarning,
+    )
     _APPLIED = True
     return True
 

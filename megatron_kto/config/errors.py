@@ -1,0 +1,7 @@
+"""The configuration error every check raises (its message starts with the key)."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """An impossible or inconsistent configuration; the message starts with the key."""
