@@ -86,7 +86,7 @@ def test_pack_micro_batch_layout():
     packed = pack_micro_batch(batch, [3, 7, 2], length=16)
     want_tokens = [1, 2, 3, 11, 12, 13, 14, 15, 16, 17, 21, 22] + [0] * 4
     assert packed["tokens"].tolist() == [want_tokens]
-    assert packed["position_ids"].tolist() == [[0, 1, 2, *range(7), 0, 1, *range(4)]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, *range(7), 0, 1, 0, 0, 0, 0]]
     assert packed["labels"].tolist() == [
         [-100, 12, 13, -100, -100, -100, 24, 25, 26, 27, -100, 32, -100, -100, -100, -100]
     ]

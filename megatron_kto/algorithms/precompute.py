@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_kto.models.forward import LOGP_SUM, data_parallel_all_reduce, forward_sequence_stats
-from megatron_kto.models.schedule import row_lengths, scored_per_row, to_device
+from megatron_kto.models.forward import LOGP_SUM, data_parallel_all_reduce
+from megatron_kto.models.schedule import to_device
 
 TABLE_FILE = "table.npy"
 FINGERPRINT_FILE = "fingerprint.json"
@@ -101,18 +101,7 @@ def _compute_kto(model: Any, splits: Sequence[Any], runtime: Any, coverage: Cove
                 values[rows, 0], filled[rows, 0] = logps[: len(share)], 1.0
                 kl = logps[len(share) :]
             else:  # later epochs: the rows are known, only the KL partners changed
-                kl = forward_sequence_stats(
-                    model.chunks,
-                    batch["kl_samples"],
-                    batch["kl_sample_labels"],
-                    batch["position_ids"],
-                    s.forward_micro_batch_size,
-                    s.vocab_size,
-                    s.logprob_chunk_size,
-                    scored_per_row(batch, "kl_sample_labels"),
-                    s.pack_sequences,
-                    row_lengths(batch, "kl_sample_labels") if s.pack_sequences else None,
-                )[:, LOGP_SUM].double()
+                kl = model.kl_row_stats(batch, model.chunks)[:, LOGP_SUM].double()
             values[rows, 1 + epoch], filled[rows, 1 + epoch] = kl, 1.0
     return values, filled
 

@@ -136,17 +136,11 @@ class MegatronGPTKTOModel:
         """
         return self.reference.log_probs(batch, lambda chunks: self.forward_logprobs(batch, chunks))
 
-    def kl_reference_point(self, batch: Batch) -> torch.Tensor:
-        """z₀ for this global batch: policy forward-only over the KL rows, reduced over DP.
-
-        0 without running anything when the loss does not use z₀.
-        """
-        device = batch["samples"].device
-        if not self.settings.uses_kl_rows:
-            return torch.zeros((), dtype=torch.float32, device=device)
+    def kl_row_stats(self, batch: Batch, chunks: list[torch.nn.Module]) -> torch.Tensor:
+        """Forward-only [B, 3] statistics (`forward_sequence_stats`) of the KL rows alone."""
         s = self.settings
-        policy_kl = forward_sequence_stats(
-            self.chunks,
+        return forward_sequence_stats(
+            chunks,
             batch["kl_samples"],
             batch["kl_sample_labels"],
             batch["position_ids"],
@@ -157,6 +151,16 @@ class MegatronGPTKTOModel:
             s.pack_sequences,
             row_lengths(batch, "kl_sample_labels") if s.pack_sequences else None,
         )
+
+    def kl_reference_point(self, batch: Batch) -> torch.Tensor:
+        """z₀ for this global batch: policy forward-only over the KL rows, reduced over DP.
+
+        0 without running anything when the loss does not use z₀.
+        """
+        device = batch["samples"].device
+        if not self.settings.uses_kl_rows:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        policy_kl = self.kl_row_stats(batch, self.chunks)
         r_kl = policy_kl[:, LOGP_SUM] - batch[REF_KL]
         if self.settings.average_log_probs:
             r_kl = per_token_mean(r_kl, policy_kl[:, NUM_TOKENS])

@@ -133,10 +133,9 @@ def pack_micro_batch(batch: dict, lengths: Sequence[int], length: int | None = N
             )
         packed = value.reshape(-1).index_select(0, flat)
         if pad:
-            if key == "position_ids":
-                fill = torch.arange(pad, dtype=value.dtype, device=device)
-            else:
-                fill = torch.full((pad,), PAD_VALUES[key], dtype=value.dtype, device=device)
+            # Padding positions are 0, not an arange: a pipelined pass pads to its longest packed
+            # micro-batch, which may exceed a learned position table's length.
+            fill = torch.full((pad,), PAD_VALUES[key], dtype=value.dtype, device=device)
             packed = torch.cat([packed, fill])
         out[key] = packed.unsqueeze(0)
     row_ids = flat // width
