@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_parallel_common import tiny_arch
+from test_parallel_common import kto_train_step, tiny_arch
 
 from megatron_kto.data.collate import dpo_custom_collate, kto_custom_collate
 from megatron_kto.models import attention as attention_module
@@ -28,7 +28,7 @@ from megatron_kto.models.dpo_model import (
     MegatronGPTDPOModel,
 )
 from megatron_kto.models.forward import LOGP_SUM, forward_sequence_stats
-from megatron_kto.models.kto_model import REF_KL, REF_SAMPLES, KTOSettings, MegatronGPTKTOModel
+from megatron_kto.models.kto_model import KTOSettings, MegatronGPTKTOModel
 from megatron_kto.models.packing import (
     PACKED,
     ROW_LENGTHS,
@@ -340,12 +340,7 @@ def _kto_step(runtime, batch, pack: bool, chunk: int):
     model = MegatronGPTKTOModel(chunks, _Reference(ref), settings)
     counter = _TokenCounter(chunks + ref)
     batch = dict(batch)
-    refs = model.get_ref_policy_logprobs(batch)
-    rows = batch["samples"].shape[0]
-    batch[REF_SAMPLES], batch[REF_KL] = refs[:rows], refs[rows:]
-    for c in chunks:
-        c.zero_grad_buffer()
-    loss, metrics = model.get_loss_and_metrics(batch, forward_only=False)
+    refs, _, metrics = kto_train_step(model, chunks, batch)
     return refs, metrics, _grads(chunks), counter.positions
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 from multirank import run_multirank
-from test_parallel_common import Layout, tiny_arch
+from test_parallel_common import Layout, kto_train_step, tiny_arch
 
 from megatron_kto.data.collate import dpo_custom_collate, kto_custom_collate
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks, unwrap
@@ -31,7 +31,7 @@ from megatron_kto.models.dpo_model import (
     DPOSettings,
     MegatronGPTDPOModel,
 )
-from megatron_kto.models.kto_model import REF_KL, REF_SAMPLES, KTOSettings, MegatronGPTKTOModel
+from megatron_kto.models.kto_model import KTOSettings, MegatronGPTKTOModel
 from megatron_kto.models.schedule import to_device
 from megatron_kto.models.training_setup import wrap_ddp
 from megatron_kto.runtime import init_runtime, teardown
@@ -125,12 +125,7 @@ def _kto(rt, layout: Layout, sp: bool, pack: bool) -> dict:
     )  # fmt: skip
     model = MegatronGPTKTOModel(chunks, _Reference(reference), settings)
     batch = _dp_share(kto_custom_collate(_examples(seed=1), pad_id=0, max_length=16), rt)
-    refs = model.get_ref_policy_logprobs(batch)
-    rows = batch["samples"].shape[0]
-    batch[REF_SAMPLES], batch[REF_KL] = refs[:rows], refs[rows:]
-    for c in chunks:
-        c.zero_grad_buffer()
-    _, metrics = model.get_loss_and_metrics(batch, forward_only=False)
+    refs, _, metrics = kto_train_step(model, chunks, batch)
     return {"refs": refs, "metrics": metrics, "grads": _grads(chunks)}
 
 

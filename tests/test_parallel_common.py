@@ -129,3 +129,17 @@ def gather_over_dp(local: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local.contiguous(), group=group)
     return torch.cat(parts)
+
+
+def kto_train_step(model: Any, chunks: list, batch: dict) -> tuple[torch.Tensor, Any, dict]:
+    """Reference pass, then one forward+backward KTO pass of `model` (a `MegatronGPTKTOModel`)
+    on `batch` with zeroed gradient buffers: (reference log-probs, loss, metrics)."""
+    from megatron_kto.models.kto_model import REF_KL, REF_SAMPLES
+
+    refs = model.get_ref_policy_logprobs(batch)
+    rows = batch["samples"].shape[0]
+    batch[REF_SAMPLES], batch[REF_KL] = refs[:rows], refs[rows:]
+    for c in chunks:
+        c.zero_grad_buffer()
+    loss, metrics = model.get_loss_and_metrics(batch, forward_only=False)
+    return refs, loss, metrics

@@ -148,26 +148,10 @@ class SDPAttention(MegatronModule):
             is_causal = True
         # [s, b, n, d] -> [b, n, s, d]: a view; SDPA takes strided inputs (last dim contiguous).
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        groups = self.heads_per_partition // self.groups_per_partition
-        native_gqa = groups > 1 and native_gqa_is_fast(q, attn_mask)
-        if groups > 1 and not native_gqa:
-            # Each KV group serves `groups` consecutive query heads (megatron's layout; SDPA's
-            # enable_gqa uses the same one).
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        dropout_p = self.dropout_p if self.training else 0.0
-        if dropout_p > 0.0 and not self.config.sequence_parallel:
-            # Heads are TP-sharded: each rank draws its masks from its own tensor-parallel stream.
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                context = self._sdpa(q, k, v, attn_mask, dropout_p, is_causal, native_gqa)
-        else:
-            # Under sequence parallelism megatron's TransformerBlock already runs every layer
-            # inside that stream. Forking again (as megatron's own attention also avoids) would
-            # break activation recomputation: the nested fork reads the tracker's saved state,
-            # which does not include the hidden-dropout draws made since the outer fork began,
-            # while recomputation restores the live generator state — measured on TP=2 with
-            # dropout 0.1, the recomputed gradients then differed.
-            context = self._sdpa(q, k, v, attn_mask, dropout_p, is_causal, native_gqa)
+        k, v, native_gqa = self._grouped_kv(q, k, v, attn_mask)
+        context = self._in_dropout_stream(
+            lambda p: self._sdpa(q, k, v, attn_mask, p, is_causal, native_gqa)
+        )
         # [b, n, sq, d] -> [sq, b, n·d]
         return context.permute(2, 0, 1, 3).reshape(sq, batch, -1)
 
@@ -192,40 +176,47 @@ class SDPAttention(MegatronModule):
             seqlens = (params.cu_seqlens_q[1:] - params.cu_seqlens_q[:-1]).tolist()
         if sum(seqlens) != query.shape[0]:
             raise ValueError(f"packed rows of {sum(seqlens)} tokens, but {query.shape[0]} given")
-        # [t, n, d] -> [n, t, d] (a view), split into rows along t.
-        q, k, v = (t.transpose(0, 1) for t in (query, key, value))
+        # [t, n, d] -> [1, n, t, d] (a view), split into rows along t.
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+        k, v, native_gqa = self._grouped_kv(q, k, v, None)
+
+        def rows(dropout_p: float) -> list[torch.Tensor]:
+            return [
+                self._sdpa(qi, ki, vi, None, dropout_p, qi.shape[2] > 1, native_gqa)
+                for qi, ki, vi in zip(*(t.split(list(seqlens), dim=2) for t in (q, k, v)))
+                if qi.shape[2] > 0
+            ]
+
+        # [1, n, l_i, d] per row -> [1, n, t, d] -> [t, n·d]
+        context = torch.cat(self._in_dropout_stream(rows), dim=2)[0]
+        return context.transpose(0, 1).reshape(query.shape[0], -1)
+
+    def _grouped_kv(self, q, k, v, attn_mask) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Key and value for SDPA ([b, groups or heads, s, d]) and whether SDPA broadcasts the
+        groups itself (`native_gqa_is_fast`)."""
         groups = self.heads_per_partition // self.groups_per_partition
-        native_gqa = groups > 1 and native_gqa_is_fast(q, None)
+        native_gqa = groups > 1 and native_gqa_is_fast(q, attn_mask)
         if groups > 1 and not native_gqa:
-            k = k.repeat_interleave(groups, dim=0)
-            v = v.repeat_interleave(groups, dim=0)
+            # Each KV group serves `groups` consecutive query heads (megatron's layout; SDPA's
+            # enable_gqa uses the same one).
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        return k, v, native_gqa
+
+    def _in_dropout_stream(self, attend):
+        """`attend(dropout_p)` with attention dropout drawn from the right RNG stream."""
         dropout_p = self.dropout_p if self.training else 0.0
-
-        def rows() -> list[torch.Tensor]:
-            out = []
-            for qi, ki, vi in zip(*(t.split(list(seqlens), dim=1) for t in (q, k, v))):
-                if qi.shape[1] == 0:
-                    continue
-                out.append(
-                    self._sdpa(
-                        qi.unsqueeze(0),
-                        ki.unsqueeze(0),
-                        vi.unsqueeze(0),
-                        None,
-                        dropout_p,
-                        qi.shape[1] > 1,
-                        native_gqa,
-                    )[0]
-                )
-            return out
-
         if dropout_p > 0.0 and not self.config.sequence_parallel:
-            with tensor_parallel.get_cuda_rng_tracker().fork():  # see `forward`
-                context = rows()
-        else:
-            context = rows()
-        # [n, l_i, d] per row -> [t, n, d] -> [t, n·d]
-        return torch.cat(context, dim=1).transpose(0, 1).reshape(query.shape[0], -1)
+            # Heads are TP-sharded: each rank draws its masks from its own tensor-parallel stream.
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return attend(dropout_p)
+        # Under sequence parallelism megatron's TransformerBlock already runs every layer inside
+        # that stream. Forking again (as megatron's own attention also avoids) would break
+        # activation recomputation: the nested fork reads the tracker's saved state, which does
+        # not include the hidden-dropout draws made since the outer fork began, while
+        # recomputation restores the live generator state — measured on TP=2 with dropout 0.1,
+        # the recomputed gradients then differed.
+        return attend(dropout_p)
 
     def _sdpa(self, q, k, v, attn_mask, dropout_p, is_causal, native_gqa) -> torch.Tensor:
         return F.scaled_dot_product_attention(
