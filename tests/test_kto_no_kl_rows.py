@@ -19,6 +19,7 @@ from megatron_kto.algorithms.kto import KTOTrainer
 from megatron_kto.data.collate import kto_custom_collate
 from megatron_kto.data.dataset import build_kto_dataset
 from megatron_kto.data.tokenizers import load_tokenizer
+from megatron_kto.logging.throughput import ModelFlops
 from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks, unwrap
 from megatron_kto.models.kto_model import REF_KL, KTOSettings, MegatronGPTKTOModel
@@ -100,6 +101,8 @@ def _step(runtime, examples, settings_cls, kl_rows: bool):
     hooks = _count_rows(chunks, policy_rows) + _count_rows(reference, reference_rows)
     trainer = KTOTrainer.__new__(KTOTrainer)  # only the batch preparation is used
     trainer.model, trainer.device = model, runtime.device
+    # 1 FLOP per token + 0.5 per position of its row: the cost counts exactly the rows run.
+    trainer.model_flops = ModelFlops(per_token=1.0, per_position=0.5)
     collated = kto_custom_collate(items, pad_id, kl_rows=kl_rows)
     batch = next(iter(trainer.augment_dataloader([collated])))
     for c in chunks:
@@ -115,8 +118,8 @@ def _step(runtime, examples, settings_cls, kl_rows: bool):
         "policy_rows": sum(policy_rows),
         "reference_rows": sum(reference_rows),
         "has_ref_kl": REF_KL in batch,
-        "cost": trainer.step_cost_tokens(batch),
-        "sample_tokens": int(batch["sample_lengths"].sum()),
+        "cost": trainer.step_cost(batch),
+        "sample_lengths": batch["sample_lengths"].tolist(),
     }
 
 
@@ -128,8 +131,9 @@ def test_apo_zero_unpaired_skips_kl_rows_with_same_loss_and_gradients(runtime, e
     assert (old["reference_rows"], old["policy_rows"]) == (2 * ROWS, 2 * ROWS)
     assert not new["has_ref_kl"] and old["has_ref_kl"]
     # Throughput accounting counts the work done: samples only (ref fwd + policy fwd/bwd).
-    tokens = new["sample_tokens"]
-    assert new["cost"] == (float(tokens), tokens + 3.0 * tokens)
+    tokens = sum(new["sample_lengths"])
+    forward = sum(n + 0.5 * n * n for n in new["sample_lengths"])
+    assert new["cost"] == (float(tokens), forward + 3.0 * forward)
     assert old["cost"][0] > tokens
 
     assert new["metrics"]["kl"] == 0.0

@@ -12,6 +12,7 @@ from megatron_kto.logging import (
     ThroughputMeter,
     dpo_pass_tokens,
     gpt_flops_per_token,
+    gpt_model_flops,
     kto_pass_tokens,
     measure_peak_flops,
 )
@@ -59,6 +60,17 @@ def test_flops_equal_two_per_matmul_parameter_plus_attention(swiglu: bool) -> No
     head_params = nn.Linear(h, v, bias=False).weight.numel()
     expected = 2 * (2 * per_layer_params + head_params) + 2 * (4 * n * d * s)
     assert gpt_flops_per_token(**TINY, swiglu=swiglu) == expected
+
+
+def test_model_flops_count_each_row_at_its_own_length() -> None:
+    """The TINY shape, rows of 5 and 2 tokens: per position 4·2·4 = 32 per layer × 2 layers = 64;
+    per token 2272 − 64·5 (attention at s = 5) = 1952; the 5-token row costs 5·1952 + 64·25 =
+    11360 (= 5 × `gpt_flops_per_token` at s = 5), the 2-token row 2·1952 + 64·4 = 4160."""
+    kwargs = {k: v for k, v in TINY.items() if k != "seq_len"}
+    flops = gpt_model_flops(**kwargs, swiglu=False)
+    assert (flops.per_token, flops.per_position) == (1952, 64)
+    assert flops.rows(torch.tensor([5])) == 5 * gpt_flops_per_token(**TINY, swiglu=False)
+    assert flops.rows(torch.tensor([5, 2])) == 11360 + 4160
 
 
 def test_mfu_arithmetic() -> None:

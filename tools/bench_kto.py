@@ -34,8 +34,9 @@ collation are inside the step as they are on our side (``tools/trl_baseline.py``
 
 Both sides count work the same way: tokens are the unpadded input positions of the sample rows
 plus the KL rows (sequence length − 1 per row: the last token has no target), and MFU counts
-reference forward (samples + KL) + policy forward (KL) + policy forward+backward (samples) against
-one peak FLOP/s measured once (``megatron_kto.logging.throughput``). Note: TRL 1.x, like us,
+reference forward (samples + KL) + policy forward (KL) + policy forward+backward (samples), each
+row's attention at its own length (``ModelFlops``), against one peak FLOP/s measured once
+(``megatron_kto.logging.throughput``). Note: TRL 1.x, like us,
 computes the policy log-probs of the KL rows under ``torch.no_grad`` (``KTOTrainer._compute_kl_logps``),
 so the pass structure is the same; the ratio measures the implementations (megatron-core model and
 schedule vs. HF model + ``Trainer``/``accelerate``), not a difference in algorithmic work. What
@@ -158,23 +159,20 @@ def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def model_flops_per_token(arch: dict[str, Any], seq_len: int, padded_vocab: int) -> float:
-    """Forward FLOPs per token, counted as our trainer counts them for its MFU (`run.py`)."""
-    from megatron_kto.logging.throughput import gpt_flops_per_token
+def model_flops(arch: dict[str, Any], padded_vocab: int):
+    """`ModelFlops` of the shape, counted as our trainer counts them for its MFU (`run.py`)."""
+    from megatron_kto.logging.throughput import gpt_model_flops
 
     heads = arch["num_attention_heads"]
-    return float(
-        gpt_flops_per_token(
-            num_layers=arch["num_layers"],
-            hidden=arch["hidden_size"],
-            ffn_hidden=arch["ffn_hidden_size"],
-            num_heads=heads,
-            num_query_groups=arch["num_query_groups"] or heads,
-            kv_channels=arch["kv_channels"] or arch["hidden_size"] // heads,
-            vocab=padded_vocab,
-            seq_len=seq_len,
-            swiglu=arch["activation"] == "swiglu",
-        )
+    return gpt_model_flops(
+        num_layers=arch["num_layers"],
+        hidden=arch["hidden_size"],
+        ffn_hidden=arch["ffn_hidden_size"],
+        num_heads=heads,
+        num_query_groups=arch["num_query_groups"] or heads,
+        kv_channels=arch["kv_channels"] or arch["hidden_size"] // heads,
+        vocab=padded_vocab,
+        swiglu=arch["activation"] == "swiglu",
     )
 
 
@@ -352,28 +350,28 @@ def run_trl(
     spec: dict[str, Any], peak_flops: float, warmup: int, steps: int, threads: int | None
 ) -> dict[str, Any]:
     """Time TRL's KTOTrainer on the run `spec` describes; per-step figures as on our side."""
+    import torch
     from trl_baseline import run_trl_kto
 
     from megatron_kto.logging.throughput import FWD_BWD_MULTIPLIER, kto_pass_tokens
 
     threads = _set_threads(threads)
     run = run_trl_kto(spec, warmup + steps)
-    flops_per_token = model_flops_per_token(
-        spec["architecture"], spec["max_length"], spec["padded_vocab"]
-    )
+    flops = model_flops(spec["architecture"], spec["padded_vocab"])
     reference_forward = not spec["kto"]["precomputed_reference"]
     per_step = []
     for i in range(warmup, warmup + steps):
         seconds, (samples, kl) = run["step_times"][i], run["tokens"][i]
-        forward_only, forward_backward = kto_pass_tokens(samples, kl, reference_forward)
-        passes = forward_only + FWD_BWD_MULTIPLIER * forward_backward
+        row_flops = [flops.rows(torch.tensor(n, dtype=torch.long)) for n in run["row_lengths"][i]]
+        forward_only, forward_backward = kto_pass_tokens(*row_flops, reference_forward)
+        step_flops = forward_only + FWD_BWD_MULTIPLIER * forward_backward
         per_step.append(
             {
                 "step": i + 1,
                 "step_time": seconds,
                 "samples_per_sec": spec["global_batch_size"] / seconds,
                 "tokens_per_sec": (samples + kl) / seconds,
-                "mfu": passes * flops_per_token / seconds / peak_flops,
+                "mfu": step_flops / seconds / peak_flops,
                 "tokens": samples + kl,
                 "cpu_time": run["step_cpu_times"][i],
             }
@@ -502,8 +500,10 @@ def render_notes(report: dict[str, Any]) -> str:
         if report["ours"]["spec"]["kto"]["loss_type"] == "kto"
         else "Same passes per step on both sides: this loss ignores z0, so neither side builds "
         "or runs KL rows (reference forward and policy forward+backward over the samples).",
-        "Differences: we run megatron-core's GPTModel (local spec on CPU) through its pipeline "
-        "schedule in micro-batches and swap the reference weights in (cpu_swap) or keep a copy; "
+        "Differences: we run megatron-core's GPTModel (TE spec on CUDA with TE, else the local "
+        "spec with SDPA attention) through its pipeline schedule in micro-batches (padding-free "
+        "unless model.data.pack_sequences=false) and swap the reference weights in (cpu_swap) or "
+        "keep a copy; "
         "TRL runs the whole batch as one micro-batch through HF Trainer/accelerate with a second "
         "model object and a chunked (fused) LM-head log-prob.",
     ]

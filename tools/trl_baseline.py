@@ -170,8 +170,9 @@ def run_trl_kto(spec: dict[str, Any], max_steps: int) -> dict[str, Any]:
         max_steps: optimizer steps to run.
 
     Returns:
-        ``step_times`` (wall s), ``step_cpu_times`` (CPU s of the process) and ``tokens`` ([sample, KL] unpadded input positions, i.e. sequence
-        length − 1 per row) per step, ``peak_memory_gb`` (peak allocated on CUDA, max RSS of the
+        ``step_times`` (wall s), ``step_cpu_times`` (CPU s of the process), ``tokens`` ([sample, KL]
+        unpadded input positions, i.e. sequence length − 1 per row) and ``row_lengths`` ([sample,
+        KL] lists of those per-row lengths) per step, ``peak_memory_gb`` (peak allocated on CUDA, max RSS of the
         process on CPU), ``versions``, ``optim``, ``attn_implementation`` and ``final_log``.
     """
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
@@ -215,13 +216,13 @@ def _train(spec: dict[str, Any], max_steps: int, workdir: Path) -> dict[str, Any
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.batch_tokens: list[list[int]] = []
+            self.batch_row_lengths: list[list[list[int]]] = []
 
         def training_step(self, model, inputs, num_items_in_batch=None):
-            rows = int(inputs["attention_mask"].shape[0])
-            samples = int(inputs["attention_mask"].sum()) - rows
-            kl_mask = inputs.get("KL_attention_mask")
-            kl = int(kl_mask.sum()) - rows if kl_mask is not None else 0
-            self.batch_tokens.append([samples, kl])
+            masks = [inputs["attention_mask"], inputs.get("KL_attention_mask")]
+            lengths = [(m.sum(dim=-1) - 1).tolist() if m is not None else [] for m in masks]
+            self.batch_row_lengths.append(lengths)
+            self.batch_tokens.append([sum(n) for n in lengths])
             return super().training_step(model, inputs, num_items_in_batch)
 
     timer = StepTimer()
@@ -243,6 +244,7 @@ def _train(spec: dict[str, Any], max_steps: int, workdir: Path) -> dict[str, Any
         "step_times": timer.times,
         "step_cpu_times": timer.cpu_times,
         "tokens": trainer.batch_tokens,
+        "row_lengths": trainer.batch_row_lengths,
         "peak_memory_gb": peak,
         "versions": {
             "trl": trl.__version__,

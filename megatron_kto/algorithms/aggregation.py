@@ -62,8 +62,8 @@ class StepCost:
     """Wall time of the step."""
     tokens: float
     """Real tokens processed, all data-parallel ranks."""
-    token_passes: float
-    """Forward-equivalent token passes (for MFU), all data-parallel ranks."""
+    flops: float
+    """Model FLOPs of the step (`logging.throughput.ModelFlops`), all data-parallel ranks."""
     samples: int
     """Examples in the global batch."""
     peak_memory_gb: float
@@ -71,7 +71,7 @@ class StepCost:
 
 
 def throughput_fields(
-    steps: list[StepCost], flops_per_token: float, peak_flops: float | None, world_size: int
+    steps: list[StepCost], peak_flops: float | None, world_size: int
 ) -> dict[str, float]:
     """The non-loss fields of a logged row covering `steps` (one step or an interval)."""
     seconds = sum(s.seconds for s in steps)
@@ -84,9 +84,9 @@ def throughput_fields(
         "samples_per_sec": sum(s.samples for s in steps) / seconds,
         "peak_memory_gb": max(s.peak_memory_gb for s in steps),
     }
-    if peak_flops and flops_per_token:
-        passes = sum(s.token_passes for s in steps)
-        out["mfu"] = passes * flops_per_token / seconds / (peak_flops * world_size)
+    flops = sum(s.flops for s in steps)
+    if peak_flops and flops:
+        out["mfu"] = flops / seconds / (peak_flops * world_size)
     return out
 
 
@@ -105,12 +105,11 @@ class TrainInterval:
     def pop(
         self,
         finalize: Finalize,
-        flops_per_token: float,
         peak_flops: float | None,
         world_size: int,
     ) -> dict[str, float]:
         """The row for the interval (at least one step), and start a new one."""
         row = self.metrics.result(finalize)
-        row.update(throughput_fields(self.steps, flops_per_token, peak_flops, world_size))
+        row.update(throughput_fields(self.steps, peak_flops, world_size))
         self.__init__()
         return row

@@ -23,7 +23,7 @@ from megatron_kto.algorithms.aggregation import (
     TrainInterval,
     throughput_fields,
 )
-from megatron_kto.logging.throughput import FWD_BWD_MULTIPLIER, dpo_pass_tokens
+from megatron_kto.logging.throughput import FWD_BWD_MULTIPLIER, ModelFlops, dpo_pass_tokens
 from megatron_kto.models.dpo_model import REF_CHOSEN, REF_REJECTED
 from megatron_kto.models.forward import data_parallel_all_reduce, eval_mode
 from megatron_kto.models.reference import holding
@@ -139,7 +139,7 @@ class DPOTrainer:
         device: torch.device,
         logger,
         progress,
-        flops_per_token: float = 0.0,
+        model_flops: ModelFlops | None = None,
         peak_flops: float | None = None,
         world_size: int = 1,
         checkpoint_hook: Callable[[TrainerState, bool], None] | None = None,
@@ -156,7 +156,7 @@ class DPOTrainer:
             device: where batches go.
             logger: `.log(split, step, consumed_samples, metrics)`.
             progress: `.update(step, metrics)` / `.close()`.
-            flops_per_token: forward FLOPs per token of the model (for MFU).
+            model_flops: the model's FLOPs per row length (for MFU), or None.
             peak_flops: peak FLOP/s of one device (for MFU), or None.
             world_size: number of devices in the job.
             checkpoint_hook: `(state, final)` called when a checkpoint is due.
@@ -172,7 +172,7 @@ class DPOTrainer:
         self.device = device
         self.logger = logger
         self.progress = progress
-        self.flops_per_token = flops_per_token
+        self.model_flops = model_flops
         self.peak_flops = peak_flops
         self.world_size = world_size
         self.checkpoint_hook = checkpoint_hook
@@ -194,14 +194,16 @@ class DPOTrainer:
         halves (`ref_policy_log_probs_chosen` / `_rejected`, [B] each)."""
         batch[REF_CHOSEN], batch[REF_REJECTED] = ref.chunk(2)
 
-    def step_cost_tokens(self, batch: Batch) -> tuple[float, float]:
-        """(real tokens in this rank's batch, forward-equivalent token passes for MFU).
+    def step_cost(self, batch: Batch) -> tuple[float, float]:
+        """(real tokens in this rank's batch, model FLOPs of its step for MFU; 0 without
+        `model_flops`).
 
         DPO: reference forward over chosen+rejected (1x) and policy forward+backward (3x).
         """
-        tokens = int(batch["chosen_lengths"].sum() + batch["rejected_lengths"].sum())
-        forward_only, forward_backward = dpo_pass_tokens(tokens)
-        return float(tokens), forward_only + FWD_BWD_MULTIPLIER * forward_backward
+        lengths = torch.cat([batch["chosen_lengths"], batch["rejected_lengths"]])
+        flops = self.model_flops.rows(lengths) if self.model_flops else 0.0
+        forward_only, forward_backward = dpo_pass_tokens(flops)
+        return float(lengths.sum()), forward_only + FWD_BWD_MULTIPLIER * forward_backward
 
     # --- loop ----------------------------------------------------------------------------------
     def train_single_step(self, batch: Batch, started: float) -> dict[str, float]:
@@ -219,9 +221,9 @@ class DPOTrainer:
         update_ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         elapsed = time.monotonic() - started
-        tokens, passes = self.step_cost_tokens(batch)
+        tokens, flops = self.step_cost(batch)
         totals = data_parallel_all_reduce(
-            torch.tensor([tokens, passes], dtype=torch.float64, device=self.device)
+            torch.tensor([tokens, flops], dtype=torch.float64, device=self.device)
         )
         cost = StepCost(
             lr=lr,
@@ -229,15 +231,13 @@ class DPOTrainer:
             skipped=not update_ok,
             seconds=elapsed,
             tokens=float(totals[0]),
-            token_passes=float(totals[1]),
+            flops=float(totals[1]),
             samples=self.loop.global_batch_size,
             peak_memory_gb=peak_memory_gb(self.device),
         )
         self._interval.add(sums, scalars, cost)
         metrics = self.model.finalize_metrics(sums, scalars)
-        metrics.update(
-            throughput_fields([cost], self.flops_per_token, self.peak_flops, self.world_size)
-        )
+        metrics.update(throughput_fields([cost], self.peak_flops, self.world_size))
         return metrics
 
     def _train_row(self, last_step_metrics: dict[str, float]) -> dict[str, float]:
@@ -245,9 +245,7 @@ class DPOTrainer:
         # A `train_single_step` that records no interval (a stand-in in tests) logs its own.
         if not self._interval.steps:
             return last_step_metrics
-        return self._interval.pop(
-            self.model.finalize_metrics, self.flops_per_token, self.peak_flops, self.world_size
-        )
+        return self._interval.pop(self.model.finalize_metrics, self.peak_flops, self.world_size)
 
     def _validation_batches(self) -> Iterator[Batch]:
         """The first `limit_val_batches` validation batches with their reference log-probs.

@@ -32,11 +32,14 @@ class KTOTrainer(DPOTrainer):
         if self.model.settings.uses_kl_rows:
             batch[REF_KL] = ref[rows : 2 * rows]
 
-    def step_cost_tokens(self, batch: Batch) -> tuple[float, float]:
+    def step_cost(self, batch: Batch) -> tuple[float, float]:
         """KTO step cost: reference fwd over samples+KL (1x each), policy fwd over KL (1x),
-        policy fwd+bwd over samples (3x) — in real (unpadded) tokens; no KL term when the loss
+        policy fwd+bwd over samples (3x) — of the real (unpadded) rows; no KL term when the loss
         ignores z₀ (the KL rows are then neither built nor run)."""
-        samples = int(batch["sample_lengths"].sum())
-        kl = int(batch["kl_sample_lengths"].sum()) if self.model.settings.uses_kl_rows else 0
-        forward_only, forward_backward = kto_pass_tokens(samples, kl)
-        return float(samples + kl), forward_only + FWD_BWD_MULTIPLIER * forward_backward
+        rows = [batch["sample_lengths"]]
+        if self.model.settings.uses_kl_rows:
+            rows.append(batch["kl_sample_lengths"])
+        flops = [self.model_flops.rows(r) if self.model_flops else 0.0 for r in rows] + [0.0]
+        forward_only, forward_backward = kto_pass_tokens(flops[0], flops[1])
+        tokens = sum(float(r.sum()) for r in rows)
+        return tokens, forward_only + FWD_BWD_MULTIPLIER * forward_backward

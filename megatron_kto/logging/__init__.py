@@ -3,21 +3,25 @@
 from megatron_kto.logging.metrics_logger import MetricsLogger
 from megatron_kto.logging.progress import ProgressReporter
 from megatron_kto.logging.throughput import (
+    ModelFlops,
     ThroughputMeter,
     ThroughputStats,
     dpo_pass_tokens,
     gpt_flops_per_token,
+    gpt_model_flops,
     kto_pass_tokens,
     measure_peak_flops,
 )
 
 __all__ = [
     "MetricsLogger",
+    "ModelFlops",
     "ProgressReporter",
     "ThroughputMeter",
     "ThroughputStats",
     "dpo_pass_tokens",
     "gpt_flops_per_token",
+    "gpt_model_flops",
     "kto_pass_tokens",
     "measure_peak_flops",
 ]

@@ -50,16 +50,62 @@ def gpt_flops_per_token(
     """
     qkv = 2 * hidden * (num_heads + 2 * num_query_groups) * kv_channels
     out_proj = 2 * num_heads * kv_channels * hidden
-    attention = 4 * num_heads * kv_channels * seq_len
     mlp = (3 if swiglu else 2) * 2 * hidden * ffn_hidden
     logits = 2 * hidden * vocab
-    return num_layers * (qkv + out_proj + attention + mlp) + logits
+    attention = attention_flops_per_position(num_layers, num_heads, kv_channels) * seq_len
+    return num_layers * (qkv + out_proj + mlp) + attention + logits
+
+
+def attention_flops_per_position(num_layers: int, num_heads: int, kv_channels: int) -> int:
+    """Attention-score FLOPs of one token's forward pass per position of its sequence:
+    4·n·d per layer (QKᵀ and A·V; the `attention` term of `gpt_flops_per_token` is this × s)."""
+    return num_layers * 4 * num_heads * kv_channels
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """Forward model FLOPs of rows of any length: a token costs `per_token` (projections, MLP,
+    output layer) plus `per_position` for every position of its own row (attention scores).
+
+    A row of length l thus costs per_token·l + per_position·l² — the work of the model on that
+    row, whatever padding or packing the run uses (the convention of `gpt_flops_per_token`, with
+    the row's own length as s, rather than the configured maximum).
+    """
+
+    per_token: float
+    per_position: float
+
+    def rows(self, lengths: torch.Tensor) -> float:
+        """Forward FLOPs of rows of `lengths` (a [rows] integer tensor on the host)."""
+        lengths = lengths.double()
+        return float(self.per_token * lengths.sum() + self.per_position * (lengths**2).sum())
+
+
+def gpt_model_flops(
+    num_layers: int,
+    hidden: int,
+    ffn_hidden: int,
+    num_heads: int,
+    num_query_groups: int,
+    kv_channels: int,
+    vocab: int,
+    swiglu: bool,
+) -> ModelFlops:
+    """`ModelFlops` of a GPT / Llama decoder (terms as in `gpt_flops_per_token`)."""
+    per_token = gpt_flops_per_token(
+        num_layers, hidden, ffn_hidden, num_heads, num_query_groups, kv_channels, vocab, 0, swiglu
+    )
+    return ModelFlops(
+        per_token=float(per_token),
+        per_position=float(attention_flops_per_position(num_layers, num_heads, kv_channels)),
+    )
 
 
 def kto_pass_tokens(
-    sample_tokens: int, kl_tokens: int, reference_forward: bool = True
-) -> tuple[int, int]:
-    """(forward-only tokens, forward+backward tokens) of one KTO step.
+    sample_tokens: float, kl_tokens: float, reference_forward: bool = True
+) -> tuple[float, float]:
+    """(forward-only tokens, forward+backward tokens) of one KTO step — or, given the rows'
+    forward FLOPs (`ModelFlops.rows`) instead of their tokens, the same split of FLOPs.
 
     A step runs the reference model forward on the sample and KL rows (unless the reference
     log-probs were precomputed), the policy forward-only on the KL rows, and the policy
@@ -69,9 +115,10 @@ def kto_pass_tokens(
     return forward_only, sample_tokens
 
 
-def dpo_pass_tokens(pair_tokens: int, reference_forward: bool = True) -> tuple[int, int]:
-    """(forward-only tokens, forward+backward tokens) of one DPO step: reference forward on the
-    chosen and rejected rows (unless precomputed), policy forward+backward on the same rows."""
+def dpo_pass_tokens(pair_tokens: float, reference_forward: bool = True) -> tuple[float, float]:
+    """(forward-only tokens, forward+backward tokens) of one DPO step (or FLOPs, as for
+    `kto_pass_tokens`): reference forward on the chosen and rejected rows (unless precomputed),
+    policy forward+backward on the same rows."""
     return (pair_tokens if reference_forward else 0), pair_tokens
 
 
