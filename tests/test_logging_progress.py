@@ -66,6 +66,15 @@ def test_resumed_run_counts_from_initial_step() -> None:
     ]
 
 
+def test_validation_prints_one_line_on_rank_0() -> None:
+    out, quiet = io.StringIO(), io.StringIO()
+    val = {"loss": 0.5017, "rewards/margins": -0.0047, "kl": 0.0, "logps/chosen": -9.0}
+    ProgressReporter(max_steps=30, rank0=True, stream=out).validation(10, val)
+    ProgressReporter(max_steps=30, rank0=False, stream=quiet).validation(10, val)
+    assert out.getvalue() == "[val] step 10 | loss 0.5017 | rewards/margins -0.0047 | kl 0.0000\n"
+    assert quiet.getvalue() == ""
+
+
 def test_other_ranks_print_nothing() -> None:
     out = _TTY()
     progress = ProgressReporter(max_steps=5, rank0=False, print_every=1, stream=out)

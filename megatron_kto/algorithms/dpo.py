@@ -155,7 +155,7 @@ class DPOTrainer:
             loop: resolved limits.
             device: where batches go.
             logger: `.log(split, step, consumed_samples, metrics)`.
-            progress: `.update(step, metrics)` / `.close()`.
+            progress: `.update(step, metrics)` / `.validation(step, metrics)` / `.close()`.
             model_flops: the model's FLOPs per row length (for MFU), or None.
             peak_flops: peak FLOP/s of one device (for MFU), or None.
             world_size: number of devices in the job.
@@ -313,6 +313,7 @@ class DPOTrainer:
                     val = self.run_validation()
                     if val is not None:
                         self.logger.log("val", s.step, s.consumed_samples, val)
+                        self.progress.validation(s.step, val)
                 if (
                     self.checkpoint_hook
                     and loop.save_interval > 0

@@ -105,6 +105,11 @@ class ProgressReporter:
         if step % self.print_every == 0 or step >= self.max_steps or first:
             print(self._summary(step, shown, now), file=self.stream, flush=True)
 
+    def validation(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Print a validation pass's result as one line (the configured keys that are present)."""
+        shown = [f"{k} {format_value(k, metrics[k])}" for k in self.keys if k in metrics]
+        self.write(" | ".join([f"[val] step {step}", *shown]))
+
     def write(self, message: str) -> None:
         """Print a message on rank 0 without breaking the bar."""
         if not self.enabled:
