@@ -22,7 +22,7 @@ from megatron_kto.data.pipeline import build_split, resolve_path
 from megatron_kto.data.tokenizers import load_tokenizer
 from megatron_kto.logging.metrics_logger import MetricsLogger
 from megatron_kto.logging.progress import ProgressReporter
-from megatron_kto.logging.throughput import ModelFlops, gpt_model_flops, peak_flops_per_device
+from megatron_kto.logging.throughput import architecture_flops, peak_flops_per_device
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
 from megatron_kto.models.dpo_model import DPOSettings, MegatronGPTDPOModel
 from megatron_kto.models.kto_model import KTOSettings, MegatronGPTKTOModel
@@ -379,7 +379,9 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
                 device=runtime.device,
                 logger=logger,
                 progress=ProgressReporter(loop.max_steps, rank0=rank0, initial_step=state.step),
-                model_flops=_model_flops(arch, arch.padded_vocab(m.tensor_model_parallel_size)),
+                model_flops=architecture_flops(
+                    arch, arch.padded_vocab(m.tensor_model_parallel_size)
+                ),
                 peak_flops=peak,
                 world_size=runtime.world_size,
                 checkpoint_hook=checkpoint_hook,
@@ -395,20 +397,6 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
             return final
         finally:
             teardown()
-
-
-def _model_flops(arch, padded_vocab: int) -> ModelFlops:
-    heads = arch.num_attention_heads
-    return gpt_model_flops(
-        num_layers=arch.num_layers,
-        hidden=arch.hidden_size,
-        ffn_hidden=arch.ffn_hidden_size,
-        num_heads=heads,
-        num_query_groups=arch.num_query_groups or heads,
-        kv_channels=arch.kv_channels or arch.hidden_size // heads,
-        vocab=padded_vocab,
-        swiglu=arch.activation == "swiglu",
-    )
 
 
 _COMPUTE_DTYPE = {"32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}

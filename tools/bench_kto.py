@@ -159,23 +159,6 @@ def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def model_flops(arch: dict[str, Any], padded_vocab: int):
-    """`ModelFlops` of the shape, counted as our trainer counts them for its MFU (`run.py`)."""
-    from megatron_kto.logging.throughput import gpt_model_flops
-
-    heads = arch["num_attention_heads"]
-    return gpt_model_flops(
-        num_layers=arch["num_layers"],
-        hidden=arch["hidden_size"],
-        ffn_hidden=arch["ffn_hidden_size"],
-        num_heads=heads,
-        num_query_groups=arch["num_query_groups"] or heads,
-        kv_channels=arch["kv_channels"] or arch["hidden_size"] // heads,
-        vocab=padded_vocab,
-        swiglu=arch["activation"] == "swiglu",
-    )
-
-
 def _set_threads(threads: int | None) -> int:
     import torch
 
@@ -353,11 +336,18 @@ def run_trl(
     import torch
     from trl_baseline import run_trl_kto
 
-    from megatron_kto.logging.throughput import FWD_BWD_MULTIPLIER, kto_pass_tokens
+    from megatron_kto.logging.throughput import (
+        FWD_BWD_MULTIPLIER,
+        architecture_flops,
+        kto_pass_tokens,
+    )
+    from megatron_kto.models.architecture import GPTArchitecture
 
     threads = _set_threads(threads)
     run = run_trl_kto(spec, warmup + steps)
-    flops = model_flops(spec["architecture"], spec["padded_vocab"])
+    flops = architecture_flops(
+        GPTArchitecture.from_dict(spec["architecture"]), spec["padded_vocab"]
+    )
     reference_forward = not spec["kto"]["precomputed_reference"]
     per_step = []
     for i in range(warmup, warmup + steps):

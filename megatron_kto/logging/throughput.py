@@ -16,6 +16,7 @@ import math
 import re
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -98,6 +99,21 @@ def gpt_model_flops(
     return ModelFlops(
         per_token=float(per_token),
         per_position=float(attention_flops_per_position(num_layers, num_heads, kv_channels)),
+    )
+
+
+def architecture_flops(arch: Any, padded_vocab: int) -> ModelFlops:
+    """`gpt_model_flops` of a `models.architecture.GPTArchitecture` with its padded vocabulary."""
+    heads = arch.num_attention_heads
+    return gpt_model_flops(
+        num_layers=arch.num_layers,
+        hidden=arch.hidden_size,
+        ffn_hidden=arch.ffn_hidden_size,
+        num_heads=heads,
+        num_query_groups=arch.num_query_groups or heads,
+        kv_channels=arch.kv_channels or arch.hidden_size // heads,
+        vocab=padded_vocab,
+        swiglu=arch.activation == "swiglu",
     )
 
 
