@@ -1,4 +1,5 @@
-"""Smoke test of tools/bench_kto.py: it runs (1 warm-up + 1 timed step) and reports figures.
+"""Smoke test of tools/bench_kto.py: it runs (1 warm-up + 1 timed step) and reports figures
+(its summaries and table: tools/bench_report.py).
 
 Nothing here asserts on speed: the figures only have to be positive and finite.
 """
@@ -19,7 +20,7 @@ BENCH = REPO / "tools" / "bench_kto.py"
 HAS_TRL = importlib.util.find_spec("trl") is not None
 
 sys.path.insert(0, str(REPO / "tools"))
-import bench_kto  # noqa: E402
+import bench_report  # noqa: E402
 
 
 def _positive(value: float) -> bool:
@@ -69,10 +70,10 @@ def test_bench_runs_and_reports_positive_figures(tmp_path):
 
 def test_table_without_trl_has_no_ratio_column():
     step = {"step_time": 0.5, "samples_per_sec": 8.0, "tokens_per_sec": 100.0, "mfu": 0.01}
-    ours = bench_kto.combine_runs(
+    ours = bench_report.combine_runs(
         [{"steps": [{**step, "tokens": 50}, {**step, "tokens": 70}], "peak_memory_gb": 0.4}]
     )
-    table = bench_kto.render_table({"ours": ours})
+    table = bench_report.render_table({"ours": ours})
     assert "ours/TRL" not in table and "TRL KTOTrainer" not in table
     assert "8.00 / 8.00" in table  # samples/s median / mean
     assert "60 / 60.0" in table  # tokens/step median / mean
@@ -86,7 +87,7 @@ def test_combine_runs_pools_steps_and_keeps_highest_peak():
         ]
         return {"steps": [{**s, "tokens": 40} for s in steps], "peak_memory_gb": peak, "x": peak}
 
-    combined = bench_kto.combine_runs([run([1.0, 2.0], 0.5), run([4.0], 0.7)])
+    combined = bench_report.combine_runs([run([1.0, 2.0], 0.5), run([4.0], 0.7)])
     assert combined["timed_steps"] == 3
     assert combined["step_time"] == {"median": 2.0, "mean": 7.0 / 3}
     assert combined["peak_memory_gb"] == 0.7
@@ -95,8 +96,8 @@ def test_combine_runs_pools_steps_and_keeps_highest_peak():
 
 
 def test_summarize_median_and_mean():
-    assert bench_kto.summarize([1.0, 2.0, 6.0]) == {"median": 2.0, "mean": 3.0}
-    assert all(math.isnan(v) for v in bench_kto.summarize([]).values())
+    assert bench_report.summarize([1.0, 2.0, 6.0]) == {"median": 2.0, "mean": 3.0}
+    assert all(math.isnan(v) for v in bench_report.summarize([]).values())
 
 
 def test_make_bench_data_is_long_tailed_seeded_and_capped():

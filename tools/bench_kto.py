@@ -57,20 +57,22 @@ from __future__ import annotations
 # Only the standard library at module level: the parent process launches the two workers, and
 # a child's max-RSS counter starts from its parent's (Linux keeps it across fork/exec), so the
 # parent must stay small for the workers' peak-memory figures to be their own. That is also why
-# the report code lives here rather than in megatron_kto.logging (whose __init__ imports torch);
+# the report code lives beside it (tools/bench_report.py) rather than in megatron_kto.logging
+# (whose __init__ imports torch);
 # the TRL side, which runs in a worker, is tools/trl_baseline.py (benchmark-only code stays
 # beside the benchmark, out of the library).
 import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench_report import FIGURES, combine_runs, render_header, render_notes, render_table
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
@@ -84,7 +86,6 @@ BENCH_DEFAULTS = [
     "trainer.kto.save_interval=0",
     "model.data.shuffle=false",
 ]
-_FIGURES = ("step_time", "samples_per_sec", "tokens_per_sec", "mfu", "cpu_time")
 
 #: The long-tailed benchmark set: `tools/make_bench_data.py` arguments (its defaults, named so
 #: the file name changes if they do).
@@ -130,33 +131,6 @@ def preset_overrides(preset: str) -> list[str]:
         *LONGTAIL_MODEL,
         f"model.data.data_prefix.train=[{longtail_data()}]",
     ]
-
-
-# --- shared helpers ----------------------------------------------------------------------------
-def summarize(values: list[float]) -> dict[str, float]:
-    """Median and mean of per-step values (empty input gives NaNs)."""
-    if not values:
-        return {"median": float("nan"), "mean": float("nan")}
-    return {"median": statistics.median(values), "mean": statistics.fmean(values)}
-
-
-def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One side's summary over one or more runs: their timed steps pooled, the highest peak.
-
-    Each run is ``{"steps": [per-step figures], "peak_memory_gb": ..., <metadata>}``; the
-    metadata of the first run is kept.
-    """
-    steps = [step for run in runs for step in run["steps"]]
-    figures = {k: summarize([s[k] for s in steps if s.get(k) is not None]) for k in _FIGURES}
-    return {
-        **{k: v for k, v in runs[0].items() if k != "steps"},
-        "timed_steps": len(steps),
-        **figures,
-        "tokens_per_step": summarize([s["tokens"] for s in steps]),
-        "peak_memory_gb": max(run["peak_memory_gb"] for run in runs),
-        "run_medians": [summarize([s["samples_per_sec"] for s in r["steps"]]) for r in runs],
-        "runs": runs,
-    }
 
 
 def _set_threads(threads: int | None) -> int:
@@ -310,7 +284,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any] | None:
     steps = [
         {
             "step": r["step"],
-            **{k: r.get(k) for k in _FIGURES},
+            **{k: r.get(k) for k in FIGURES},
             "tokens": round(r["tokens_per_sec"] * r["step_time"]),
             "cpu_time": cpu_marks.get(r["step"]),
             "loss": r.get("loss"),
@@ -388,118 +362,6 @@ def _worker(args: argparse.Namespace, argv: list[str], side: str, extra: list[st
             print(f"error: the {side} side failed (exit code {proc.returncode})", file=sys.stderr)
             sys.exit(proc.returncode if proc.returncode > 0 else 1)
         return json.loads(result.read_text())
-
-
-def _fmt(value: float | None, digits: int = 2) -> str:
-    if value is None or value != value:  # None or NaN
-        return "-"
-    if abs(value) >= 1000:
-        return f"{value:,.0f}"
-    return f"{value:.{digits}f}"
-
-
-def render_table(report: dict[str, Any]) -> str:
-    """The human-readable report."""
-    ours, trl = report["ours"], report.get("trl")
-    sides = [("megatron_kto", ours)] + ([("TRL KTOTrainer", trl)] if trl else [])
-    header = f"{'':26}" + "".join(f"{name:>24}" for name, _ in sides)
-    if trl:
-        header += f"{'ours/TRL':>12}"
-    rows = [
-        ("samples/s", "samples_per_sec", 2, True),
-        ("tokens/s", "tokens_per_sec", 1, True),
-        ("MFU (%)", "mfu", 3, True),
-        ("step time (s)", "step_time", 4, False),
-        ("CPU time/step (s)", "cpu_time", 4, False),
-    ]
-    lines = [header, "-" * len(header)]
-    for label, key, digits, higher_better in rows:
-        scale = 100.0 if key == "mfu" else 1.0
-        line = f"{label:26}"
-        for _, side in sides:
-            s = side[key]
-            line += (
-                f"{_fmt(s['median'] * scale, digits) + ' / ' + _fmt(s['mean'] * scale, digits):>24}"
-            )
-        if trl:
-            a, b = ours[key]["median"], trl[key]["median"]
-            ratio = (a / b if higher_better else b / a) if a and b else float("nan")
-            line += f"{_fmt(ratio, 2) + 'x':>12}"
-        lines.append(line)
-    line = f"{'tokens/step':26}"
-    for _, side in sides:
-        t = side["tokens_per_step"]
-        line += f"{_fmt(t['median'], 0) + ' / ' + _fmt(t['mean'], 1):>24}"
-    lines.append(line)
-    line = f"{'peak memory (GiB)':26}"
-    for _, side in sides:
-        line += f"{_fmt(side['peak_memory_gb'], 3):>24}"
-    lines.append(line)
-    if len(ours["run_medians"]) > 1:
-        line = f"{'samples/s, median per run':26}"
-        for _, side in sides:
-            line += f"{', '.join(_fmt(m['median'], 1) for m in side['run_medians']):>24}"
-        lines.append(line)
-    footer = (
-        "median / mean over the timed steps; CPU time is the process's own (all threads), the "
-        "figure other load on the machine disturbs least"
-    )
-    if trl:
-        footer += "; ours/TRL is the ratio of medians (for times: TRL's over ours)"
-    lines.append(f"({footer})")
-    return "\n".join(lines)
-
-
-def render_header(report: dict[str, Any]) -> str:
-    ours = report["ours"]
-    spec, arch = ours["spec"], ours["spec"]["architecture"]
-    env = report["environment"]
-    return "\n".join(
-        [
-            "KTO step benchmark",
-            f"  model: {arch['num_layers']} layers, hidden {arch['hidden_size']}, ffn "
-            f"{arch['ffn_hidden_size']}, heads {arch['num_attention_heads']}/"
-            f"{arch['num_query_groups'] or arch['num_attention_heads']} (q/kv), vocab "
-            f"{spec['padded_vocab']}, precision {spec['precision']}",
-            f"  data ({report.get('preset', 'example')} preset): {', '.join(spec['train_files'])}; "
-            f"global batch {spec['global_batch_size']} "
-            f"(ours: micro-batch {spec['micro_batch_size']}, reference {spec['reference_policy']}), "
-            f"max_length {spec['max_length']}, beta {spec['kto']['beta']}, lr {spec['optim']['lr']}",
-            f"  steps: {report['warmup']} warm-up + {report['steps']} timed, "
-            f"{report['repeat']} run(s) per side; world size "
-            f"{ours['world_size']}; intra-op threads {ours['threads']}; "
-            f"peak {ours['peak_flops_per_device'] / 1e9:.1f} GFLOP/s per device (measured matmul)",
-            f"  host: {env['cpu_count']} CPUs, load average {env['load_average']}; "
-            "shared machines give noisy timings",
-        ]
-    )
-
-
-def render_notes(report: dict[str, Any]) -> str:
-    trl = report.get("trl")
-    if not trl:
-        return ""
-    v = trl["versions"]
-    sft = report["ours"]["spec"]["kto"]["sft_loss_weight"]
-    notes = [
-        f"TRL side: trl {v['trl']}, transformers {v['transformers']}, torch {v['torch']}; "
-        f"optimizer {trl['optim']}, attention '{trl['attn_implementation']}'.",
-        "Same passes per step on both sides: reference forward over samples + KL rows, policy "
-        "forward over the KL rows without autograd (TRL also wraps it in torch.no_grad), policy "
-        "forward+backward over the sample rows; the ratio is implementation overhead."
-        if report["ours"]["spec"]["kto"]["loss_type"] == "kto"
-        else "Same passes per step on both sides: this loss ignores z0, so neither side builds "
-        "or runs KL rows (reference forward and policy forward+backward over the samples).",
-        "Differences: we run megatron-core's GPTModel (TE spec on CUDA with TE, else the local "
-        "spec with SDPA attention) through its pipeline schedule in micro-batches (padding-free "
-        "unless model.data.pack_sequences=false) and swap the reference weights in (cpu_swap) or "
-        "keep a copy; "
-        "TRL runs the whole batch as one micro-batch through HF Trainer/accelerate with a second "
-        "model object and a chunked (fused) LM-head log-prob.",
-    ]
-    if sft:
-        notes.append(f"model.kto.sft_loss_weight={sft} has no TRL counterpart (ignored there).")
-    return "\n".join("  * " + n for n in notes)
 
 
 def _environment() -> dict[str, Any]:
@@ -657,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         report["speedup_ours_over_trl"] = {
             k: (ours[k]["median"] / trl[k]["median"] if "per_sec" in k or k == "mfu" else
                 trl[k]["median"] / ours[k]["median"])
-            for k in _FIGURES
+            for k in FIGURES
             if ours[k]["median"] and trl[k]["median"]
         }  # fmt: skip
     _publish(report, args.json)
