@@ -57,6 +57,31 @@ def launcher(nproc: int, extra: list[str] | None = None) -> list[str]:
     ]
 
 
+def launch(
+    args: list[str], nproc: int = 1, timeout: float = 300, logs: Path | None = None
+) -> tuple[subprocess.CompletedProcess, list[tuple[str, str]]]:
+    """Run `args` (a script and its arguments, from the repository root) on `nproc` ranks.
+
+    With several ranks and `logs`, torchrun writes each rank's streams to files under `logs`
+    (its own launcher report stays on the process's stderr), and they are returned as
+    (stdout, stderr) per rank, in rank order; otherwise that list is empty.
+    """
+    extra = ["--log-dir", str(logs), "--redirects", "3"] if nproc > 1 and logs else []
+    proc = subprocess.run(
+        [*launcher(nproc, extra), *args],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    ranks = []
+    if extra:
+        for err in sorted(logs.rglob("stderr.log"), key=lambda p: int(p.parent.name)):
+            ranks.append(((err.parent / "stdout.log").read_text(), err.read_text()))
+    return proc, ranks
+
+
 def run_script(
     script: Path, args: list[str], nproc: int = 1, timeout: float = 300, check: bool = True
 ) -> subprocess.CompletedProcess:
@@ -65,14 +90,7 @@ def run_script(
     Raises:
         AssertionError: with the tail of the output, if `check` and the exit code is not 0.
     """
-    proc = subprocess.run(
-        [*launcher(nproc), str(script), *args],
-        cwd=REPO,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    proc, _ = launch([str(script), *args], nproc, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{script.name} {' '.join(args)} (nproc={nproc}) exited {proc.returncode}\n"

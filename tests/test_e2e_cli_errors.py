@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,11 +23,9 @@ from e2e_cli import (
     EVAL_TOOL,
     KTO_SCRIPT,
     QUIET,
-    REPO,
     TINY_EXAMPLE,
     TRAIN_DATA,
-    cli_env,
-    launcher,
+    launch,
 )
 
 pytestmark = pytest.mark.e2e
@@ -175,21 +172,8 @@ def _run(tmp: Path, name: str, args: list[str], nproc: int) -> dict:
     args = [a.replace(RUN_DIR, str(tmp / name)) for a in args]  # one run directory per case
     # torchrun prints its own launcher traceback when a worker fails; the workers' streams go
     # to files so that what our code wrote can be checked on its own.
-    logs = tmp / f"torchrun_{name}"
-    extra = ["--log-dir", str(logs), "--redirects", "3"] if nproc > 1 else []
-    proc = subprocess.run(
-        [*launcher(nproc, extra), *args],
-        cwd=REPO,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if nproc == 1:
-        streams = [(proc.stdout, proc.stderr)]
-    else:
-        ranks = sorted(logs.rglob("stderr.log"))
-        streams = [((p.parent / "stdout.log").read_text(), p.read_text()) for p in ranks]
+    proc, ranks = launch(args, nproc, timeout=300, logs=tmp / f"torchrun_{name}")
+    streams = ranks if nproc > 1 else [(proc.stdout, proc.stderr)]
     return {"returncode": proc.returncode, "streams": streams, "launcher": proc.stderr}
 
 

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import re
 import shlex
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from e2e_cli import EVAL_TOOL, KTO_SCRIPT, REPO, cli_env, launcher, read_metrics, run_script
+from e2e_cli import EVAL_TOOL, KTO_SCRIPT, REPO, launch, read_metrics, run_script
 from hf_tiny import make_hf_chat_model, write_kto_rows
 
 pytestmark = pytest.mark.e2e
@@ -85,20 +84,8 @@ def adapted_readme_command(ckpt: Path, train: Path, val: Path, run: Path, tp: in
 
 def _launch(args: list[str], nproc: int, logs: Path | None = None) -> dict:
     """Run a script; under torchrun each rank's streams go to files under `logs`."""
-    extra = ["--log-dir", str(logs), "--redirects", "3"] if nproc > 1 and logs else []
     started = time.monotonic()
-    proc = subprocess.run(
-        [*launcher(nproc, extra), *args],
-        cwd=REPO,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    ranks = []
-    if nproc > 1 and logs:
-        for err in sorted(logs.rglob("stderr.log"), key=lambda p: p.parent.name):
-            ranks.append(((err.parent / "stdout.log").read_text(), err.read_text()))
+    proc, ranks = launch(args, nproc, timeout=600, logs=logs)
     return {
         "returncode": proc.returncode,
         "stdout": proc.stdout,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,9 +11,9 @@ from torch import nn
 
 from megatron_kto.logging import (
     ThroughputMeter,
+    architecture_flops,
     dpo_pass_tokens,
     gpt_flops_per_token,
-    gpt_model_flops,
     kto_pass_tokens,
     measure_peak_flops,
 )
@@ -66,8 +67,11 @@ def test_model_flops_count_each_row_at_its_own_length() -> None:
     """The TINY shape, rows of 5 and 2 tokens: per position 4·2·4 = 32 per layer × 2 layers = 64;
     per token 2272 − 64·5 (attention at s = 5) = 1952; the 5-token row costs 5·1952 + 64·25 =
     11360 (= 5 × `gpt_flops_per_token` at s = 5), the 2-token row 2·1952 + 64·4 = 4160."""
-    kwargs = {k: v for k, v in TINY.items() if k != "seq_len"}
-    flops = gpt_model_flops(**kwargs, swiglu=False)
+    arch = SimpleNamespace(
+        num_layers=2, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
+        num_query_groups=1, kv_channels=4, activation="gelu",
+    )  # fmt: skip
+    flops = architecture_flops(arch, padded_vocab=10)
     assert (flops.per_token, flops.per_position) == (1952, 64)
     assert flops.rows(torch.tensor([5])) == 5 * gpt_flops_per_token(**TINY, swiglu=False)
     assert flops.rows(torch.tensor([5, 2])) == 11360 + 4160

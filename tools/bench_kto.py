@@ -307,41 +307,10 @@ def run_trl(
     spec: dict[str, Any], peak_flops: float, warmup: int, steps: int, threads: int | None
 ) -> dict[str, Any]:
     """Time TRL's KTOTrainer on the run `spec` describes; per-step figures as on our side."""
-    import torch
-    from trl_baseline import run_trl_kto
-
-    from megatron_kto.logging.throughput import (
-        FWD_BWD_MULTIPLIER,
-        architecture_flops,
-        kto_pass_tokens,
-    )
-    from megatron_kto.models.architecture import GPTArchitecture
+    from trl_baseline import trl_figures
 
     threads = _set_threads(threads)
-    run = run_trl_kto(spec, warmup + steps)
-    flops = architecture_flops(
-        GPTArchitecture.from_dict(spec["architecture"]), spec["padded_vocab"]
-    )
-    reference_forward = not spec["kto"]["precomputed_reference"]
-    per_step = []
-    for i in range(warmup, warmup + steps):
-        seconds, (samples, kl) = run["step_times"][i], run["tokens"][i]
-        row_flops = [flops.rows(torch.tensor(n, dtype=torch.long)) for n in run["row_lengths"][i]]
-        forward_only, forward_backward = kto_pass_tokens(*row_flops, reference_forward)
-        step_flops = forward_only + FWD_BWD_MULTIPLIER * forward_backward
-        per_step.append(
-            {
-                "step": i + 1,
-                "step_time": seconds,
-                "samples_per_sec": spec["global_batch_size"] / seconds,
-                "tokens_per_sec": (samples + kl) / seconds,
-                "mfu": step_flops / seconds / peak_flops,
-                "tokens": samples + kl,
-                "cpu_time": run["step_cpu_times"][i],
-            }
-        )
-    meta = {k: run[k] for k in ("versions", "optim", "attn_implementation", "final_log")}
-    return {"steps": per_step, "peak_memory_gb": run["peak_memory_gb"], "threads": threads, **meta}
+    return {**trl_figures(spec, peak_flops, warmup, steps), "threads": threads}
 
 
 # --- orchestration -----------------------------------------------------------------------------

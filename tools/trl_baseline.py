@@ -255,3 +255,41 @@ def _train(spec: dict[str, Any], max_steps: int, workdir: Path) -> dict[str, Any
         "attn_implementation": model.config._attn_implementation,
         "final_log": logs[-1] if logs else {},
     }
+
+
+def trl_figures(spec: dict[str, Any], peak_flops: float, warmup: int, steps: int) -> dict[str, Any]:
+    """`run_trl_kto` for `warmup + steps` steps, its timed steps' figures counted as our trainer
+    counts its own (tokens, model FLOPs of each row at its own length, MFU against `peak_flops`)."""
+    import torch
+
+    from megatron_kto.logging.throughput import (
+        FWD_BWD_MULTIPLIER,
+        architecture_flops,
+        kto_pass_tokens,
+    )
+    from megatron_kto.models.architecture import GPTArchitecture
+
+    run = run_trl_kto(spec, warmup + steps)
+    flops = architecture_flops(
+        GPTArchitecture.from_dict(spec["architecture"]), spec["padded_vocab"]
+    )
+    reference_forward = not spec["kto"]["precomputed_reference"]
+    per_step = []
+    for i in range(warmup, warmup + steps):
+        seconds, (samples, kl) = run["step_times"][i], run["tokens"][i]
+        row_flops = [flops.rows(torch.tensor(n, dtype=torch.long)) for n in run["row_lengths"][i]]
+        forward_only, forward_backward = kto_pass_tokens(*row_flops, reference_forward)
+        step_flops = forward_only + FWD_BWD_MULTIPLIER * forward_backward
+        per_step.append(
+            {
+                "step": i + 1,
+                "step_time": seconds,
+                "samples_per_sec": spec["global_batch_size"] / seconds,
+                "tokens_per_sec": (samples + kl) / seconds,
+                "mfu": step_flops / seconds / peak_flops,
+                "tokens": samples + kl,
+                "cpu_time": run["step_cpu_times"][i],
+            }
+        )
+    meta = {k: run[k] for k in ("versions", "optim", "attn_implementation", "final_log")}
+    return {"steps": per_step, "peak_memory_gb": run["peak_memory_gb"], **meta}

@@ -6,9 +6,9 @@ from megatron_kto.logging.throughput import (
     ModelFlops,
     ThroughputMeter,
     ThroughputStats,
+    architecture_flops,
     dpo_pass_tokens,
     gpt_flops_per_token,
-    gpt_model_flops,
     kto_pass_tokens,
     measure_peak_flops,
 )
@@ -19,9 +19,9 @@ __all__ = [
     "ProgressReporter",
     "ThroughputMeter",
     "ThroughputStats",
+    "architecture_flops",
     "dpo_pass_tokens",
     "gpt_flops_per_token",
-    "gpt_model_flops",
     "kto_pass_tokens",
     "measure_peak_flops",
 ]

@@ -82,38 +82,25 @@ class ModelFlops:
         return float(self.per_token * lengths.sum() + self.per_position * (lengths**2).sum())
 
 
-def gpt_model_flops(
-    num_layers: int,
-    hidden: int,
-    ffn_hidden: int,
-    num_heads: int,
-    num_query_groups: int,
-    kv_channels: int,
-    vocab: int,
-    swiglu: bool,
-) -> ModelFlops:
-    """`ModelFlops` of a GPT / Llama decoder (terms as in `gpt_flops_per_token`)."""
-    per_token = gpt_flops_per_token(
-        num_layers, hidden, ffn_hidden, num_heads, num_query_groups, kv_channels, vocab, 0, swiglu
-    )
-    return ModelFlops(
-        per_token=float(per_token),
-        per_position=float(attention_flops_per_position(num_layers, num_heads, kv_channels)),
-    )
-
-
 def architecture_flops(arch: Any, padded_vocab: int) -> ModelFlops:
-    """`gpt_model_flops` of a `models.architecture.GPTArchitecture` with its padded vocabulary."""
+    """`ModelFlops` of a `models.architecture.GPTArchitecture` with its padded vocabulary (terms
+    as in `gpt_flops_per_token`)."""
     heads = arch.num_attention_heads
-    return gpt_model_flops(
+    kv_channels = arch.kv_channels or arch.hidden_size // heads
+    per_token = gpt_flops_per_token(
         num_layers=arch.num_layers,
         hidden=arch.hidden_size,
         ffn_hidden=arch.ffn_hidden_size,
         num_heads=heads,
         num_query_groups=arch.num_query_groups or heads,
-        kv_channels=arch.kv_channels or arch.hidden_size // heads,
+        kv_channels=kv_channels,
         vocab=padded_vocab,
+        seq_len=0,
         swiglu=arch.activation == "swiglu",
+    )
+    return ModelFlops(
+        per_token=float(per_token),
+        per_position=float(attention_flops_per_position(arch.num_layers, heads, kv_channels)),
     )
 
 

@@ -48,8 +48,10 @@ PACKED = "packed_seq_params"
 #: Micro-batch key: per-row kept lengths (host ints) of a padded micro-batch, for packing.
 ROW_LENGTHS = "row_lengths"
 
-#: Fill values of the [rows, T] keys a micro-batch may carry when its length is padded
-#: (positions of padding restart at 0: any valid id works, and a learned position table has 0).
+#: Fill values of the [rows, T] keys a micro-batch may carry when its length is padded (on the
+#: right, or as a packed micro-batch's padding segment): attention is causal, so real positions
+#: never see padding, and its labels are ignored, so it carries no loss. Padding positions are 0
+#: (any valid id works; an arange could run past a learned position table).
 PAD_VALUES = {"tokens": 0, "labels": IGNORE_INDEX, "position_ids": 0}
 
 

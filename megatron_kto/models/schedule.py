@@ -48,12 +48,6 @@ HOST_LENGTHS = "host_lengths"
 #: Micro-batch key: number of scored positions in the micro-batch, a host int.
 NUM_SCORED = "num_scored"
 
-#: Fill values of the [rows, T] keys a micro-batch may carry when its length is padded. Padding
-#: goes on the right: attention is causal, so real positions never see it, and its labels are
-#: ignored, so it carries no loss. Position ids of padding are 0 (any valid id works; a
-#: continued arange could run past a learned position table).
-SEQUENCE_PAD_VALUES = PAD_VALUES
-
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
     """Move every tensor of a batch to `device` (non-blocking on CUDA).
@@ -144,7 +138,7 @@ def pad_sequence_dim(batch: Batch, multiple: int) -> Batch:
 
     Args:
         batch: a micro-batch with `position_ids` [rows, T]; its [rows, T] keys must be among
-            `SEQUENCE_PAD_VALUES` (per-row [rows] tensors pass through).
+            `PAD_VALUES` (per-row [rows] tensors pass through).
         multiple: the length must become a multiple of this.
 
     Returns:
@@ -161,12 +155,12 @@ def pad_sequence_dim(batch: Batch, multiple: int) -> Batch:
     for key, value in batch.items():
         if not (torch.is_tensor(value) and value.dim() == 2 and value.shape[1] == length):
             continue
-        if key not in SEQUENCE_PAD_VALUES:
+        if key not in PAD_VALUES:
             raise ValueError(
                 f"cannot pad micro-batch key {key!r} [rows, {length}] for sequence parallelism: "
-                f"no fill value (known: {sorted(SEQUENCE_PAD_VALUES)})"
+                f"no fill value (known: {sorted(PAD_VALUES)})"
             )
-        out[key] = F.pad(value, (0, pad), value=SEQUENCE_PAD_VALUES[key])
+        out[key] = F.pad(value, (0, pad), value=PAD_VALUES[key])
     return out
 
 
