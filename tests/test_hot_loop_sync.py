@@ -44,12 +44,6 @@ from megatron_kto.runtime import init_runtime, teardown
 # megatron-core's RNG tracker compares two *host* RNG-state tensors with `.item()` on leaving
 # `fork()` (tensor_parallel/random.py); on a GPU those stay on the host, so it is no sync there.
 HOST_ONLY = ("megatron/core/tensor_parallel/random.py",)
-#: See the module docstring: megatron's unfused THD RoPE (not used with Transformer Engine).
-UNFUSED_THD_ROPE = ("megatron/core/models/common/embeddings/rope_utils.py",)
-
-
-def _ignored(pack: bool) -> tuple[str, ...]:
-    return HOST_ONLY + (UNFUSED_THD_ROPE if pack else ())
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +99,7 @@ def _device_batch(runtime) -> dict:
 def test_kto_step_has_no_host_sync_before_its_metrics(runtime, forward_only, pack) -> None:
     model = _kto_model(runtime, micro_batch_size=1, pack=pack)  # 4 micro-batches
     batch = _device_batch(runtime)
-    with HostSyncGuard(ignore=_ignored(pack)) as guard:
+    with HostSyncGuard(ignore=HOST_ONLY) as guard:
         ref = model.get_ref_policy_logprobs(batch)  # cpu_swap reference pass
         batch[REF_SAMPLES], batch[REF_KL] = ref.chunk(2)
         sums, scalars = model.get_loss_and_metric_sums(batch, forward_only=forward_only)
@@ -114,7 +108,7 @@ def test_kto_step_has_no_host_sync_before_its_metrics(runtime, forward_only, pac
     # The same numbers come out of the public call, which then reads them back once.
     batch2 = _device_batch(runtime)
     batch2[REF_SAMPLES], batch2[REF_KL] = ref.chunk(2)
-    with HostSyncGuard(ignore=_ignored(pack)) as guard:
+    with HostSyncGuard(ignore=HOST_ONLY) as guard:
         loss, metrics = model.get_loss_and_metrics(batch2, forward_only=True)
     assert {c.where.split(" ")[-1] for c in guard.calls} <= {"finalize", "finalize_kto_metrics"}
     assert metrics["kl"] == pytest.approx(scalars["kl"].item())
@@ -146,7 +140,7 @@ def test_dpo_step_has_no_host_sync_before_its_metrics(runtime, pack) -> None:
     }
     batch["rejected_labels"][:, 8:] = -100  # shorter rejected rows
     batch = to_device(batch, runtime.device)
-    with HostSyncGuard(ignore=_ignored(pack)) as guard:
+    with HostSyncGuard(ignore=HOST_ONLY) as guard:
         ref = model.get_ref_policy_logprobs(batch)
         batch[REF_CHOSEN], batch[REF_REJECTED] = ref.chunk(2)
         model.get_loss_and_metric_sums(batch, forward_only=False)
