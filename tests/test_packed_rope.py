@@ -77,10 +77,12 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES)
-def test_packed_rope_equals_megatron_unfused_thd(runtime, case):
+def test_packed_rope_equals_megatron_unfused_thd(runtime, case, dtype):
     """Queries and keys (GQA: different head counts) rotated by `PackedRoPE` equal megatron's
-    `_apply_rotary_pos_emb_thd` on the same tensors, bit for bit, values and input gradients.
+    `_apply_rotary_pos_emb_thd` on the same tensors, bit for bit, values and input gradients
+    (fp32, and bf16 as under `trainer.precision=bf16`: fp32 angles, cos/sin cast to bf16).
 
     The table comes from megatron's `RotaryEmbedding` for the micro-batch's longest segment, as
     `GPTModel` builds it (`get_rotary_seq_len` of packed parameters); for one segment its length
@@ -101,9 +103,10 @@ def test_packed_rope_equals_megatron_unfused_thd(runtime, case):
     total = sum(lengths)
     cp = parallel_state.get_context_parallel_group()
     g = torch.Generator().manual_seed(len(lengths))
-    q = torch.randn(total, heads, head_dim, generator=g, requires_grad=True)
-    k = torch.randn(total, groups, head_dim, generator=g, requires_grad=True)
-    grad_q, grad_k = torch.randn(q.shape, generator=g), torch.randn(k.shape, generator=g)
+    q = torch.randn(total, heads, head_dim, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(total, groups, head_dim, generator=g).to(dtype).requires_grad_()
+    grad_q = torch.randn(q.shape, generator=g).to(dtype)
+    grad_k = torch.randn(k.shape, generator=g).to(dtype)
 
     want = [_apply_rotary_pos_emb_thd(t, cu, table, interleaved, cp_group=cp) for t in (q, k)]
     want_grads = torch.autograd.grad(want, (q, k), (grad_q, grad_k))
@@ -168,13 +171,8 @@ def test_megatron_keeps_fused_and_context_parallel_rope():
     thd.cu_seqlens_q_padded = thd.cu_seqlens_kv_padded = padded
     rope = own_packed_rope(config, (table, table), thd, cp_size=1)
     assert rope.cu_seqlens_q is padded and rope.cu_seqlens_kv is padded
-    assert torch.equal(
-        packed_rotary_freqs(table, padded, 6), table.index_select(0, _t([0, 1, 2] * 2))
-    )
-
-
-def _t(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values)
+    positions = torch.tensor([0, 1, 2, 0, 1, 2])
+    assert torch.equal(packed_rotary_freqs(table, padded, 6), table.index_select(0, positions))
 
 
 def _packed_batch(rows: list[int], length: int) -> dict:
