@@ -7,8 +7,9 @@ megatron-core 0.16.1 rotates the queries and keys of a packed micro-batch in one
   `runtime.gpu_settings.fusion_settings`): TE's fused THD kernel, which reads `cu_seqlens` on the
   device and only shapes on the host;
 * otherwise `_apply_rotary_pos_emb_thd`, which splits the rows with `cu_seqlens.tolist()` and
-  branches in Python on `freqs.size(0) == cu_seqlens[-1]`: two device-to-host copies per call,
-  so four per layer (queries and keys) and micro-batch on a GPU without TE.
+  branches in Python on `freqs.size(0) == cu_seqlens[-1]`: two device-to-host copies per call
+  (plus one `.item()` per segment when the table has one row per token), so four per layer
+  (queries and keys) and micro-batch on a GPU without TE.
 
 What the unfused path computes: for a segment i of length lᵢ starting at sᵢ it takes the table
 rows `freqs[0:lᵢ]` (or `freqs[sᵢ:sᵢ+lᵢ]` when the table has exactly one row per packed token),
@@ -79,9 +80,21 @@ class PackedRoPE:
     cu_seqlens_q: torch.Tensor
     cu_seqlens_kv: torch.Tensor
 
-    def rotate(self, query: torch.Tensor, key: torch.Tensor, config: TransformerConfig, cp_group):
+    def rotate(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        config: TransformerConfig,
+        cp_group: torch.distributed.ProcessGroup | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated (query, key), each [t, 1, n, d] (megatron's unfused THD path rotates the same
-        [t, 1, n, d] view, `t.unsqueeze(1)`, with the same [s, b, n, d] formula)."""
+        [t, 1, n, d] view, `t.unsqueeze(1)`, with the same [s, b, n, d] formula).
+
+        Args:
+            query: [t, 1, heads, d]; key: [t, 1, groups, d] (t packed tokens).
+            config: the model's config (`apply_rope_fusion` off).
+            cp_group: the context-parallel group (one rank).
+        """
         total = query.shape[0]
         q_freqs = packed_rotary_freqs(self.q_freqs, self.cu_seqlens_q, total)
         k_freqs = (
@@ -154,6 +167,7 @@ class PackedRoPESelfAttention(SelfAttention):
         inference_params=None,
     ):
         """`SelfAttention.forward` (same arguments and result)."""
+        # Layers megatron runs without RoPE (`no_rope_freq`) stay megatron's (it drops the angles).
         no_rope = bool(self.config.no_rope_freq) and self.config.no_rope_freq[self.layer_number - 1]
         rope = None
         if inference_context is None and inference_params is None and not no_rope:
