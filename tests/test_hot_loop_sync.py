@@ -13,17 +13,19 @@ Before this test existed the guard found two per micro-batch/step on this path:
 Batches enter the model as the trainer hands them over: through `schedule.to_device`, which
 records the host-side facts (scored positions and packed lengths per row) that selection and
 packing use instead of reading the device. Both micro-batch layouts are checked: padded, and
-packed (`models.packing`). Packed micro-batches pass THD parameters to megatron's attention,
-whose *unfused* THD RoPE (`rope_utils._apply_rotary_pos_emb_thd`, CPU and GPUs without
-Transformer Engine) reads `cu_seqlens` on the host; with TE the fused THD RoPE kernel is used
-(`runtime.gpu_settings`: apply_rope_fusion) and reads nothing, so that file is left out for the
-packed runs — and only that file.
+packed (`models.packing`), on one rank and on two (TP=2 with and without sequence parallelism,
+PP=2). Packed micro-batches pass THD parameters to megatron's attention; its *unfused* THD RoPE
+(`rope_utils._apply_rotary_pos_emb_thd`, run without Transformer Engine) reads `cu_seqlens` on
+the host — four syncs per layer and micro-batch, which the guard is shown to see — so our non-TE
+layer specs rotate packed queries and keys with `models.packed_rope` instead, which reads
+nothing. No file is left out for packed runs.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from multirank import run_multirank
 from sync_guard import HostSyncGuard
 from test_kto_model import VOCAB, _batch, _settings
 
@@ -36,6 +38,7 @@ from megatron_kto.models.dpo_model import (
     MegatronGPTDPOModel,
 )
 from megatron_kto.models.kto_model import REF_KL, REF_SAMPLES, MegatronGPTKTOModel
+from megatron_kto.models.packed_rope import PackedRoPE, PackedRoPESelfAttention
 from megatron_kto.models.reference import CPUSwapReference
 from megatron_kto.models.schedule import to_device
 from megatron_kto.models.training_setup import wrap_ddp
@@ -44,12 +47,8 @@ from megatron_kto.runtime import init_runtime, teardown
 # megatron-core's RNG tracker compares two *host* RNG-state tensors with `.item()` on leaving
 # `fork()` (tensor_parallel/random.py); on a GPU those stay on the host, so it is no sync there.
 HOST_ONLY = ("megatron/core/tensor_parallel/random.py",)
-#: See the module docstring: megatron's unfused THD RoPE (not used with Transformer Engine).
-UNFUSED_THD_ROPE = ("megatron/core/models/common/embeddings/rope_utils.py",)
-
-
-def _ignored(pack: bool) -> tuple[str, ...]:
-    return HOST_ONLY + (UNFUSED_THD_ROPE if pack else ())
+#: megatron-core's unfused RoPE (what packed runs without Transformer Engine used to call).
+ROPE_UTILS = "megatron/core/models/common/embeddings/rope_utils.py"
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +83,45 @@ def test_guard_records_what_blocks_and_nothing_else() -> None:
     assert guard.calls == []
 
 
+def _thd_rope_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[t, heads, d] queries, the cu_seqlens of rows 5, 1, 9 + a padding segment of 3, and
+    megatron's angle table for them (as `GPTModel` builds it for a packed micro-batch)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
+    table = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)(9)
+    return torch.randn(18, 2, 8), cu, table
+
+
+def test_guard_sees_megatron_unfused_thd_rope(runtime) -> None:
+    """What packed runs without Transformer Engine did per layer before `models.packed_rope`:
+    megatron's unfused THD RoPE reads `cu_seqlens` on the host (`.tolist()`, and a Python branch
+    on a tensor comparison) — two synchronisations per call, one call each for queries and keys."""
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
+
+    t, cu, table = _thd_rope_inputs()
+    cp = parallel_state.get_context_parallel_group()
+    with HostSyncGuard() as guard:
+        _apply_rotary_pos_emb_thd(t, cu, table, cp_group=cp)
+    assert sorted(c.name for c in guard.calls) == ["Tensor.__bool__", "Tensor.tolist"]
+    assert all(ROPE_UTILS in c.where for c in guard.calls), guard.report()
+
+
+def test_own_packed_rope_reads_nothing_on_the_host(runtime) -> None:
+    from megatron.core import parallel_state
+
+    from megatron_kto.models.builder import make_transformer_config
+
+    t, cu, table = _thd_rope_inputs()
+    config = make_transformer_config(GPTArchitecture(vocab_size=VOCAB), ParallelLayout())
+    rope = PackedRoPE(table, table, cu, cu)
+    cp = parallel_state.get_context_parallel_group()
+    with HostSyncGuard() as guard:
+        rope.rotate(t.unsqueeze(1), t.unsqueeze(1), config, cp)
+    assert guard.calls == [], guard.report()
+
+
 def _kto_model(runtime, micro_batch_size: int, pack: bool):
     arch = GPTArchitecture(vocab_size=VOCAB)
     chunks = wrap_ddp(build_gpt_chunks(arch, ParallelLayout(), runtime.device), False)
@@ -105,7 +143,7 @@ def _device_batch(runtime) -> dict:
 def test_kto_step_has_no_host_sync_before_its_metrics(runtime, forward_only, pack) -> None:
     model = _kto_model(runtime, micro_batch_size=1, pack=pack)  # 4 micro-batches
     batch = _device_batch(runtime)
-    with HostSyncGuard(ignore=_ignored(pack)) as guard:
+    with HostSyncGuard(ignore=HOST_ONLY) as guard:
         ref = model.get_ref_policy_logprobs(batch)  # cpu_swap reference pass
         batch[REF_SAMPLES], batch[REF_KL] = ref.chunk(2)
         sums, scalars = model.get_loss_and_metric_sums(batch, forward_only=forward_only)
@@ -114,7 +152,7 @@ def test_kto_step_has_no_host_sync_before_its_metrics(runtime, forward_only, pac
     # The same numbers come out of the public call, which then reads them back once.
     batch2 = _device_batch(runtime)
     batch2[REF_SAMPLES], batch2[REF_KL] = ref.chunk(2)
-    with HostSyncGuard(ignore=_ignored(pack)) as guard:
+    with HostSyncGuard(ignore=HOST_ONLY) as guard:
         loss, metrics = model.get_loss_and_metrics(batch2, forward_only=True)
     assert {c.where.split(" ")[-1] for c in guard.calls} <= {"finalize", "finalize_kto_metrics"}
     assert metrics["kl"] == pytest.approx(scalars["kl"].item())
@@ -146,11 +184,65 @@ def test_dpo_step_has_no_host_sync_before_its_metrics(runtime, pack) -> None:
     }
     batch["rejected_labels"][:, 8:] = -100  # shorter rejected rows
     batch = to_device(batch, runtime.device)
-    with HostSyncGuard(ignore=_ignored(pack)) as guard:
+    with HostSyncGuard(ignore=HOST_ONLY) as guard:
         ref = model.get_ref_policy_logprobs(batch)
         batch[REF_CHOSEN], batch[REF_REJECTED] = ref.chunk(2)
         model.get_loss_and_metric_sums(batch, forward_only=False)
     assert guard.calls == [], guard.report()
+
+
+#: (name, TP, PP, sequence parallel) of the packed runs on two ranks.
+PACKED_LAYOUTS = [("tp2", 2, 1, False), ("tp2_sp", 2, 1, True), ("pp2", 1, 2, False)]
+
+
+def _packed_step_syncs(rank: int, world_size: int) -> dict:
+    """Per layout: one packed KTO step (reference pass, then forward + backward over 4
+    micro-batches) with our attention modules, then the same step with them switched back to
+    megatron's `SelfAttention`: the guard's records of each, and how many of ours ran."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    out = {}
+    for name, tp, pp, sp in PACKED_LAYOUTS:
+        rt = init_runtime(tp, pp, seed=11)
+        layout = ParallelLayout(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp
+        )
+        chunks = wrap_ddp(
+            build_gpt_chunks(GPTArchitecture(vocab_size=VOCAB), layout, rt.device), False
+        )
+        settings = _settings(micro_batch_size=1, pack_sequences=True)
+        model = MegatronGPTKTOModel(chunks, CPUSwapReference(chunks), settings)
+        attentions = [m for c in chunks for m in c.modules() if isinstance(m, SelfAttention)]
+        out[name] = {"ours": sum(type(m) is PackedRoPESelfAttention for m in attentions)}
+        for attention in ("packed_rope", "megatron"):
+            if attention == "megatron":
+                for m in attentions:
+                    m.__class__ = SelfAttention
+            batch = _device_batch(rt)
+            with HostSyncGuard(ignore=HOST_ONLY) as guard:
+                ref = model.get_ref_policy_logprobs(batch)
+                batch[REF_SAMPLES], batch[REF_KL] = ref.chunk(2)
+                model.get_loss_and_metric_sums(batch, forward_only=False)
+            out[name][attention] = [f"{c.name} at {c.where}" for c in guard.calls]
+    teardown()
+    return out
+
+
+@pytest.mark.multirank
+def test_packed_steps_under_tp_sp_pp_have_no_host_sync() -> None:
+    """Packed KTO steps on two ranks (TP=2, TP=2 with sequence parallelism — packed lengths
+    padded to a multiple of TP — and PP=2 — micro-batches padded to a common length) make no
+    host synchronisation before their metrics; the same steps through megatron's unfused THD
+    RoPE do, all of them in `rope_utils`, so the guard would see a regression on every layout."""
+    reports = run_multirank(_packed_step_syncs, 2, timeout=300)
+    for rank, report in enumerate(reports):
+        for name, got in report.items():
+            assert got["ours"] > 0, f"rank {rank} {name}: no PackedRoPESelfAttention built"
+            assert got["packed_rope"] == [], f"rank {rank} {name}:\n" + "\n".join(
+                got["packed_rope"]
+            )
+            assert got["megatron"], f"rank {rank} {name}: the guard saw megatron's RoPE do nothing"
+            assert all(ROPE_UTILS in where for where in got["megatron"]), got["megatron"]
 
 
 def test_cuda_runs_load_batches_into_pinned_memory(tmp_path) -> None:

@@ -20,7 +20,7 @@ What it keeps from megatron's contract:
   and activation recomputation replays them exactly;
 * packed micro-batches (`packed_seq_params` with ``qkv_format='thd'``, see `models.packing`):
   megatron's attention hands over [t, heads, d] tensors of concatenated rows (RoPE already
-  applied per row from `cu_seqlens`); each row attends causally within itself, one SDPA call per
+  applied per row, `models.packed_rope`); each row attends causally within itself, one SDPA call per
   row. Per-row calls, not one call with a block-diagonal [t, t] mask: the mask would make SDPA
   compute (and, on CPU, allocate) all t² scores — more work than the padding it replaces, and
   ~64 MiB of fp32 mask per layer at t = 4k — whereas per-row calls cost Σ lᵢ², and the fused

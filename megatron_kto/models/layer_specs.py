@@ -11,7 +11,9 @@
 checkpoints move freely between them.
 
 For the non-TE specs the norms (per layer and the final one) are ours (`models/norms.py`): the
-same kernels as megatron's `WrappedTorchNorm`, plus sequence-parallel support.
+same kernels as megatron's `WrappedTorchNorm`, plus sequence-parallel support; so is the
+self-attention module (`models/packed_rope.py`): megatron's `SelfAttention`, except that a packed
+micro-batch's RoPE on the unfused path (no `apply_rope_fusion`) reads no `cu_seqlens` on the host.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kto.models.attention import SDPAttention
 from megatron_kto.models.norms import LocalNorm
+from megatron_kto.models.packed_rope import PackedRoPESelfAttention
 from megatron_kto.runtime.gpu_settings import (  # noqa: F401  (re-exported)
     ATTENTION_BACKENDS,
     resolve_attention_backend,
@@ -57,7 +60,9 @@ def local_layer_spec(normalization: str, attention: str) -> ModuleSpec:
         layer,
         input_layernorm=LocalNorm,
         pre_mlp_layernorm=LocalNorm,
-        self_attention=dataclasses.replace(self_attention, submodules=attn_submodules),
+        self_attention=dataclasses.replace(
+            self_attention, module=PackedRoPESelfAttention, submodules=attn_submodules
+        ),
     )
     return dataclasses.replace(spec, submodules=layer)
 

@@ -8,10 +8,11 @@ data most of every pass is then padding. A packed micro-batch is [1, L] with L =
   change a scored one, so every statistic the losses read is unchanged;
 * position ids restart per row (they are the padded batch's own position ids, gathered);
 * attention never crosses rows: megatron-core's `PackedSeqParams` in the `thd` format carry the
-  row boundaries (`cu_seqlens`). megatron's attention then applies RoPE per row from
-  `cu_seqlens` (`rope_utils._apply_rotary_pos_emb_thd`, or TE's fused THD kernel), and the core
-  attention runs causally inside each row: Transformer Engine's fused attention with
-  `padding_causal` masks, or `SDPAttention`, which runs one causal SDPA call per row;
+  row boundaries (`cu_seqlens`). RoPE restarts at every row, from `cu_seqlens` on the device:
+  TE's fused THD kernel, or without it `models.packed_rope` (megatron's own unfused THD RoPE
+  would read `cu_seqlens` on the host); the core attention runs causally inside each row:
+  Transformer Engine's fused attention with `padding_causal` masks, or `SDPAttention`, which
+  runs one causal SDPA call per row;
 * per-row statistics are segment sums over the flat positions (`segment_sums`).
 
 When the packed length must divide a multiple (TP under sequence parallelism) or match a common
