@@ -243,10 +243,11 @@ def _load_tokenizer_vocab(library: str, model: str, template: str | None) -> int
 
 
 def _on_cuda() -> bool:
-    # Does not initialise CUDA (the launch environment is applied later, see runtime).
-    import torch
+    # The machine as the attention decision sees it; does not initialise CUDA (the launch
+    # environment is applied later, see runtime.gpu_settings).
+    from megatron_kto.runtime.gpu_settings import Accelerator
 
-    return torch.cuda.is_available()
+    return Accelerator.detect().cuda
 
 
 def prepare_run_config(

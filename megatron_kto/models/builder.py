@@ -50,9 +50,10 @@ class ParallelLayout:
     ('block'); None means 1."""
     attention_backend: str = "auto"
     """'auto', 'te', 'sdpa' or 'local' (see `layer_specs.py`)."""
-    pack_sequences: bool = True
-    """The model is fed packed (THD) micro-batches (`model.data.pack_sequences`): the attention
-    backend must take them."""
+    pack_sequences: bool = False
+    """The model will be fed packed (THD) micro-batches (`model.data.pack_sequences`): the
+    attention backend must take them ('local' cannot; TE < 2.11 cannot in fp32). Callers that
+    pack say so; `auto` decides the same either way."""
 
 
 def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> TransformerConfig:
