@@ -142,15 +142,14 @@ def resolve_settings(args: argparse.Namespace, policy_dir: Path) -> dict[str, An
 
 def _precision(flag: str | None, run: Any) -> str:
     """--precision, else the run's trainer.precision, else what the trainer's default gives here."""
-    import torch
-
     from megatron_kto.config.validate import canonical_precision, device_precision
+    from megatron_kto.runtime.gpu_settings import Accelerator
 
     if flag is not None:
         return flag
     if run is not None:
         return canonical_precision(run)
-    return device_precision(torch.cuda.is_available())
+    return device_precision(Accelerator.detect().cuda)
 
 
 def choose_attention(settings: dict[str, Any]):
