@@ -14,9 +14,9 @@ __all__ = [
     "ConfigError",
     "attention_choice",
     "canonical_precision",
-    "device_precision",
     "check_layout",
     "data_parallel_size",
+    "device_precision",
     "validate",
 ]
 

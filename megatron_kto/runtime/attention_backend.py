@@ -64,7 +64,8 @@ ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local")
 TE_UNFUSED_THD_SINCE = Version("2.11.0")
 #: Head dims TE's flash and fused kernels take: multiples of this ...
 KERNEL_HEAD_DIM_MULTIPLE = 8
-#: ... up to this on every supported GPU (cuDNN, sm80+) ...
+#: ... up to this on every supported GPU (cuDNN on sm80+; packed input needs sm90+ or
+#: flash-attn, which is not modelled: see the module docstring) ...
 KERNEL_HEAD_DIM_EVERY_GPU = 128
 #: ... and up to this with flash-attn 2, or cuDNN >= 9.5 on Hopper.
 KERNEL_HEAD_DIM_MAX = 256
