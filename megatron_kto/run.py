@@ -54,6 +54,7 @@ def _layout(cfg: Any) -> ParallelLayout:
         activations_checkpoint_method=m.activations_checkpoint_method,
         activations_checkpoint_num_layers=m.activations_checkpoint_num_layers,
         attention_backend=m.attention_backend,
+        pack_sequences=m.data.pack_sequences,
     )
 
 

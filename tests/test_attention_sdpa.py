@@ -9,19 +9,18 @@ in log-probs and in every parameter's gradient. Multi-rank layouts (TP=2, PP=2) 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_parallel_common import make_batch, tiny_arch
 
 from megatron_kto.models import attention as attention_module
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks, make_transformer_config
-from megatron_kto.models.layer_specs import (
-    resolve_attention_backend,
-    transformer_engine_available,
-)
 from megatron_kto.models.logprobs import masked_sum, token_logprobs
 from megatron_kto.models.norms import LocalNorm
 from megatron_kto.runtime import init_runtime, teardown
+from megatron_kto.runtime.gpu_settings import Accelerator
 
 TOLERANCE = 1e-5
 
@@ -46,20 +45,42 @@ def _reseed(seed: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_auto_backend_is_sdpa_without_transformer_engine():
-    want = "te" if transformer_engine_available() else "sdpa"
-    assert resolve_attention_backend("auto") == want
-    assert resolve_attention_backend("sdpa") == "sdpa"
-    assert resolve_attention_backend("local") == "local"
+@pytest.mark.parametrize(
+    "machine,precision,pack,request_,want",
+    [
+        (Accelerator(cuda=False), "32", True, "auto", "sdpa"),
+        (Accelerator(cuda=True, transformer_engine="2.9.0"), "32", True, "auto", "sdpa"),
+        (Accelerator(cuda=True, transformer_engine="2.9.0"), "bf16", True, "auto", "te"),
+        (Accelerator(cuda=True, transformer_engine="2.9.0"), "32", False, "te", "te"),
+        (Accelerator(cuda=True, transformer_engine="2.11.0"), "32", True, "te", "te"),
+        (Accelerator(cuda=True, transformer_engine="2.9.0"), "bf16", False, "local", "local"),
+    ],
+)
+def test_the_builder_takes_its_backend_from_the_decision(
+    monkeypatch, machine, precision, pack, request_, want
+):
+    """`build_gpt_chunks` builds with what `choose_attention_backend` decides for the stated
+    machine and the layout's precision and packing (no TE spec is built on this CPU)."""
+    from megatron_kto.models import builder
+
+    monkeypatch.setattr(builder.Accelerator, "detect", classmethod(lambda cls: machine))
+    layout = ParallelLayout(precision=precision, pack_sequences=pack, attention_backend=request_)
+    assert builder.attention_choice(tiny_arch(), layout).backend == want
 
 
-def test_te_backend_without_transformer_engine_names_the_key():
-    if transformer_engine_available():
-        pytest.skip("Transformer Engine and CUDA are present")
-    with pytest.raises(ValueError, match=r"^model\.attention_backend: 'te' needs"):
-        resolve_attention_backend("te")
-    with pytest.raises(ValueError, match=r"^model\.attention_backend: must be one of"):
-        resolve_attention_backend("flash")
+def test_the_builder_refuses_what_cannot_run(monkeypatch):
+    from megatron_kto.models import builder
+
+    te_2_9 = Accelerator(cuda=True, transformer_engine="2.9.0")
+    monkeypatch.setattr(builder.Accelerator, "detect", classmethod(lambda cls: te_2_9))
+    layout = ParallelLayout(precision="32", pack_sequences=True, attention_backend="te")
+    with pytest.raises(
+        ValueError, match=r"^model\.attention_backend: 'te' cannot run fp32 \+ packed"
+    ):
+        builder.attention_choice(tiny_arch(), layout)
+    monkeypatch.setattr(builder.Accelerator, "detect", classmethod(lambda cls: Accelerator(False)))
+    with pytest.raises(ValueError, match=r"^model\.attention_backend: 'te' needs Transformer"):
+        builder.attention_choice(tiny_arch(), dataclasses.replace(layout, precision="bf16"))
 
 
 def test_backends_build_the_expected_modules(runtime):

@@ -1,7 +1,8 @@
 """Config keys of the attention backend, sequence parallelism and activation recomputation.
 
 Composed as the entry scripts compose them (Hydra, `conf/`, the schema) and checked by
-`validate`, which must name the key; nothing is built.
+`validate`, which must name the key; nothing is built. The machine is stated
+(`Accelerator.detect` returns it), so every decision below is the same on any test machine.
 """
 
 from __future__ import annotations
@@ -9,26 +10,42 @@ from __future__ import annotations
 import pytest
 
 from megatron_kto.config.entry import compose_run_config
-from megatron_kto.config.validate import ConfigError, validate
-from megatron_kto.runtime.gpu_settings import transformer_engine_available
+from megatron_kto.config.validate import ConfigError, attention_choice, validate
+from megatron_kto.runtime.gpu_settings import Accelerator
+
+CPU = Accelerator(cuda=False)
+TE_2_9 = Accelerator(cuda=True, transformer_engine="2.9.0")
+TE_2_11 = Accelerator(cuda=True, transformer_engine="2.11.0")
+
+
+def _state(monkeypatch, machine: Accelerator) -> None:
+    monkeypatch.setattr(Accelerator, "detect", classmethod(lambda cls: machine))
+
+
+@pytest.fixture(autouse=True)
+def on_a_cpu(monkeypatch):
+    """Every test runs on a stated CPU machine unless it states another."""
+    _state(monkeypatch, CPU)
+
+
+def _prepare(overrides: list[str], world: int = 1):
+    """Composed and prepared as the entry script does it (the bundled example selects the tiny
+    architecture; conf/gpt_kto.yaml alone names none), validated for `world` ranks."""
+    return compose_run_config("gpt_kto", ["example=tiny_kto", *overrides], "kto", world_size=world)
 
 
 def _compose(overrides: list[str], world: int = 1):
-    """Composed and prepared as the entry script does it (the bundled example selects the tiny
-    architecture; conf/gpt_kto.yaml alone names none), validated for `world` ranks."""
-    return compose_run_config(
-        "gpt_kto", ["example=tiny_kto", *overrides], "kto", world_size=world
-    ).cfg
+    return _prepare(overrides, world).cfg
 
 
 @pytest.mark.parametrize(
-    "overrides,world",
+    "overrides,world,backend",
     [
-        (["model.attention_backend=sdpa"], 1),
-        (["model.attention_backend=local", "model.data.pack_sequences=false"], 1),
-        (["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"], 2),
-        (["model.activations_checkpoint_granularity=selective"], 1),
-        (["model.activations_checkpoint_granularity=full"], 1),
+        (["model.attention_backend=sdpa"], 1, "sdpa"),
+        (["model.attention_backend=local", "model.data.pack_sequences=false"], 1, "local"),
+        (["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"], 2, "sdpa"),
+        (["model.activations_checkpoint_granularity=selective"], 1, "sdpa"),
+        (["model.activations_checkpoint_granularity=full"], 1, "sdpa"),
         (
             [
                 "model.activations_checkpoint_granularity=full",
@@ -36,6 +53,7 @@ def _compose(overrides: list[str], world: int = 1):
                 "model.activations_checkpoint_num_layers=2",
             ],
             1,
+            "sdpa",
         ),
         (
             [
@@ -46,16 +64,20 @@ def _compose(overrides: list[str], world: int = 1):
                 "model.activations_checkpoint_num_layers=2",
             ],
             2,
+            "sdpa",
         ),
     ],
 )
-def test_valid_settings_pass(overrides, world):
-    validate(_compose(overrides, world), world, "kto")
+def test_valid_settings_pass(overrides, world, backend):
+    cfg = _compose(overrides, world)
+    validate(cfg, world, "kto")
+    assert attention_choice(cfg).backend == backend
 
 
-def test_default_backend_is_auto():
-    assert _compose([]).model.attention_backend == "auto"
-    validate(_compose([]), 1, "kto")
+def test_default_backend_is_auto_and_the_note_says_what_it_chose():
+    prepared = _prepare([])
+    assert prepared.cfg.model.attention_backend == "auto"
+    assert "model.attention_backend=auto: sdpa (no CUDA device)" in prepared.notes
 
 
 def test_packing_is_on_by_default():
@@ -146,8 +168,53 @@ def test_invalid_settings_name_the_key(overrides, world, key, fragment):
 
 
 def test_te_backend_needs_transformer_engine():
-    if transformer_engine_available():
-        validate(_compose(["model.attention_backend=te"]), 1, "kto")
-        return
-    with pytest.raises(ConfigError, match=r"^model\.attention_backend: 'te' needs Transformer"):
+    with pytest.raises(ConfigError) as err:
         _compose(["model.attention_backend=te"])
+    assert str(err.value) == (
+        "model.attention_backend: 'te' needs Transformer Engine and a CUDA device (no CUDA "
+        "device); set model.attention_backend=auto or sdpa"
+    )
+
+
+def test_bundled_example_on_te_2_9_runs_sdpa(monkeypatch):
+    """The issue's crash: the example (fp32, packed) on the NGC 25.11 image (TE 2.9) picked TE,
+    which has no fp32 attention for packed input. `auto` now picks SDPA and says why."""
+    _state(monkeypatch, TE_2_9)
+    prepared = _prepare([])
+    assert prepared.cfg.trainer.precision == "32" and prepared.cfg.model.data.pack_sequences
+    assert (
+        "model.attention_backend=auto: sdpa (Transformer Engine 2.9.0: its flash and fused "
+        "attention need bf16 or fp16, its unfused attention takes packed (THD) input only from "
+        "2.11.0)"
+    ) in prepared.notes
+    assert attention_choice(_compose(["trainer.precision=bf16"])).backend == "te"
+
+
+def test_explicit_te_in_fp32_with_packing_on_te_2_9_is_one_error_line(monkeypatch):
+    _state(monkeypatch, TE_2_9)
+    with pytest.raises(ConfigError) as err:
+        _compose(["model.attention_backend=te"])
+    assert str(err.value) == (
+        "model.attention_backend: 'te' cannot run fp32 + packed sequences (Transformer Engine "
+        "2.9.0: its flash and fused attention need bf16 or fp16, its unfused attention takes "
+        "packed (THD) input only from 2.11.0); set model.attention_backend=sdpa (or auto), "
+        "trainer.precision=bf16, or model.data.pack_sequences=false"
+    )
+    # Each of the fixes the message offers is accepted.
+    for fix in (
+        "model.attention_backend=sdpa",
+        "trainer.precision=bf16",
+        "model.data.pack_sequences=false",
+    ):
+        overrides = ["model.attention_backend=te", fix]
+        if fix.startswith("model.attention_backend"):
+            overrides = [fix]
+        want = "sdpa" if fix.endswith("sdpa") else "te"
+        assert attention_choice(_compose(overrides)).backend == want, fix
+
+
+def test_explicit_te_in_fp32_with_packing_runs_on_te_2_11(monkeypatch):
+    _state(monkeypatch, TE_2_11)
+    cfg = _compose(["model.attention_backend=te"])
+    assert attention_choice(cfg).backend == "te"
+    assert attention_choice(_compose([])).backend == "sdpa"  # auto keeps SDPA in fp32

@@ -17,6 +17,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from megatron_kto.config.entry import compose_run_config
 from megatron_kto.config.schema import architecture_of, register
 from megatron_kto.config.validate import ConfigError, data_parallel_size, validate
+from megatron_kto.runtime.gpu_settings import Accelerator
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 register()
@@ -152,15 +153,20 @@ TRAIN = str(REPO / "examples" / "data" / "tiny_kto" / "train.jsonl")
 REAL = ["model=tiny", f"model.data.data_prefix.train=[{TRAIN}]", f"model.tokenizer.model={SP}"]
 
 
-def test_demo_values_do_not_leak_into_a_run_given_data():
+def _state(monkeypatch, machine: Accelerator) -> None:
+    monkeypatch.setattr(Accelerator, "detect", classmethod(lambda cls: machine))
+
+
+def test_demo_values_do_not_leak_into_a_run_given_data(monkeypatch):
     """Naming training data is a real run: the schema's defaults apply, not the example's."""
+    _state(monkeypatch, Accelerator(cuda=True, transformer_engine="2.9.0"))
     prepared = compose_run_config("gpt_kto", REAL)
     cfg = prepared.cfg
     assert not any("bundled tiny example" in n for n in prepared.notes)
     assert cfg.model.optim.lr == 5e-6 and cfg.model.optim.sched.min_lr == pytest.approx(5e-7)
     assert cfg.model.data.max_length is None  # the model's own position limit
     assert cfg.trainer.kto.max_steps == -1 and cfg.trainer.kto.val_check_interval == 0.1
-    assert cfg.trainer.precision == "bf16"
+    assert cfg.trainer.precision == "bf16"  # unset: follows the (stated CUDA) device
     assert (cfg.model.global_batch_size, cfg.model.micro_batch_size) == (64, 1)
     assert cfg.model.tokenizer.library == "sentencepiece"  # inferred from the .model file
     demo = compose_run_config("gpt_kto", []).cfg
@@ -228,6 +234,37 @@ def test_megatron_core_assertions_are_checked_first(overrides, key, fragment):
 def test_precision_spellings(spelling, canonical):
     cfg = compose_run_config("gpt_kto", [f"trainer.precision={spelling}"]).cfg
     assert cfg.trainer.precision == canonical
+
+
+@pytest.mark.parametrize(
+    "machine,overrides,precision,note",
+    [
+        (Accelerator(cuda=False), [], "32",
+         "trainer.precision unset: 32 (no CUDA device; fp32 is the fast setting on a CPU)"),
+        (Accelerator(cuda=True), [], "bf16", "trainer.precision unset: bf16 (a CUDA device)"),
+        # An explicit value always wins, and is not announced as a default.
+        (Accelerator(cuda=False), ["trainer.precision=bf16-mixed"], "bf16", None),
+        (Accelerator(cuda=True), ["trainer.precision=32"], "32", None),
+        (Accelerator(cuda=True), ["trainer.precision=16"], "16", None),
+    ],
+)  # fmt: skip
+def test_unset_precision_follows_the_device(monkeypatch, machine, overrides, precision, note):
+    _state(monkeypatch, machine)
+    prepared = compose_run_config("gpt_kto", [*REAL, *overrides])
+    assert prepared.cfg.trainer.precision == precision
+    said = [n for n in prepared.notes if n.startswith("trainer.precision unset")]
+    assert said == ([note] if note else [])
+    # The half-precision-on-a-CPU warning only for a half precision the user chose.
+    slow = [n for n in prepared.notes if "on a CPU: half-precision matmuls" in n]
+    assert len(slow) == (1 if not machine.cuda and precision != "32" else 0)
+
+
+def test_the_bundled_examples_state_fp32():
+    """The examples keep their printed losses on every device: they set fp32 themselves."""
+    for name, algorithm in (("gpt_kto", "kto"), ("gpt_dpo", "dpo")):
+        prepared = compose_run_config(name, [], algorithm)
+        assert prepared.cfg.trainer.precision == "32"
+        assert not any(n.startswith("trainer.precision unset") for n in prepared.notes)
 
 
 def test_counts_and_fractions_keep_nemo_meaning():

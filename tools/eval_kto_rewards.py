@@ -14,6 +14,12 @@ Settings not given on the command line come from the policy checkpoint's saved r
 length limits its own. `--policy` accepts a run directory, a checkpoints root, a `step_<N>`
 directory or a converted checkpoint. Exit code 2 and one `error:` line on bad input.
 
+`--precision` defaults to the run's `trainer.precision` (so the numbers are the ones its
+validation computed), and without a run config follows the device as the trainer does (bf16 on
+CUDA, 32 on a CPU). The attention backend (`--attention-backend`, default auto) is decided as
+for training (`megatron_kto/runtime/attention_backend.py`) for packed passes at that precision,
+before any process group exists; the choice is printed with the results.
+
 On the checkpoint and data of a run's validation, the mean rewards and log-probs per class are
 the run's `val` row (which covers the full global batches, `limit_val_batches` of them).
 """
@@ -33,6 +39,7 @@ from megatron_kto.checkpointing import files  # noqa: E402
 from megatron_kto.checkpointing.errors import CheckpointError  # noqa: E402
 from megatron_kto.config.validate import ConfigError  # noqa: E402
 from megatron_kto.data.errors import DataFormatError  # noqa: E402
+from megatron_kto.runtime.attention_backend import ATTENTION_BACKENDS  # noqa: E402
 
 
 class UsageError(ValueError):
@@ -52,6 +59,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="examples per forward pass per rank")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument(
+        "--precision",
+        choices=("32", "bf16", "16"),
+        help="model precision (default: the run's trainer.precision, else bf16 on CUDA, 32 on CPU)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="attention backend (default: auto, decided as for training)",
+    )
     p.add_argument("--no-cache", action="store_true", help="do not write tokenised caches")
     p.add_argument("--json", type=Path, help="write the summary (and settings) as JSON here")
     p.add_argument("--per-example", type=Path, help="write one JSON line per example here")
@@ -111,6 +129,8 @@ def resolve_settings(args: argparse.Namespace, policy_dir: Path) -> dict[str, An
         "max_length": args.max_length or run_value("model.data.max_length"),
         "max_prompt_length": run_value("model.data.max_prompt_length"),
         "truncation_mode": run_value("model.data.truncation_mode", "keep_end"),
+        "precision": _precision(args.precision, run_value("trainer.precision")),
+        "attention_backend": args.attention_backend,
     }
     if settings["beta"] <= 0:
         raise UsageError(f"--beta: must be > 0, got {settings['beta']}")
@@ -118,6 +138,46 @@ def resolve_settings(args: argparse.Namespace, policy_dir: Path) -> dict[str, An
         if not Path(path).exists():
             raise UsageError(f"{path}: not found")
     return settings
+
+
+def _precision(flag: str | None, run: Any) -> str:
+    """--precision, else the run's trainer.precision, else what the trainer's default gives here."""
+    from megatron_kto.config.validate import canonical_precision, device_precision
+    from megatron_kto.runtime.gpu_settings import Accelerator
+
+    if flag is not None:
+        return flag
+    if run is not None:
+        return canonical_precision(run)
+    return device_precision(Accelerator.detect().cuda)
+
+
+def choose_attention(settings: dict[str, Any]):
+    """The attention backend of the passes (packed, at the chosen precision) on this machine.
+
+    Raises:
+        UsageError: naming --attention-backend / --precision when it cannot run here.
+    """
+    from megatron_kto.checkpointing.locate import read_architecture
+    from megatron_kto.eval.implicit_reward import PACKED_PASSES
+    from megatron_kto.runtime.attention_backend import (
+        SettingNames,
+        choose_attention_backend,
+        head_dim_of,
+    )
+    from megatron_kto.runtime.gpu_settings import Accelerator
+
+    try:
+        return choose_attention_backend(
+            settings["attention_backend"],
+            precision=settings["precision"],
+            packed=PACKED_PASSES,
+            accelerator=Accelerator.detect(),
+            head_dim=head_dim_of(read_architecture(Path(settings["policy"]))),
+            names=SettingNames("--attention-backend", "--precision", packing=None),
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from e
 
 
 def check_layout(args: argparse.Namespace, settings: dict[str, Any]) -> None:
@@ -161,6 +221,7 @@ def evaluate(args: argparse.Namespace) -> int:
     policy_dir = resolve_pretrained_dir(args.policy)
     settings = resolve_settings(args, policy_dir)
     check_layout(args, settings)
+    attention = choose_attention(settings)
 
     from megatron_kto.data.tokenizers import load_tokenizer
     from megatron_kto.eval.classification import summarize
@@ -184,6 +245,8 @@ def evaluate(args: argparse.Namespace) -> int:
             truncation_mode=settings["truncation_mode"],
             batch_size=args.batch_size,
             use_cache=not args.no_cache,
+            precision=settings["precision"],
+            attention_backend=settings["attention_backend"],
         )
         if result.labels.all() or not result.labels.any():
             raise UsageError(
@@ -194,6 +257,7 @@ def evaluate(args: argparse.Namespace) -> int:
         if runtime.is_rank0:
             print(f"policy: {policy_dir}\nreference: {settings['reference']}")
             print(f"data: {', '.join(settings['data'])} (beta {settings['beta']})")
+            print(f"precision {settings['precision']}, attention {attention.describe()}")
             print(report.format(), flush=True)
             if args.json:
                 args.json.write_text(

@@ -4,7 +4,8 @@
 and `run.run_alignment` again, idempotently). It reads JSON and tokenizer files only — no
 process group, no megatron-core — so a bad config stops within a couple of seconds of launch:
 
-1. `trainer.precision`: NeMo/Lightning spellings -> '32' / 'bf16' / '16'.
+1. `trainer.precision`: NeMo/Lightning spellings -> '32' / 'bf16' / '16'; unset follows the
+   device (bf16 on CUDA, 32 on a CPU), with a note saying which.
 2. The architecture. With `pretrained_checkpoint.restore_from_path` it is the checkpoint's
    (architecture.json): a value the config states (a preset, an override) that differs is an
    error naming both; without a checkpoint the config must state the shape (a preset).
@@ -12,7 +13,8 @@ process group, no megatron-core — so a bad config stops within a couple of sec
    (a converted model's tokenizer files, or a training run's config); the library is inferred.
 4. The vocabulary: the tokenizer's ids must fit the model's embedding.
 5. `model.optim.sched.min_lr` unset means lr / 10 (so `model.optim.lr=5e-6` alone is valid).
-6. `validate.validate` with the resolved shape.
+6. `validate.validate` with the resolved shape, then the attention backend the run will use
+   (`runtime.attention_backend`), with a note saying which and why.
 
 The resolved values are written back into the config (what is saved with checkpoints).
 """
@@ -29,7 +31,13 @@ from megatron_kto.checkpointing import files
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.checkpointing.locate import ARCH_FILE, read_architecture, resolve_pretrained_dir
 from megatron_kto.config.keys import check_known_keys
-from megatron_kto.config.validate import ConfigError, canonical_precision, validate
+from megatron_kto.config.validate import (
+    ConfigError,
+    attention_choice,
+    canonical_precision,
+    device_precision,
+    validate,
+)
 from megatron_kto.models.architecture import GPTArchitecture
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -234,10 +242,12 @@ def _load_tokenizer_vocab(library: str, model: str, template: str | None) -> int
         ) from e
 
 
-def _on_cpu() -> bool:
-    import torch
+def _on_cuda() -> bool:
+    # The machine as the attention decision sees it; does not initialise CUDA (the launch
+    # environment is applied later, see runtime.gpu_settings).
+    from megatron_kto.runtime.gpu_settings import Accelerator
 
-    return not torch.cuda.is_available()
+    return Accelerator.detect().cuda
 
 
 def prepare_run_config(
@@ -262,7 +272,14 @@ def prepare_run_config(
     sources = sources or ConfigSources()
     check_known_keys(cfg)  # a `+key=...` typo first, before anything is read from disk
     m, t = cfg.model, cfg.trainer
-    t.precision = canonical_precision(t.precision)
+    notes = []
+    if t.precision is None:
+        cuda = _on_cuda()
+        t.precision = device_precision(cuda)
+        why = "a CUDA device" if cuda else "no CUDA device; fp32 is the fast setting on a CPU"
+        notes.append(f"trainer.precision unset: {t.precision} ({why})")
+    else:
+        t.precision = canonical_precision(t.precision)
     arch, arch_file, ckpt_dir = resolve_architecture(cfg, sources)
     library, model, template = resolve_tokenizer(cfg, ckpt_dir)
     m.tokenizer.library, m.tokenizer.model, m.tokenizer.chat_template = library, model, template
@@ -281,8 +298,8 @@ def prepare_run_config(
         m.optim.sched.min_lr = m.optim.lr / DEFAULT_MIN_LR_DIVISOR
     validate(cfg, world_size, algorithm, architecture_file=arch_file)
 
-    notes = []
-    if t.precision != "32" and _on_cpu():
+    notes.append(attention_choice(cfg).note(m.attention_backend))
+    if t.precision != "32" and not _on_cuda():
         notes.append(
             f"trainer.precision={t.precision} on a CPU: half-precision matmuls run about 10x "
             "slower than fp32 there; trainer.precision=32 is the CPU setting"

@@ -47,9 +47,10 @@ class TrainerConfig:
     """Nodes in the job (checked against the launched world size when `devices` is set)."""
     devices: int | None = None
     """Processes per node; None accepts whatever torchrun launched."""
-    precision: str = "bf16"
+    precision: str | None = None
     """'bf16'/'bf16-mixed' (bf16 weights, fp32 master copy), '16'/'16-mixed' (the same in fp16
-    with dynamic loss scaling) or '32'/'32-true'."""
+    with dynamic loss scaling) or '32'/'32-true'; None follows the device: bf16 on CUDA, 32 on a
+    CPU (where half-precision matmuls are ~10x slower)."""
     max_time: str | None = None
     """Run-time limit 'DD:HH:MM:SS'; the run saves and exits cleanly when reached."""
     log_every_n_steps: int = 1

@@ -10,7 +10,15 @@ from typing import Any
 from megatron_kto.config.errors import ConfigError
 from megatron_kto.config.keys import check_known_keys
 
-__all__ = ["ConfigError", "canonical_precision", "check_layout", "data_parallel_size", "validate"]
+__all__ = [
+    "ConfigError",
+    "attention_choice",
+    "canonical_precision",
+    "check_layout",
+    "data_parallel_size",
+    "device_precision",
+    "validate",
+]
 
 
 def _need(condition: bool, key: str, message: str) -> None:
@@ -44,6 +52,12 @@ PRECISIONS = {
     "16": "16",
     "16-mixed": "16",
 }
+
+
+def device_precision(cuda: bool) -> str:
+    """What an unset `trainer.precision` means: 'bf16' on CUDA, '32' on a CPU (where
+    half-precision matmuls run about 10x slower than fp32)."""
+    return "bf16" if cuda else "32"
 
 
 def canonical_precision(value: Any) -> str:
@@ -305,14 +319,7 @@ def validate(
             f"interleaved pipelining needs micro-batches per step ({num_micro}) divisible by PP={pp}",
         )
     _check_recompute(m, layers_per_chunk=m.num_layers // (pp * (vpp or 1)))
-    _check_attention_backend(m.attention_backend)
-    _need(
-        not (m.data.pack_sequences and m.attention_backend == "local"),
-        "model.data.pack_sequences",
-        "packed micro-batches need attention that keeps rows apart (te or sdpa); "
-        "model.attention_backend=local (megatron's unfused attention) cannot take them: set "
-        "model.data.pack_sequences=false or choose another backend",
-    )
+    attention_choice(cfg)
     _choice(m.data.truncation_mode, "model.data.truncation_mode", ("keep_end", "keep_start"))
     _choice(m.tokenizer.library, "model.tokenizer.library", ("sentencepiece", "huggingface"))
     _check_optimizer(m.optim)
@@ -426,12 +433,33 @@ def _check_recompute(m: Any, layers_per_chunk: int) -> None:
     )
 
 
-def _check_attention_backend(name: str) -> None:
-    """`model.attention_backend` is known and can run here ('te' needs TE and CUDA)."""
-    from megatron_kto.runtime.gpu_settings import resolve_attention_backend
+def attention_choice(cfg: Any, accelerator: Any = None) -> Any:
+    """The attention backend the run will use (`runtime.attention_backend`) and why.
 
+    Args:
+        cfg: the composed config, precision and architecture resolved.
+        accelerator: the machine (`gpu_settings.Accelerator`); default: this one.
+
+    Returns:
+        An `AttentionChoice`.
+
+    Raises:
+        ConfigError: the configured backend cannot run here, or nothing can (one line naming
+            the key and what to set instead).
+    """
+    from megatron_kto.runtime.attention_backend import choose_attention_backend, head_dim_of
+    from megatron_kto.runtime.gpu_settings import Accelerator
+
+    m = cfg.model
     try:
-        resolve_attention_backend(name)
+        return choose_attention_backend(
+            m.attention_backend,
+            precision=canonical_precision(cfg.trainer.precision),
+            packed=m.data.pack_sequences,
+            accelerator=accelerator or Accelerator.detect(),
+            head_dim=head_dim_of(m),
+            sequence_parallel=m.sequence_parallel,
+        )
     except ValueError as e:
         # The message already starts with the key.
         raise ConfigError(str(e)) from e

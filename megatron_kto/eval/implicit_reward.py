@@ -36,7 +36,12 @@ from megatron_kto.models.forward import (
     forward_sequence_stats,
 )
 from megatron_kto.models.output_head import DEFAULT_LOGPROB_CHUNK_SIZE
+from megatron_kto.models.packing import DEFAULT_PACK_SEQUENCES
 from megatron_kto.runtime.distributed import Runtime
+
+#: The forward passes here pack their micro-batches as training does by default
+#: (`forward_sequence_stats`), so the attention backend must take packed rows.
+PACKED_PASSES = DEFAULT_PACK_SEQUENCES
 
 
 @dataclass
@@ -111,6 +116,7 @@ def sequence_logps(
             len(rows),
             vocab_size,
             DEFAULT_LOGPROB_CHUNK_SIZE,
+            pack=PACKED_PASSES,
         )
         table[rows.start : rows.stop, 0] = stats[:, LOGP_SUM].double()
         table[rows.start : rows.stop, 1] = stats[:, NUM_TOKENS].double()
@@ -147,6 +153,8 @@ def implicit_rewards(
     truncation_mode: str = "keep_end",
     batch_size: int = 8,
     use_cache: bool = True,
+    precision: str = "32",
+    attention_backend: str = "auto",
 ) -> ImplicitRewards:
     """Implicit rewards of every example of `data_files` (collective over the job).
 
@@ -165,6 +173,9 @@ def implicit_rewards(
             the model's encoder_seq_length).
         batch_size: examples per forward pass per data-parallel rank.
         use_cache: use/write the tokenised cache beside the data files (as training does).
+        precision: '32', 'bf16' or '16' (the model's parameters and compute).
+        attention_backend: 'auto', 'te', 'sdpa' or 'local' (`runtime.attention_backend`;
+            the passes are packed, so 'local' is refused).
 
     Returns:
         Per-example rewards, log-probs, token counts and labels.
@@ -192,6 +203,9 @@ def implicit_rewards(
         tensor_model_parallel_size=runtime.tensor_parallel_size,
         pipeline_model_parallel_size=runtime.pipeline_parallel_size,
         virtual_pipeline_model_parallel_size=runtime.virtual_pipeline_parallel_size,
+        precision=precision,
+        attention_backend=attention_backend,
+        pack_sequences=PACKED_PASSES,
     )
     chunks = build_gpt_chunks(arch, layout, runtime.device)
     tables = []

@@ -1,9 +1,8 @@
 """Build megatron-core `GPTModel` chunks for this rank from a `GPTArchitecture`.
 
 Handles the pipeline split (pre/post-process per stage, virtual pipeline chunks), the layer spec
-(`model.attention_backend`, see `layer_specs.py`: Transformer Engine when importable *and* CUDA
-is present, megatron-core's local spec with SDPA attention otherwise) and the Llama-family
-options (RMSNorm, SwiGLU, RoPE with optional Llama-3 scaling, GQA, QKV bias).
+(`model.attention_backend` as `runtime.attention_backend` decides it, see `layer_specs.py`) and
+the Llama-family options (RMSNorm, SwiGLU, RoPE with optional Llama-3 scaling, GQA, QKV bias).
 """
 
 from __future__ import annotations
@@ -18,7 +17,12 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kto.models.architecture import GPTArchitecture
-from megatron_kto.models.layer_specs import decoder_block_spec, resolve_attention_backend
+from megatron_kto.models.layer_specs import decoder_block_spec
+from megatron_kto.runtime.attention_backend import (
+    AttentionChoice,
+    choose_attention_backend,
+    head_dim_of,
+)
 from megatron_kto.runtime.gpu_settings import Accelerator, fusion_settings
 
 _ACTIVATIONS = {"swiglu": F.silu, "gelu": F.gelu, "relu": F.relu}
@@ -46,6 +50,10 @@ class ParallelLayout:
     ('block'); None means 1."""
     attention_backend: str = "auto"
     """'auto', 'te', 'sdpa' or 'local' (see `layer_specs.py`)."""
+    pack_sequences: bool = False
+    """The model will be fed packed (THD) micro-batches (`model.data.pack_sequences`): the
+    attention backend must take them ('local' cannot; TE < 2.11 cannot in fp32). Callers that
+    pack say so; `auto` decides the same either way."""
 
 
 def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> TransformerConfig:
@@ -123,6 +131,22 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
     )
 
 
+def attention_choice(arch: GPTArchitecture, layout: ParallelLayout) -> AttentionChoice:
+    """The attention backend this model is built with on this machine (and why).
+
+    Raises:
+        ValueError: the layout's explicit backend cannot run here (one line naming the key).
+    """
+    return choose_attention_backend(
+        layout.attention_backend,
+        precision=layout.precision,
+        packed=layout.pack_sequences,
+        accelerator=Accelerator.detect(),
+        head_dim=head_dim_of(arch),
+        sequence_parallel=layout.sequence_parallel,
+    )
+
+
 def build_gpt_chunks(
     arch: GPTArchitecture, layout: ParallelLayout, device: torch.device
 ) -> list[torch.nn.Module]:
@@ -138,7 +162,7 @@ def build_gpt_chunks(
         `pre_process`/`post_process` set for its pipeline position.
     """
     config = make_transformer_config(arch, layout)
-    backend = resolve_attention_backend(layout.attention_backend)
+    backend = attention_choice(arch, layout).backend
     vocab = arch.padded_vocab(layout.tensor_model_parallel_size)
     vpp = layout.virtual_pipeline_model_parallel_size
     chunks: list[torch.nn.Module] = []

@@ -6,7 +6,8 @@
 | `sdpa`  | megatron-core local spec, `LocalNorm` norms     | `SDPAttention` (torch SDPA)      |
 | `local` | megatron-core local spec, `LocalNorm` norms     | megatron's `DotProductAttention` |
 
-`auto` picks `te` when Transformer Engine is importable and CUDA is present, `sdpa` otherwise.
+`auto` is decided by `runtime.attention_backend.choose_attention_backend` (precision, packing,
+Transformer Engine version, context parallelism, head dim).
 `sdpa` and `local` have the same parameters and state-dict keys (core attention has none), so
 checkpoints move freely between them.
 
@@ -34,11 +35,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_kto.models.attention import SDPAttention
 from megatron_kto.models.norms import LocalNorm
 from megatron_kto.models.packed_rope import PackedRoPESelfAttention
-from megatron_kto.runtime.gpu_settings import (  # noqa: F401  (re-exported)
-    ATTENTION_BACKENDS,
-    resolve_attention_backend,
-    transformer_engine_available,
-)
 
 
 def local_layer_spec(normalization: str, attention: str) -> ModuleSpec:

@@ -88,41 +88,6 @@ def transformer_engine_warning(version: str | None) -> str | None:
     )
 
 
-#: `model.attention_backend` values (`auto`: TE where usable, else SDPA).
-ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local")
-
-
-def transformer_engine_available() -> bool:
-    """True when Transformer Engine is importable and CUDA is present (TE needs both)."""
-    return Accelerator.detect().has_transformer_engine
-
-
-def resolve_attention_backend(name: str) -> str:
-    """Turn `model.attention_backend` into the backend actually used ('te', 'sdpa' or 'local').
-
-    Raises:
-        ValueError: unknown name, or 'te' where Transformer Engine cannot run (message names
-            the key).
-    """
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(
-            f"model.attention_backend: must be one of {list(ATTENTION_BACKENDS)}, got {name!r}"
-        )
-    if name == "auto":
-        return "te" if transformer_engine_available() else "sdpa"
-    if name == "te" and not transformer_engine_available():
-        missing = (
-            "transformer_engine is not installed"
-            if importlib.util.find_spec("transformer_engine") is None
-            else "CUDA is not available"
-        )
-        raise ValueError(
-            f"model.attention_backend: 'te' needs Transformer Engine and CUDA ({missing}); "
-            "use 'auto', 'sdpa' or 'local'"
-        )
-    return name
-
-
 def fusion_settings(accelerator: Accelerator, arch: Any) -> dict[str, bool]:
     """`TransformerConfig` fusion switches for this machine and architecture.
 

@@ -1,0 +1,89 @@
+"""`tools/eval_kto_rewards.py`: which precision and attention backend an evaluation uses.
+
+The machine is stated (`Accelerator.detect` returns it); nothing is built. The tool's passes are
+packed, so on Transformer Engine 2.9 an fp32 evaluation must not be given TE attention (which
+has none for packed fp32 input) — the crash every evaluation hit in the NGC 25.11 image.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.runtime.gpu_settings import Accelerator
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+
+import eval_kto_rewards as tool  # noqa: E402
+
+TE_2_9 = Accelerator(cuda=True, transformer_engine="2.9.0")
+DATA = REPO / "examples" / "data" / "tiny_kto" / "validation.jsonl"
+SP = REPO / "examples" / "data" / "tokenizer" / "tiny_sp.model"
+
+
+def _state(monkeypatch, machine: Accelerator) -> None:
+    monkeypatch.setattr(Accelerator, "detect", classmethod(lambda cls: machine))
+
+
+def _policy(tmp_path: Path, precision: str | None) -> Path:
+    """A checkpoint directory as the tool reads it: architecture.json and the run's config."""
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    (policy / "architecture.json").write_text(json.dumps(GPTArchitecture().to_dict()))
+    trainer = f"trainer:\n  precision: '{precision}'\n" if precision else ""
+    (policy / "config.yaml").write_text(
+        f"{trainer}pretrained_checkpoint:\n  restore_from_path: {policy}\n"
+        f"model:\n  kto:\n    ref_policy_kl_penalty: 0.1\n"
+        f"  tokenizer:\n    model: {SP}\n    library: sentencepiece\n"
+        f"  data:\n    data_prefix:\n      validation: [{DATA}]\n"
+    )
+    return policy
+
+
+def _settings(policy: Path, *flags: str) -> dict:
+    args = tool.parse_args(["--policy", str(policy), *flags])
+    return tool.resolve_settings(args, policy)
+
+
+@pytest.mark.parametrize(
+    "machine,run,flags,want",
+    [
+        (Accelerator(cuda=False), None, [], "32"),  # no run precision: follows the device
+        (TE_2_9, None, [], "bf16"),
+        (Accelerator(cuda=False), "bf16", [], "bf16"),  # the run's precision
+        (TE_2_9, "32", [], "32"),
+        (TE_2_9, "bf16", ["--precision", "32"], "32"),  # the flag wins
+    ],
+)
+def test_precision(monkeypatch, tmp_path, machine, run, flags, want):
+    _state(monkeypatch, machine)
+    assert _settings(_policy(tmp_path, run), *flags)["precision"] == want
+
+
+def test_fp32_evaluation_on_te_2_9_uses_sdpa(monkeypatch, tmp_path):
+    _state(monkeypatch, TE_2_9)
+    fp32 = tool.choose_attention(_settings(_policy(tmp_path, "32")))
+    assert fp32.describe().startswith("sdpa (Transformer Engine 2.9.0: its flash and fused")
+    (tmp_path / "b").mkdir()
+    assert tool.choose_attention(_settings(_policy(tmp_path / "b", "bf16"))).backend == "te"
+
+
+def test_impossible_explicit_backend_names_the_flags(monkeypatch, tmp_path):
+    _state(monkeypatch, TE_2_9)
+    settings = _settings(_policy(tmp_path, "32"), "--attention-backend", "te")
+    with pytest.raises(tool.UsageError) as err:
+        tool.choose_attention(settings)
+    assert str(err.value) == (
+        "--attention-backend: 'te' cannot run fp32 + packed sequences (Transformer Engine 2.9.0: "
+        "its flash and fused attention need bf16 or fp16, its unfused attention takes packed "
+        "(THD) input only from 2.11.0); set --attention-backend sdpa (or auto), or --precision bf16"
+    )
+    (tmp_path / "l").mkdir()
+    settings = _settings(_policy(tmp_path / "l", "32"), "--attention-backend", "local")
+    with pytest.raises(tool.UsageError, match=r"^--attention-backend: packed micro-batches"):
+        tool.choose_attention(settings)
