@@ -13,13 +13,16 @@
 # The checks themselves are tools/acceptance_checks.py (python tools/acceptance_checks.py -h).
 #
 # Setup. In the image (Dockerfile) nothing. From a fresh checkout nothing for megatron_kto itself:
-# the script puts the checkout first on PYTHONPATH (no install, no network); torch, megatron-core 0.16.1, hydra-core/omegaconf, sentencepiece, tokenizers,
-# safetensors, psutil, transformers (conversion check) and optionally trl (benchmark check) must
-# be importable. On a machine without a package index, bring wheels and install them with
-#   python3 -m pip install --no-index --no-deps --target /tmp/site WHEELS...
-#   export PYTHONPATH=/tmp/site
-# (for a bare Python 3.12 + torch machine: megatron_core==0.16.1, hydra_core, omegaconf and
-# antlr4-python3-runtime==4.9.3; trl and datasets for the benchmark check).
+# the script puts the checkout first on PYTHONPATH (no install, no network). torch,
+# megatron-core 0.16.1, hydra-core/omegaconf, sentencepiece, tokenizers, safetensors, psutil,
+# transformers (conversion check) and optionally trl (benchmark check) must be importable.
+# A machine without a package index (e.g. a lent Python 3.12 + torch GPU box that has
+# transformers, sentencepiece, tokenizers, safetensors, psutil): bring the missing wheels —
+# megatron-core==0.16.1, hydra-core==1.3.8, omegaconf==2.3.1, antlr4-python3-runtime==4.9.3
+# (PyPI has only its sdist: `pip wheel --no-deps antlr4-python3-runtime==4.9.3 -w .whl`), and
+# trl + datasets (+ their missing needs) for the benchmark check — then, there:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+#   export PYTHONPATH=/tmp/site; bash tools/gpu_acceptance.sh --work $OUT/acc
 set -uo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
