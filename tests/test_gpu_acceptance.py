@@ -23,7 +23,7 @@ SCRIPT = REPO / "tools" / "gpu_acceptance.sh"
 sys.path.insert(0, str(REPO / "tools"))
 import acceptance_checks as ac  # noqa: E402
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour")
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour")
 
 
 def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -45,6 +45,7 @@ def _lines(stdout: str) -> dict[str, str]:
     }
 
 
+@cpu_only
 def test_without_cuda_every_check_skips_and_the_script_exits_0(tmp_path) -> None:
     proc = _run("--work", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -55,6 +56,7 @@ def test_without_cuda_every_check_skips_and_the_script_exits_0(tmp_path) -> None
     assert f"summary: 0 PASS, 0 FAIL, {len(ac.CHECKS)} SKIP" in proc.stdout
 
 
+@cpu_only
 @pytest.mark.e2e
 def test_cpu_mode_runs_the_quick_start_and_resumes_it(tmp_path) -> None:
     proc = _run("--cpu", "--checks", "quickstart,attention_te,resume", "--work", str(tmp_path))
