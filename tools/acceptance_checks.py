@@ -149,15 +149,15 @@ def check_resumed(output: str, rows: list[dict[str, Any]], first: int, total: in
         raise CheckFailed("consumed_samples restarted instead of continuing from the checkpoint")
 
 
-def train(ctx: Context, name: str, overrides: list[str], nproc: int = 1) -> str:
-    """A bundled-example KTO run of `ctx.steps` steps with a checkpoint at its end; returns
-    its figures line."""
+def train(ctx: Context, name: str, overrides: list[str], nproc: int = 1, saves: int = 1) -> str:
+    """A bundled-example KTO run of `ctx.steps` steps with `saves` checkpoints, the last at its
+    end; returns its figures line."""
     run_dir = ctx.work / name
     args = [
         KTO,
         f"exp_manager.explicit_log_dir={run_dir}",
         f"trainer.kto.max_steps={ctx.steps}",
-        f"trainer.kto.save_interval={ctx.steps}",
+        f"trainer.kto.save_interval={max(1, ctx.steps // saves)}",
         f"trainer.kto.val_check_interval={ctx.steps}",
         *overrides,
     ]
@@ -169,7 +169,7 @@ def train(ctx: Context, name: str, overrides: list[str], nproc: int = 1) -> str:
 
 # --- the checks: each returns its figures line (or "") and raises CheckFailed / Skip ----------
 def quickstart(ctx: Context) -> str:
-    return train(ctx, "quickstart", ["trainer.precision=32"])
+    return train(ctx, "quickstart", ["trainer.precision=32"], saves=2)
 
 
 def bf16_packing(ctx: Context) -> str:
@@ -212,6 +212,8 @@ def te_local_checkpoint(ctx: Context) -> str:
 def conversion(ctx: Context) -> str:
     """HF Llama -> import -> KTO steps -> export -> transformers; the exported model's
     completion log-probs equal our engine's on the trained checkpoint (the eval tool's)."""
+    if importlib.util.find_spec("transformers") is None:
+        raise Skip("transformers is not installed")
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
@@ -250,8 +252,7 @@ def conversion(ctx: Context) -> str:
     ])  # fmt: skip
     ours = [json.loads(line)["policy_logps"] for line in per_example.read_text().splitlines()]
     device = "cuda" if ctx.cuda else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(root / "export", dtype=torch.float32)
-    model = model.to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(root / "export").float().to(device).eval()
     dataset, _ = build_kto_dataset([str(VALIDATION)], tok, max_length, use_cache=False)
     worst = 0.0
     with torch.no_grad():
@@ -269,18 +270,23 @@ def conversion(ctx: Context) -> str:
 
 
 def eval_tool(ctx: Context) -> str:
-    """The eval tool on a run trained from a pretrained checkpoint (its reference)."""
-    if "conversion" not in ctx.runs:
-        raise Skip("needs the conversion run (trained from a checkpoint) to have passed")
+    """The eval tool on the run trained from a pretrained checkpoint (its reference), else on
+    the quick start's last checkpoint against its first (a run from scratch has no reference)."""
+    if "conversion" in ctx.runs:
+        policy, reference = ctx.runs["conversion"] / "checkpoints", []
+    elif "quickstart" in ctx.runs:
+        policy = ctx.runs["quickstart"] / "checkpoints"
+        reference = ["--reference", policy / f"step_{max(1, ctx.steps // 2)}"]
+    else:
+        raise Skip("needs the conversion or the quickstart run to have passed")
     variants = [("eval", [])]
     if "--precision" in launch(ctx, "eval_help", [TOOLS / "eval_kto_rewards.py", "--help"]):
         variants.append(("eval_bf16", ["--precision", "bf16"]))
-    results = []
+    results = [f"policy {policy.parent.name}"]
     for name, extra in variants:
         out = ctx.work / f"{name}.json"
-        launch(ctx, name, [TOOLS / "eval_kto_rewards.py", "--policy",
-                           ctx.runs["conversion"] / "checkpoints", "--data", VALIDATION,
-                           "--json", out, "--no-cache", *extra])  # fmt: skip
+        launch(ctx, name, [TOOLS / "eval_kto_rewards.py", "--policy", policy, *reference,
+                           "--data", VALIDATION, "--json", out, "--no-cache", *extra])  # fmt: skip
         auc = json.loads(out.read_text()).get("auc")
         results.append(f"{name}: AUC {auc:.3f}" if isinstance(auc, float) else name)
     if len(variants) == 1:
@@ -308,11 +314,8 @@ def bench_trl(ctx: Context) -> str:
     launch(ctx, "bench_trl", [TOOLS / "bench_kto.py", "--preset", "example", "--warmup", "2",
                               "--steps", str(ctx.steps), "--trl", "--json", out])  # fmt: skip
     report = json.loads(out.read_text())
-    parts = []
-    for side in ("ours", "trl"):
-        s = report[side]
-        parts.append(f"{side} tokens/s {s['tokens_per_sec']['median']:,.0f} "
-                     f"MFU {s['mfu']['median']:.1%}")  # fmt: skip
+    parts = [f"{side} tokens/s {report[side]['tokens_per_sec']['median']:,.0f} "
+             f"MFU {report[side]['mfu']['median']:.1%}" for side in ("ours", "trl")]  # fmt: skip
     speedup = report.get("speedup_ours_over_trl", {}).get("tokens_per_sec")
     peak = report["ours"].get("peak_flops_source", "?")
     return "; ".join(parts) + (f"; ours/TRL {speedup:.2f}x" if speedup else "") + f"; peak {peak}"

@@ -14,8 +14,8 @@
 #
 # Setup. In the image (Dockerfile) nothing. From a fresh checkout nothing for megatron_kto itself:
 # the script puts the checkout first on PYTHONPATH (no install, no network). torch,
-# megatron-core 0.16.1, hydra-core/omegaconf, sentencepiece, tokenizers, safetensors, psutil,
-# transformers (conversion check) and optionally trl (benchmark check) must be importable.
+# megatron-core 0.16.1, hydra-core/omegaconf, sentencepiece, tokenizers, safetensors and psutil
+# must be importable; transformers (conversion check) and trl (benchmark check) are optional.
 # A machine without a package index (e.g. a lent Python 3.12 + torch GPU box that has
 # transformers, sentencepiece, tokenizers, safetensors, psutil): bring the missing wheels —
 # megatron-core==0.16.1, hydra-core==1.3.8, omegaconf==2.3.1, antlr4-python3-runtime==4.9.3
@@ -35,7 +35,7 @@ export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 missing=$("$python" - <<'EOF'
 import importlib.util
 need = ["torch", "megatron.core", "hydra", "omegaconf", "sentencepiece", "tokenizers",
-        "safetensors", "psutil", "transformers"]
+        "safetensors", "psutil"]
 print(" ".join(n for n in need if importlib.util.find_spec(n.split(".")[0]) is None
                or (n == "megatron.core" and importlib.util.find_spec(n) is None)))
 EOF
