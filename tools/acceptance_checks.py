@@ -274,15 +274,16 @@ def eval_tool(ctx: Context) -> str:
     the quick start's last checkpoint against its first (a run from scratch has no reference)."""
     if "conversion" in ctx.runs:
         policy, reference = ctx.runs["conversion"] / "checkpoints", []
+        label = "conversion run vs the imported model"
     elif "quickstart" in ctx.runs:
-        policy = ctx.runs["quickstart"] / "checkpoints"
-        reference = ["--reference", policy / f"step_{max(1, ctx.steps // 2)}"]
+        policy, first = ctx.runs["quickstart"] / "checkpoints", f"step_{max(1, ctx.steps // 2)}"
+        reference, label = ["--reference", policy / first], f"quickstart vs its {first}"
     else:
         raise Skip("needs the conversion or the quickstart run to have passed")
     variants = [("eval", [])]
     if "--precision" in launch(ctx, "eval_help", [TOOLS / "eval_kto_rewards.py", "--help"]):
         variants.append(("eval_bf16", ["--precision", "bf16"]))
-    results = [f"policy {policy.parent.name}"]
+    results = [label]
     for name, extra in variants:
         out = ctx.work / f"{name}.json"
         launch(ctx, name, [TOOLS / "eval_kto_rewards.py", "--policy", policy, *reference,
