@@ -15,13 +15,29 @@
 #     -v /data:/data -v /ckpt:/ckpt megatron_kto \
 #     torchrun --nproc_per_node 8 examples/train_gpt_kto.py trainer.precision=bf16 ...
 # Multi-node (torchrun rendezvous, SLURM srun): README.md, "GPUs".
-FROM nvcr.io/nvidia/pytorch:25.11-py3
+# First thing to run in the image (every user path on the GPU, a few minutes):
+#   bash tools/gpu_acceptance.sh
+#
+# The base tag and the torch / Transformer Engine versions it ships (NGC release notes; `pip
+# list` in the image, local version parts dropped), stated once: tests/test_dockerfile.py checks
+# them against megatron-core's requirements, and the first RUN below against the image itself.
+ARG NGC_TAG=25.11
+ARG NGC_TORCH=2.10.0a0
+ARG NGC_TRANSFORMER_ENGINE=2.9.0
+FROM nvcr.io/nvidia/pytorch:${NGC_TAG}-py3
+ARG NGC_TORCH
+ARG NGC_TRANSFORMER_ENGINE
 
 ENV PYTHONUNBUFFERED=1
 WORKDIR /workspace/megatron_kto
 
-# The GPU stack as the image ships it (recorded before anything is installed).
-RUN test -f /etc/pip/constraint.txt \
+# The GPU stack as the image ships it (recorded before anything is installed), and the stated
+# versions checked against it.
+RUN python -c "import importlib.metadata as m, sys; \
+got = {d: m.version(d).split('+')[0] for d in ('torch', 'transformer_engine')}; \
+want = {'torch': '${NGC_TORCH}', 'transformer_engine': '${NGC_TRANSFORMER_ENGINE}'}; \
+sys.exit(None if got == want else f'Dockerfile ARGs state {want}, the image has {got}')" \
+    && test -f /etc/pip/constraint.txt \
     && pip list --format=freeze \
        | grep -iE '^(torch|transformer[-_]engine[-_a-z0-9]*|apex|nvidia-nccl[-a-z0-9]*)==' \
        | sort > /opt/gpu_stack.txt \

@@ -7,45 +7,36 @@
 What runs by default (``--preset longtail``) is the compute-dominated case on realistic data:
 a Llama-style model of 8 layers × hidden 512 (ffn 1536, 8 query / 4 KV heads, the bundled
 tokenizer's vocabulary) on a KTO set with long-tailed lengths and 2:1 desirable:undesirable
-labels (``tools/make_bench_data.py`` defaults: log-normal prompt / completion lengths with
-medians 150 / 250 tokens, capped at 1024 per row; generated once, seeded, into the temporary
-directory), global batch 16, micro-batch 4 (``model.micro_batch_size=16`` for one micro-batch,
-as TRL runs). ``--preset example`` runs ``conf/gpt_kto.yaml`` as it is (the bundled tiny
-example). Hydra overrides given on the command line come after the preset's and win.
+labels (``tools/make_bench_data.py`` defaults, generated once, seeded, into the temporary
+directory), global batch 16, micro-batch 4. ``--preset example`` runs ``conf/gpt_kto.yaml`` as
+it is. Hydra overrides given on the command line come after the preset's and win.
 
-Our side is the real training path: ``conf/gpt_kto.yaml`` (or ``--config-name``) composed with
-Hydra plus the overrides given, run by ``megatron_kto.run.run_alignment`` for ``warmup + steps``
-optimizer steps; the per-step figures the trainer writes to ``metrics.jsonl`` (``step_time``,
-``samples_per_sec``, ``tokens_per_sec``, ``mfu``, ``peak_memory_gb``) are summarised (median and
-mean) over the timed steps. The bench adds a few overrides before yours (yours win): a temporary
-log directory, no checkpoints, no TensorBoard, no validation, and ``model.data.shuffle=false``
-so that both sides see the same examples in the same batches. ``trainer.kto.max_steps`` and
-``trainer.log_every_n_steps`` are always set by the bench.
+Our side is the real training path (``megatron_kto.run.run_alignment`` on the composed config)
+for ``warmup + steps`` optimizer steps; the per-step figures it writes to ``metrics.jsonl`` are
+summarised (median, mean) over the timed steps. The bench adds overrides before yours: a
+temporary log directory, no checkpoints / TensorBoard / validation, ``model.data.shuffle=false``
+(both sides see the same batches); it always sets ``trainer.kto.max_steps`` and
+``trainer.log_every_n_steps``.
 
 The TRL side (``--trl``; by default whenever ``trl`` is importable and the bench runs as one
-process) trains ``trl.KTOTrainer`` on a ``transformers`` ``LlamaForCausalLM`` of the same shape
-(layers, hidden, heads, query groups, ffn, padded vocab, RoPE base, norm epsilon; randomly
-initialised; fp32 unless ``trainer.precision=bf16``) on the same rows of the same training files,
-tokenised by the same tokenizer (a SentencePiece model is wrapped as a ``LlamaTokenizer``, offline),
-with the same β, λ_D/λ_U, learning rate and schedule, Adam settings, gradient clip, batch size
-(``per_device_train_batch_size`` = global batch size) and ``max_length``, for the same number of
-steps. A ``TrainerCallback`` times each step from the end of the previous one, so data loading and
-collation are inside the step as they are on our side (``tools/trl_baseline.py``).
+process) trains ``trl.KTOTrainer`` on a ``transformers`` ``LlamaForCausalLM`` of the same shape,
+randomly initialised, on the same rows tokenised by the same tokenizer, with the same β, λ_D/λ_U,
+schedule, Adam settings, clip, batch size (one micro-batch) and ``max_length``; each step is timed
+from the end of the previous one, data loading included, as on our side (``tools/trl_baseline.py``).
 
-Both sides count work the same way: tokens are the unpadded input positions of the sample rows
-plus the KL rows (sequence length − 1 per row: the last token has no target), and MFU counts
-reference forward (samples + KL) + policy forward (KL) + policy forward+backward (samples), each
-row's attention at its own length (``ModelFlops``), against one peak FLOP/s measured once
-(``megatron_kto.logging.throughput``). Note: TRL 1.x, like us,
-computes the policy log-probs of the KL rows under ``torch.no_grad`` (``KTOTrainer._compute_kl_logps``),
-so the pass structure is the same; the ratio measures the implementations (megatron-core model and
-schedule vs. HF model + ``Trainer``/``accelerate``), not a difference in algorithmic work. What
-differs is reported with the table.
+Both sides count work the same way: tokens are the unpadded input positions of the sample and
+KL rows (length − 1 per row), and MFU counts reference forward (samples + KL) + policy forward
+(KL) + policy forward+backward (samples), each row's attention at its own length
+(``ModelFlops``), against one peak FLOP/s per device, whose source the header states
+(``megatron_kto.logging.peak_flops``): ``trainer.peak_flops_per_device`` if given, else a known
+GPU's datasheet figure, else the best of 5 timed runs of each of the model's own GEMM shapes
+(rows of one micro-batch), so that MFU <= 1. TRL 1.x, like us, computes the KL rows' policy
+log-probs without autograd: the ratio measures the implementations, not algorithmic work.
 
-Each side runs in its own Python process so that peak memory (max RSS on CPU, peak allocated
-memory on CUDA) and thread pools are its own. On CPU the peak includes the libraries each side
-imports. On a shared machine the figures are noisy: pin ``--threads``, use ``--repeat`` (the
-sides alternate, and every run uses the first run's peak FLOP/s) and compare medians.
+Each side runs in its own Python process so that peak memory (max RSS on CPU, libraries
+included; peak allocated on CUDA) and thread pools are its own. On a shared machine pin
+``--threads``, use ``--repeat`` (sides alternate; every run uses the first run's peak) and
+compare medians.
 
 Several ranks (our side only; rank 0 prints, and its peak memory is rank 0's):
 
@@ -54,13 +45,10 @@ Several ranks (our side only; rank 0 prints, and its peak memory is rank 0's):
 
 from __future__ import annotations
 
-# Only the standard library at module level: the parent process launches the two workers, and
-# a child's max-RSS counter starts from its parent's (Linux keeps it across fork/exec), so the
-# parent must stay small for the workers' peak-memory figures to be their own. That is also why
-# the report code lives beside it (tools/bench_report.py) rather than in megatron_kto.logging
-# (whose __init__ imports torch);
-# the TRL side, which runs in a worker, is tools/trl_baseline.py (benchmark-only code stays
-# beside the benchmark, out of the library).
+# Only the standard library at module level: a child's max-RSS counter starts from its
+# parent's (Linux keeps it across fork/exec), so the parent must stay small for the workers'
+# peak-memory figures to be their own; hence the report code in tools/bench_report.py rather
+# than megatron_kto.logging (which imports torch). The TRL side is tools/trl_baseline.py.
 import argparse
 import json
 import os
@@ -253,7 +241,9 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any] | None:
     threads = _set_threads(args.threads)
     import torch
 
-    from megatron_kto.logging.throughput import measure_peak_flops
+    from megatron_kto.config.validate import canonical_precision
+    from megatron_kto.logging.peak_flops import model_gemm_shapes, resolve_peak
+    from megatron_kto.models.architecture import GPTArchitecture
     from megatron_kto.run import run_alignment
 
     log_dir = args.log_dir or _default_log_dir()
@@ -266,13 +256,21 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any] | None:
         "trainer.log_every_n_steps=1",
     ]
     cfg = _compose(args.config_name, overrides)
-    if cfg.trainer.peak_flops_per_device is None:
-        # Measured here rather than inside the run so both sides use one and the same peak.
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank) if torch.cuda.is_available() else "cpu"
-        dtype = torch.bfloat16 if str(cfg.trainer.precision) == "bf16" else torch.float32
-        cfg.trainer.peak_flops_per_device = measure_peak_flops(device, dtype)
     spec = trl_spec(cfg)
+    # Decided here rather than inside the run so that both sides use one and the same peak.
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else "cpu"
+    half = {"bf16": torch.bfloat16, "16": torch.float16}
+    dtype = half.get(canonical_precision(spec["precision"]), torch.float32)
+    peak = resolve_peak(
+        cfg.trainer.peak_flops_per_device, device, dtype,
+        model_gemm_shapes(
+            GPTArchitecture.from_dict(spec["architecture"]), spec["padded_vocab"],
+            rows=spec["micro_batch_size"] * spec["max_length"],
+            tensor_parallel=cfg.model.tensor_model_parallel_size,
+        ),
+    )  # fmt: skip
+    cfg.trainer.peak_flops_per_device = peak.flops
     cpu_marks = _mark_cpu_time_per_step()
     run_alignment(cfg, "kto")
     if int(os.environ.get("RANK", "0")) != 0:
@@ -296,7 +294,8 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any] | None:
         "peak_memory_gb": max(r["peak_memory_gb"] for r in train),
         "threads": threads,
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-        "peak_flops_per_device": float(cfg.trainer.peak_flops_per_device),
+        "peak_flops_per_device": peak.flops,
+        "peak_flops_source": peak.source,
         "log_dir": args.log_dir,
         "spec": spec,
     }

@@ -114,8 +114,9 @@ def render_header(report: dict[str, Any]) -> str:
             f"max_length {spec['max_length']}, beta {spec['kto']['beta']}, lr {spec['optim']['lr']}",
             f"  steps: {report['warmup']} warm-up + {report['steps']} timed, "
             f"{report['repeat']} run(s) per side; world size "
-            f"{ours['world_size']}; intra-op threads {ours['threads']}; "
-            f"peak {ours['peak_flops_per_device'] / 1e9:.1f} GFLOP/s per device (measured matmul)",
+            f"{ours['world_size']}; intra-op threads {ours['threads']}",
+            f"  MFU against {ours['peak_flops_per_device'] / 1e9:.1f} GFLOP/s per device, "
+            f"{ours.get('peak_flops_source', 'source not recorded')}",
             f"  host: {env['cpu_count']} CPUs, load average {env['load_average']}; "
             "shared machines give noisy timings",
         ]

@@ -1,0 +1,129 @@
+"""tools/gpu_acceptance.sh on a machine without CUDA, as CI runs it.
+
+Without `--cpu` every check is `SKIP no CUDA` and the script exits 0; with `--cpu` a subset runs
+for real on the CPU (the quick start and a resume of it, ~30 s), so the script's own logic —
+launching, reading metrics.jsonl, the resume verdict, the summary — is exercised. The verdict
+functions are also given hand-made metrics that must FAIL, and a failing command must turn into
+a FAIL line and exit code 1.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tools" / "gpu_acceptance.sh"
+sys.path.insert(0, str(REPO / "tools"))
+import acceptance_checks as ac  # noqa: E402
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour")
+
+
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _lines(stdout: str) -> dict[str, str]:
+    """check name -> its status line."""
+    return {
+        m[2]: m[0] for m in re.finditer(r"^(PASS|FAIL|SKIP) (\w+).*$", stdout, flags=re.MULTILINE)
+    }
+
+
+@cpu_only
+def test_without_cuda_every_check_skips_and_the_script_exits_0(tmp_path) -> None:
+    proc = _run("--work", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = _lines(proc.stdout)
+    assert set(lines) == set(ac.CHECKS)
+    for name, line in lines.items():
+        assert line.startswith(f"SKIP {name}: no CUDA"), line
+    assert f"summary: 0 PASS, 0 FAIL, {len(ac.CHECKS)} SKIP" in proc.stdout
+
+
+@cpu_only
+@pytest.mark.e2e
+def test_cpu_mode_runs_the_quick_start_and_resumes_it(tmp_path) -> None:
+    proc = _run("--cpu", "--checks", "quickstart,attention_te,resume", "--work", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = _lines(proc.stdout)
+    assert lines["quickstart"].startswith("PASS quickstart"), proc.stdout
+    # The figures come from the run's metrics.jsonl; no peak is known on a CPU.
+    assert re.search(r"tokens/s [\d,]+, MFU - \(no known peak\), peak memory", lines["quickstart"])
+    assert lines["attention_te"] == "SKIP attention_te: TE needs CUDA"
+    assert lines["resume"].startswith("PASS resume") and "resumed at step 2" in lines["resume"]
+    assert "summary: 2 PASS, 0 FAIL, 1 SKIP" in proc.stdout
+    steps = [r["step"] for r in ac.read_metrics(tmp_path / "quickstart")]
+    assert steps == [1, 2, 3, 4]
+
+
+def _rows(steps: list[int], per_step: int = 16, loss: float = 0.7) -> list[dict]:
+    return [{"step": s, "consumed_samples": s * per_step, "loss": loss} for s in steps]
+
+
+def test_resume_verdict_passes_a_continued_run() -> None:
+    ac.check_resumed("resumed from step 2 (32 samples)", _rows([1, 2, 3, 4]), 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("output", "rows", "reason"),
+    [
+        ("fresh start", _rows([1, 2, 3, 4]), "did not report"),
+        ("resumed from step 2", _rows([1, 2, 3]), "not 4"),
+        ("resumed from step 2", _rows([1, 2, 1, 2, 3, 4]), "out of order or twice"),
+        (
+            "resumed from step 2",
+            _rows([1, 2])
+            + [
+                {"step": s, "consumed_samples": (s - 2) * 16, "loss": 0.7} for s in (3, 4)
+            ],  # fmt: skip
+            "restarted",
+        ),
+        ("resumed from step 2", _rows([1, 2, 3, 4], loss=float("nan")), "non-finite"),
+    ],
+)
+def test_resume_verdict_fails_what_is_not_a_resume(output, rows, reason) -> None:
+    with pytest.raises(ac.CheckFailed, match=reason):
+        ac.check_resumed(output, rows, 2, 4)
+
+
+def test_figures_leave_out_the_first_step_and_take_the_highest_memory() -> None:
+    rows = [
+        {"tokens_per_sec": 1.0, "mfu": 0.01, "peak_memory_gb": 2.0},
+        {"tokens_per_sec": 100.0, "mfu": 0.30, "peak_memory_gb": 1.0},
+        {"tokens_per_sec": 300.0, "mfu": 0.50, "peak_memory_gb": 1.5},
+    ]
+    assert ac.figures(rows) == {"tokens_per_sec": 200.0, "mfu": 0.40, "peak_memory_gb": 2.0}
+    assert ac.format_figures(ac.figures(rows)) == ("tokens/s 200, MFU 40.0%, peak memory 2.00 GiB")
+
+
+def test_a_failing_command_is_a_fail_line_and_exit_code_1(tmp_path, capsys, monkeypatch) -> None:
+    ctx = ac.Context(tmp_path, cuda=False, gpus=0, transformer_engine=False, steps=2, timeout=60)
+
+    def broken(ctx: ac.Context) -> str:
+        ac.launch(ctx, "broken", ["-c", "import sys; print('error: boom'); sys.exit(3)"])
+        return "unreachable"
+
+    monkeypatch.setitem(ac.CHECKS, "broken", broken)
+    results = ac.run_checks(ctx, ["broken", "te_local_checkpoint"], gpu_required=False)
+    assert ac.summary_exit_code(results) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^FAIL broken \(\d+ s\): exit 3: error: boom \(.*broken\.log\)$", out, re.M)
+    assert "SKIP te_local_checkpoint: needs Transformer Engine on CUDA" in out
+    assert "summary: 0 PASS, 1 FAIL, 1 SKIP" in out
+    assert (tmp_path / "broken.log").read_text() == "error: boom\n"
