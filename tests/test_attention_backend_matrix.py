@@ -98,6 +98,30 @@ EDGE_CELLS = {
     ("te_unknown", "bf16", True, 64, 1, False, "auto"): "te",
 }
 MACHINES["te_unknown"] = Accelerator(cuda=True, transformer_engine="unknown")
+# The GPU generation, as the model builder reads it once the device is set: cuDNN's fused
+# attention takes packed (THD) input only on sm90+, flash-attn on sm80+ too.
+MACHINES["te_2.9_a100"] = Accelerator(
+    cuda=True, transformer_engine="2.9.0", compute_capability=(8, 0)
+)
+MACHINES["te_2.9_a100_flash"] = Accelerator(
+    cuda=True, transformer_engine="2.9.0", compute_capability=(8, 0), flash_attn=True
+)
+MACHINES["te_2.9_h100"] = Accelerator(
+    cuda=True, transformer_engine="2.9.0", compute_capability=(9, 0)
+)
+MACHINES["te_2.11_a100"] = Accelerator(
+    cuda=True, transformer_engine="2.11.0", compute_capability=(8, 0)
+)
+GPU_CELLS = {
+    # machine, precision, packed -> (auto, te, sdpa, local)
+    ("te_2.9_a100", "bf16", True): ("sdpa", ERR, "sdpa", ERR),
+    ("te_2.9_a100", "bf16", False): ("te", "te", "sdpa", "local"),
+    ("te_2.9_a100_flash", "bf16", True): ("te", "te", "sdpa", ERR),
+    ("te_2.9_h100", "bf16", True): ("te", "te", "sdpa", ERR),
+    ("te_2.9_h100", "32", True): ("sdpa", ERR, "sdpa", ERR),
+    # TE 2.11's unfused attention takes THD: an explicit te runs (slowly), auto keeps SDPA.
+    ("te_2.11_a100", "bf16", True): ("sdpa", "te", "sdpa", ERR),
+}
 
 
 def _decide(machine, precision, packed, request, head_dim=64, cp=1, sp=False) -> str:
@@ -184,3 +208,18 @@ def test_unknown_backend_names_the_choices():
         choose_attention_backend(
             "flash", precision="32", packed=False, accelerator=MACHINES["cpu"], head_dim=64
         )
+
+
+@pytest.mark.parametrize("cell", sorted(GPU_CELLS), ids=lambda c: "-".join(map(str, c)))
+def test_gpu_generation_cell(cell):
+    got = tuple(_decide(*cell, request) for request in REQUESTS)
+    assert got == GPU_CELLS[cell], dict(zip(REQUESTS, got))
+
+
+def test_a100_without_flash_attn_refuses_te_for_packed_bf16_in_one_line():
+    with pytest.raises(ValueError) as err:
+        choose_attention_backend(
+            "te", precision="bf16", packed=True, accelerator=MACHINES["te_2.9_a100"], head_dim=64
+        )
+    assert str(err.value).startswith("model.attention_backend: 'te' cannot run bf16 + packed")
+    assert "sm80" in str(err.value) and "flash-attn" in str(err.value)

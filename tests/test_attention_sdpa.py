@@ -63,22 +63,51 @@ def test_the_builder_takes_its_backend_from_the_decision(
     machine and the layout's precision and packing (no TE spec is built on this CPU)."""
     from megatron_kto.models import builder
 
-    monkeypatch.setattr(builder.Accelerator, "detect", classmethod(lambda cls: machine))
+    monkeypatch.setattr(
+        builder.Accelerator, "detect", classmethod(lambda cls, read_device=False: machine)
+    )
     layout = ParallelLayout(precision=precision, pack_sequences=pack, attention_backend=request_)
     assert builder.attention_choice(tiny_arch(), layout).backend == want
+
+
+def test_the_builder_decides_again_with_the_gpu_known(monkeypatch, caplog):
+    """Start-up cannot read the GPU generation (it would initialise CUDA); the builder can, and
+    an A100 without flash-attn has no TE kernel for packed input on TE 2.9: auto becomes sdpa,
+    with a warning, where the start-up check (GPU unread) expected te."""
+    from megatron_kto.models import builder
+
+    def detect(cls, read_device=False):
+        return Accelerator(
+            cuda=True,
+            transformer_engine="2.9.0",
+            compute_capability=(8, 0) if read_device else None,
+        )
+
+    monkeypatch.setattr(builder.Accelerator, "detect", classmethod(detect))
+    layout = ParallelLayout(precision="bf16", pack_sequences=True, attention_backend="auto")
+    with caplog.at_level("WARNING", logger=builder.__name__):
+        choice = builder.attention_choice(tiny_arch(), layout)
+    assert choice.backend == "sdpa"
+    assert "model.attention_backend=auto: sdpa" in caplog.text and "sm80" in caplog.text
 
 
 def test_the_builder_refuses_what_cannot_run(monkeypatch):
     from megatron_kto.models import builder
 
     te_2_9 = Accelerator(cuda=True, transformer_engine="2.9.0")
-    monkeypatch.setattr(builder.Accelerator, "detect", classmethod(lambda cls: te_2_9))
+    monkeypatch.setattr(
+        builder.Accelerator, "detect", classmethod(lambda cls, read_device=False: te_2_9)
+    )
     layout = ParallelLayout(precision="32", pack_sequences=True, attention_backend="te")
     with pytest.raises(
         ValueError, match=r"^model\.attention_backend: 'te' cannot run fp32 \+ packed"
     ):
         builder.attention_choice(tiny_arch(), layout)
-    monkeypatch.setattr(builder.Accelerator, "detect", classmethod(lambda cls: Accelerator(False)))
+    monkeypatch.setattr(
+        builder.Accelerator,
+        "detect",
+        classmethod(lambda cls, read_device=False: Accelerator(False)),
+    )
     with pytest.raises(ValueError, match=r"^model\.attention_backend: 'te' needs Transformer"):
         builder.attention_choice(tiny_arch(), dataclasses.replace(layout, precision="bf16"))
 

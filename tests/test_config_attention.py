@@ -19,7 +19,7 @@ TE_2_11 = Accelerator(cuda=True, transformer_engine="2.11.0")
 
 
 def _state(monkeypatch, machine: Accelerator) -> None:
-    monkeypatch.setattr(Accelerator, "detect", classmethod(lambda cls: machine))
+    monkeypatch.setattr(Accelerator, "detect", classmethod(lambda cls, read_device=False: machine))
 
 
 @pytest.fixture(autouse=True)

@@ -154,7 +154,7 @@ REAL = ["model=tiny", f"model.data.data_prefix.train=[{TRAIN}]", f"model.tokeniz
 
 
 def _state(monkeypatch, machine: Accelerator) -> None:
-    monkeypatch.setattr(Accelerator, "detect", classmethod(lambda cls: machine))
+    monkeypatch.setattr(Accelerator, "detect", classmethod(lambda cls, read_device=False: machine))
 
 
 def test_demo_values_do_not_leak_into_a_run_given_data(monkeypatch):

@@ -27,7 +27,7 @@ SP = REPO / "examples" / "data" / "tokenizer" / "tiny_sp.model"
 
 
 def _state(monkeypatch, machine: Accelerator) -> None:
-    monkeypatch.setattr(Accelerator, "detect", classmethod(lambda cls: machine))
+    monkeypatch.setattr(Accelerator, "detect", classmethod(lambda cls, read_device=False: machine))
 
 
 def _policy(tmp_path: Path, precision: str | None) -> Path:

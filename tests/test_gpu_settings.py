@@ -84,7 +84,9 @@ def test_bias_activation_fusion_only_where_megatron_accepts_it(activation, bias)
 def test_builder_takes_its_fusions_from_the_decision(monkeypatch) -> None:
     from megatron_kto.models import builder
 
-    monkeypatch.setattr(builder.Accelerator, "detect", classmethod(lambda cls: Accelerator(True)))
+    monkeypatch.setattr(
+        builder.Accelerator, "detect", classmethod(lambda cls, read_device=False: Accelerator(True))
+    )
     config = builder.make_transformer_config(LLAMA, builder.ParallelLayout())
     assert config.bias_activation_fusion and config.bias_dropout_fusion
     assert not config.apply_rope_fusion and not config.gradient_accumulation_fusion

@@ -7,6 +7,8 @@ the Llama-family options (RMSNorm, SwiGLU, RoPE with optional Llama-3 scaling, G
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +26,8 @@ from megatron_kto.runtime.attention_backend import (
     head_dim_of,
 )
 from megatron_kto.runtime.gpu_settings import Accelerator, fusion_settings
+
+logger = logging.getLogger(__name__)
 
 _ACTIVATIONS = {"swiglu": F.silu, "gelu": F.gelu, "relu": F.relu}
 _HALF_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16}
@@ -134,17 +138,30 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
 def attention_choice(arch: GPTArchitecture, layout: ParallelLayout) -> AttentionChoice:
     """The attention backend this model is built with on this machine (and why).
 
+    The same decision as the start-up check, now with the GPU generation known (the device is
+    set by the time models are built); where that changes an `auto` choice, a warning says so.
+
     Raises:
         ValueError: the layout's explicit backend cannot run here (one line naming the key).
     """
-    return choose_attention_backend(
-        layout.attention_backend,
-        precision=layout.precision,
-        packed=layout.pack_sequences,
-        accelerator=Accelerator.detect(),
-        head_dim=head_dim_of(arch),
-        sequence_parallel=layout.sequence_parallel,
-    )
+
+    def choose(accelerator: Accelerator) -> AttentionChoice:
+        return choose_attention_backend(
+            layout.attention_backend,
+            precision=layout.precision,
+            packed=layout.pack_sequences,
+            accelerator=accelerator,
+            head_dim=head_dim_of(arch),
+            sequence_parallel=layout.sequence_parallel,
+        )
+
+    accelerator = Accelerator.detect(read_device=True)
+    choice = choose(accelerator)
+    if accelerator.compute_capability is not None:
+        assumed = choose(dataclasses.replace(accelerator, compute_capability=None))
+        if assumed.backend != choice.backend:
+            logger.warning("%s", choice.note(layout.attention_backend))
+    return choice
 
 
 def build_gpt_chunks(

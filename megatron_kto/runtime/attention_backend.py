@@ -34,10 +34,12 @@ How `auto` decides: TE when it is usable and one of its fused kernels surely exi
 configuration (bf16/fp16, head dim a multiple of 8 up to 128); otherwise `sdpa` — in fp32 TE
 would only have its unfused attention, which materialises the [b, h, s, s] scores, where torch's
 SDPA has a memory-efficient kernel. Context parallelism needs TE, so with CP > 1 `auto` takes
-TE whenever any TE backend can run. Not modelled: the GPU generation and whether flash-attn is
-installed (reading them would initialise CUDA before the launch settings are applied), so
-packed half-precision runs on TE < 2.11 assume a Hopper-or-newer GPU (cuDNN's THD kernels) or
-flash-attn; on an A100 without flash-attn set `model.attention_backend=sdpa`.
+TE whenever any TE backend can run. Packed half precision has a kernel on Hopper or newer
+(cuDNN's THD kernels) or with flash-attn installed: the GPU generation is read only once the
+device is set (reading it initialises CUDA), so the start-up check, which runs before that,
+assumes it, and the model builder decides again with the GPU known (`Accelerator.detect(
+read_device=True)`): on an A100 without flash-attn, packed `auto` becomes `sdpa` there and an
+explicit `te` is an error (on TE < 2.11) — never a crash at the first forward.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ KERNEL_HEAD_DIM_MULTIPLE = 8
 KERNEL_HEAD_DIM_EVERY_GPU = 128
 #: ... and up to this with flash-attn 2, or cuDNN >= 9.5 on Hopper.
 KERNEL_HEAD_DIM_MAX = 256
+#: Compute capability from which cuDNN's fused attention takes packed (THD) input.
+HOPPER = (9, 0)
 
 _HALF = {"bf16": "bf16", "16": "fp16"}
 _KEY = "model.attention_backend"
@@ -122,12 +126,23 @@ def _te_capability(
     named = f"Transformer Engine {accelerator.transformer_engine}"
     half = precision in _HALF
     aligned = head_dim % KERNEL_HEAD_DIM_MULTIPLE == 0
-    kernel_possible = half and aligned and head_dim <= KERNEL_HEAD_DIM_MAX
+    capability = accelerator.compute_capability
+    # Packed input: cuDNN's THD kernels need sm90+, flash-attn takes it on sm80+. An unread GPU
+    # (start-up check, before CUDA is initialised) is assumed able; the builder checks again.
+    packed_kernel = (
+        not packed or accelerator.flash_attn or capability is None or capability >= HOPPER
+    )
+    kernel_possible = half and aligned and head_dim <= KERNEL_HEAD_DIM_MAX and packed_kernel
     kernel_sure = kernel_possible and head_dim <= KERNEL_HEAD_DIM_EVERY_GPU
     unfused_thd = version is not None and version >= TE_UNFUSED_THD_SINCE
     unfused_runs = cp == 1 and (not packed or unfused_thd)
     if not half:
         no_kernel = "its flash and fused attention need bf16 or fp16"
+    elif not packed_kernel:
+        no_kernel = (
+            f"its fused attention takes packed (THD) input only on Hopper (sm90) or newer, this "
+            f"GPU is sm{capability[0]}{capability[1]}, and flash-attn is not installed"
+        )
     elif not kernel_possible:
         no_kernel = (
             f"its flash and fused attention need a head dim that is a multiple of "

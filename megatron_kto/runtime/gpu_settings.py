@@ -44,14 +44,27 @@ class Accelerator:
     """Installed Transformer Engine version, or None."""
     grad_accum_fusion_kernel: bool = False
     """Apex's `fused_weight_gradient_mlp_cuda` extension is importable."""
+    flash_attn: bool = False
+    """The `flash_attn` package (flash-attention 2, one of TE's attention backends) is importable."""
+    compute_capability: tuple[int, int] | None = None
+    """The GPU's compute capability, e.g. (8, 0) for an A100; None when not read (reading it
+    initialises CUDA, so it is read only once the device is set: `detect(read_device=True)`)."""
 
     @classmethod
-    def detect(cls) -> Accelerator:
-        """Inspect this process (imports neither Transformer Engine nor Apex)."""
+    def detect(cls, read_device: bool = False) -> Accelerator:
+        """Inspect this process (imports neither Transformer Engine nor Apex nor flash-attn).
+
+        Args:
+            read_device: also read the current GPU's compute capability (initialises CUDA: only
+                after the launch environment is applied and the device is set).
+        """
+        cuda = torch.cuda.is_available()
         return cls(
-            cuda=torch.cuda.is_available(),
+            cuda=cuda,
             transformer_engine=_installed_version("transformer_engine", "transformer-engine"),
             grad_accum_fusion_kernel=importlib.util.find_spec(GRAD_ACCUM_FUSION_MODULE) is not None,
+            flash_attn=importlib.util.find_spec("flash_attn") is not None,
+            compute_capability=torch.cuda.get_device_capability() if cuda and read_device else None,
         )
 
     @property
