@@ -15,15 +15,18 @@
    Tied embeddings on one stage: the embedding's `main_grad` must hold the head's part *and*
    the lookup's own gradient (megatron's: `F.embedding`'s bf16 backward per micro-batch of the
    gradient captured at the lookup's output), to the same tolerance.
-2. Dtype (2 gloo ranks): the hidden states handed to the chunked head are bf16 under bf16 —
-   TP=1, TP=2 with sequence parallelism (also the all-gathered tensor) and the last stage of
-   PP=2 — and fp32 under fp32. With TP=2+SP each rank's vocabulary slice of the weight gradient
-   also matches the float64 reference over the full vocabulary.
+2. Layouts (2 gloo ranks, megatron's training schedule with DDP): the hidden states handed to
+   the chunked head are bf16 under bf16 — TP=1 (above), TP=2 with sequence parallelism (also
+   the all-gathered tensor), the last stage of PP=2 with tied embeddings and of PP=2×VPP=2 —
+   and fp32 under fp32. With TP=2+SP each rank's vocabulary slice of the weight gradient
+   matches the float64 reference over the full vocabulary; with PP=2 and tied embeddings both
+   stages' copies hold head + lookup gradient after megatron's embedding-group all-reduce.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -97,6 +100,25 @@ def _spy_head(records: list[dict]):
         tensor_parallel.gather_from_sequence_parallel_region = real_gather
 
 
+@contextlib.contextmanager
+def _spy_lookups(gpt, lookups: list[dict]):
+    """Record the ids and the gradient at the output of `gpt`'s embedding lookup (when it has
+    one: None is a stage without the embedding) for every lookup that gets a backward."""
+
+    def capture(module, inputs, output):
+        if output.requires_grad:
+            record = {"ids": inputs[0].detach().clone()}
+            output.register_hook(lambda g, r=record: r.__setitem__("grad", g.detach().clone()))
+            lookups.append(record)
+
+    hook = gpt.embedding.word_embeddings.register_forward_hook(capture) if gpt else None
+    try:
+        yield
+    finally:
+        if hook is not None:
+            hook.remove()
+
+
 def _backward_calls(records: list[dict]) -> list[dict]:
     return [r for r in records if "grad" in r]
 
@@ -147,30 +169,21 @@ def _accumulation_step(rank: int, world_size: int, tied: bool) -> dict:
     )
     model = MegatronGPTKTOModel(chunks, CPUSwapReference(chunks), settings)
     gpt = unwrap(chunks[0])
-    lookups: list[dict] = []
-
-    def capture_lookup(module, inputs, output):
-        record = {"ids": inputs[0].detach().clone()}
-        if output.requires_grad:
-            output.register_hook(lambda g, r=record: r.__setitem__("grad", g.detach().clone()))
-        lookups.append(record)
-
-    hook = gpt.embedding.word_embeddings.register_forward_hook(capture_lookup)
     batch = _kto_batch(rows=4, length=SEQ, seed=6)
     batch[REF_SAMPLES], batch[REF_KL] = model.get_ref_policy_logprobs(batch).chunk(2)
     for c in chunks:
         c.zero_grad_buffer()
     records: list[dict] = []
-    with _spy_head(records):
+    lookups: list[dict] = []
+    with _spy_head(records), _spy_lookups(gpt, lookups):
         model.get_loss_and_metrics(batch, forward_only=False)
-    hook.remove()
     head_weight = gpt.shared_embedding_or_output_weight() if tied else gpt.output_layer.weight
     teardown()
     return {
         "calls": _backward_calls(records),
         "stats_input_dtypes": _dtypes(records, "stats_input_dtype"),
         "main_grad": head_weight.main_grad.clone(),
-        "lookups": [r for r in lookups if "grad" in r],
+        "lookups": lookups,
     }
 
 
@@ -236,7 +249,31 @@ def test_output_weight_gradient_sums_in_fp32(accumulation):
     assert _relative(got, head) <= ACCUMULATION_TOL, _relative(got, head)
 
 
-def _dtype_layout(name: str, tp: int, pp: int, sp: bool, precision: str) -> dict:
+@dataclass(frozen=True)
+class Case:
+    """A layout on 2 ranks for the dtype checks."""
+
+    name: str
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    sp: bool = False
+    tied: bool = False
+    precision: str = "bf16"
+
+    def last_stage(self, rank: int) -> bool:
+        return self.pp == 1 or rank == 1
+
+
+CASES = [
+    Case("tp2_sp_bf16", tp=2, sp=True),
+    Case("pp2_tied_bf16", pp=2, tied=True),
+    Case("pp2_vpp2_bf16", pp=2, vpp=2),
+    Case("tp2_sp_fp32", tp=2, sp=True, precision="32"),
+]
+
+
+def _dtype_layout(case: Case) -> dict:
     """One training schedule over 2 micro-batches through the chunked head; what it saw."""
     from megatron_kto.models.architecture import GPTArchitecture
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks, unwrap
@@ -245,22 +282,24 @@ def _dtype_layout(name: str, tp: int, pp: int, sp: bool, precision: str) -> dict
     from megatron_kto.models.training_setup import wrap_ddp
     from megatron_kto.runtime import init_runtime
 
-    rt = init_runtime(tp, pp, seed=9)
+    rt = init_runtime(case.tp, case.pp, case.vpp, seed=9)
     arch = GPTArchitecture(
         vocab_size=VOCAB,
         padded_vocab_size=PADDED,
         hidden_size=64,
         ffn_hidden_size=128,
         num_attention_heads=4,
-        num_layers=2,
+        num_layers=4 if case.vpp else 2,
         encoder_seq_length=32,
         init_method_std=0.05,
+        share_embeddings_and_output_weights=case.tied,
     )
     layout = ParallelLayout(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        sequence_parallel=sp,
-        precision=precision,
+        tensor_model_parallel_size=case.tp,
+        pipeline_model_parallel_size=case.pp,
+        virtual_pipeline_model_parallel_size=case.vpp,
+        sequence_parallel=case.sp,
+        precision=case.precision,
     )
     chunks = wrap_ddp(build_gpt_chunks(arch, layout, rt.device), use_distributed_optimizer=False)
     g = torch.Generator().manual_seed(2)
@@ -280,28 +319,30 @@ def _dtype_layout(name: str, tp: int, pp: int, sp: bool, precision: str) -> dict
     for c in chunks:
         c.zero_grad_buffer()
     records: list[dict] = []
-    with _spy_head(records):
+    lookups: list[dict] = []
+    first, last = unwrap(chunks[0]), unwrap(chunks[-1])
+    with _spy_head(records), _spy_lookups(first if first.pre_process else None, lookups):
         run_schedule(chunks, micro, stats_forward_step(loss, VOCAB, 4), forward_only=False)
-    gpt = unwrap(chunks[-1])
-    out = {
-        "name": name,
+    # The head's weight on this stage: the output layer, or the tied embedding on either end.
+    head = None
+    if case.tied and first.pre_process:
+        head = first.shared_embedding_or_output_weight()
+    elif last.post_process:
+        head = last.output_layer.weight
+    return {
         "stats_input_dtypes": _dtypes(records, "stats_input_dtype"),
         "gathered_dtypes": _dtypes(records, "gathered_dtype"),
         "calls": _backward_calls(records),
-        "main_grad": gpt.output_layer.weight.main_grad.clone() if gpt.post_process else None,
+        "lookups": lookups,
+        "main_grad": None if head is None else head.main_grad.clone(),
     }
-    return out
 
 
 def _dtype_worker(rank: int, world_size: int) -> list[dict]:
     from megatron_kto.runtime import teardown
 
     # One process group for every layout (`init_runtime` re-initialises megatron's groups).
-    reports = [
-        _dtype_layout("tp2_sp_bf16", tp=2, pp=1, sp=True, precision="bf16"),
-        _dtype_layout("pp2_bf16", tp=1, pp=2, sp=False, precision="bf16"),
-        _dtype_layout("tp2_sp_fp32", tp=2, pp=1, sp=True, precision="32"),
-    ]
+    reports = [_dtype_layout(case) for case in CASES]
     teardown()
     return reports
 
@@ -311,19 +352,31 @@ def dtype_reports() -> list[list[dict]]:
     return run_multirank(_dtype_worker, 2, timeout=300)
 
 
-@pytest.mark.parametrize(
-    "index,expected", [(0, torch.bfloat16), (1, torch.bfloat16), (2, torch.float32)]
-)
-def test_hidden_states_reach_the_head_in_the_compute_dtype(dtype_reports, index, expected):
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c.name for c in CASES])
+def test_hidden_states_reach_the_head_in_the_compute_dtype(dtype_reports, index):
+    case = CASES[index]
+    expected = torch.bfloat16 if case.precision == "bf16" else torch.float32
     for rank, reports in enumerate(dtype_reports):
         report = reports[index]
-        last_stage = report["name"].startswith("tp2") or rank == 1
         seen = report["stats_input_dtypes"]
-        assert seen == ({expected} if last_stage else set()), (report["name"], rank, seen)
-        if report["name"].startswith("tp2"):  # the sequence-parallel all-gather moves it as is
-            assert report["gathered_dtypes"] == {expected}, (report["name"], rank)
-        if last_stage:
+        assert seen == ({expected} if case.last_stage(rank) else set()), (case.name, rank, seen)
+        if case.sp:  # the sequence-parallel all-gather moves it as is
+            assert report["gathered_dtypes"] == {expected}, (case.name, rank)
+        if case.last_stage(rank):
             assert {c["hidden"].dtype for c in report["calls"]} == {expected}
+
+
+def test_tied_embedding_across_stages_sums_in_fp32(dtype_reports):
+    """PP=2, tied: after megatron's embedding-group all-reduce both stages' copies hold the head's
+    gradient (last stage) plus the lookup's (first stage)."""
+    index = next(i for i, c in enumerate(CASES) if c.name == "pp2_tied_bf16")
+    first, last = (reports[index] for reports in dtype_reports)
+    head = _reference_weight_grad(last["calls"])
+    lookup = _lookup_grad(first["lookups"], head.shape)
+    assert lookup.norm() >= 0.5 * head.norm(), "the lookup must matter for the test to bite"
+    for rank, report in enumerate((first, last)):
+        rel = _relative(report["main_grad"], head + lookup)
+        assert rel <= ACCUMULATION_TOL, (rank, rel)
 
 
 def test_tensor_parallel_slices_sum_in_fp32(dtype_reports):
