@@ -187,7 +187,7 @@ def _accumulation_step(rank: int, world_size: int, tied: bool) -> dict:
     }
 
 
-def _reference_weight_grad(calls: list[dict]) -> torch.Tensor:
+def reference_weight_grad(calls: list[dict]) -> torch.Tensor:
     """Float64 Σ over tokens of bf16(g·(onehot − softmax(bf16(h·Wᵀ))))ᵀ·h, full vocabulary."""
     total = None
     for call in calls:
@@ -238,7 +238,7 @@ def test_step_runs_many_chunks_on_bf16_hidden_states(accumulation):
 def test_output_weight_gradient_sums_in_fp32(accumulation):
     """The head's share of `main_grad` equals the exact sum of its per-token products."""
     calls = accumulation["calls"]
-    head = _reference_weight_grad(calls)
+    head = reference_weight_grad(calls)
     got = accumulation["main_grad"]
     assert got.dtype == torch.float32
     if accumulation["tied"]:
@@ -371,7 +371,7 @@ def test_tied_embedding_across_stages_sums_in_fp32(dtype_reports):
     gradient (last stage) plus the lookup's (first stage)."""
     index = next(i for i, c in enumerate(CASES) if c.name == "pp2_tied_bf16")
     first, last = (reports[index] for reports in dtype_reports)
-    head = _reference_weight_grad(last["calls"])
+    head = reference_weight_grad(last["calls"])
     lookup = _lookup_grad(first["lookups"], head.shape)
     assert lookup.norm() >= 0.5 * head.norm(), "the lookup must matter for the test to bite"
     for rank, report in enumerate((first, last)):
@@ -387,7 +387,7 @@ def test_tensor_parallel_slices_sum_in_fp32(dtype_reports):
         # The gathered, selected states are the same on both ranks; the weight is split.
         assert torch.equal(parts[0]["hidden"], parts[1]["hidden"])
         calls.append(parts[0] | {"weight": torch.cat([p["weight"] for p in parts])})
-    want = _reference_weight_grad(calls)
+    want = reference_weight_grad(calls)
     width = PADDED // 2
     for rank, report in enumerate(ranks):
         got = report["main_grad"]
