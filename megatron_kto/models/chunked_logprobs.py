@@ -10,7 +10,8 @@ positions, where the logits would be ``hidden @ weight.T`` on this TP rank's voc
   group — the vocabulary is never gathered); only the per-token log-sum-exp ([N] floats) is kept;
 * backward: per chunk, the logits are recomputed (one extra matmul), turned into the softmax with
   the saved log-sum-exp (no collective), and megatron's gradient step gives d/d(logits); the
-  gradients for the hidden states and the weight follow from two matmuls.
+  gradients for the hidden states and the weight follow from two matmuls (the weight's is summed
+  over the chunks in fp32 whatever the weight's dtype: `models.weight_grad`).
 
 Peak memory is therefore O(chunk × V/TP) instead of O(N × V/TP) — what lets a 128k vocabulary run
 long sequences — at the price of recomputing the output-layer matmul once in the backward.

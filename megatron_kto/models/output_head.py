@@ -13,7 +13,11 @@ same output weight to the selected positions, in chunks (`models.chunked_logprob
   this rank's vocabulary slice, the softmax is vocab-parallel;
 * tied embeddings use the weight megatron's `_postprocess` would use
   (`shared_embedding_or_output_weight`: the embedding on the first stage, the synced copy on
-  the last stage with PP > 1).
+  the last stage with PP > 1);
+* under bf16/fp16 the hidden states stay in the compute dtype from the last layer norm to the
+  chunks (`hidden_states_call_kwargs`: no fp32 copy, no fp32 all-gather), each chunk's logits
+  and softmax are fp32, and the weight gradient is summed over the chunks in fp32 — into
+  megatron DDP's `main_grad`, as megatron's own layers do (`models.weight_grad`).
 
 Selection is free of host syncs when the number of scored positions of the micro-batch is known
 on the host (`num_scored`, see `schedule.to_device`): `torch.nonzero_static` then has a static
