@@ -1,4 +1,4 @@
-"""bf16 chunked output layer, megatron's way: hidden states stay bf16, the weight gradient sums in fp32.
+"""The bf16 chunked output layer, megatron's way: bf16 hidden states, an fp32 weight gradient.
 
 1. Accumulation (1 process): one bf16 KTO training step through the real path
    (`MegatronGPTKTOModel`, megatron DDP, the schedule) with the output layer in chunks of 2 tokens
@@ -16,9 +16,9 @@
    the lookup's own gradient (megatron's: `F.embedding`'s bf16 backward per micro-batch of the
    gradient captured at the lookup's output), to the same tolerance.
 2. Layouts (2 gloo ranks, megatron's training schedule with DDP): the hidden states handed to
-   the chunked head are bf16 under bf16 — TP=1 (above), TP=2 with sequence parallelism (also
-   the all-gathered tensor), the last stage of PP=2 with tied embeddings and of PP=2×VPP=2 —
-   and fp32 under fp32. With TP=2+SP each rank's vocabulary slice of the weight gradient
+   the chunked head are bf16 under bf16 — TP=1 (above), TP=2 without and with sequence
+   parallelism (then also the all-gathered tensor), the last stage of PP=2 with tied
+   embeddings and of PP=2×VPP=2 — and fp32 under fp32. With TP=2 (±SP) each rank's vocabulary slice of the weight gradient
    matches the float64 reference over the full vocabulary; with PP=2 and tied embeddings both
    stages' copies hold head + lookup gradient after megatron's embedding-group all-reduce.
 """
@@ -266,6 +266,7 @@ class Case:
 
 
 CASES = [
+    Case("tp2_bf16", tp=2),
     Case("tp2_sp_bf16", tp=2, sp=True),
     Case("pp2_tied_bf16", pp=2, tied=True),
     Case("pp2_vpp2_bf16", pp=2, vpp=2),
@@ -379,12 +380,15 @@ def test_tied_embedding_across_stages_sums_in_fp32(dtype_reports):
         assert rel <= ACCUMULATION_TOL, (rank, rel)
 
 
-def test_tensor_parallel_slices_sum_in_fp32(dtype_reports):
-    """TP=2+SP bf16: each rank's slice of `main_grad` against the full-vocabulary reference."""
-    ranks = [reports[0] for reports in dtype_reports]
+@pytest.mark.parametrize("name", ["tp2_bf16", "tp2_sp_bf16"])
+def test_tensor_parallel_slices_sum_in_fp32(dtype_reports, name):
+    """TP=2 bf16 (with and without SP): each rank's slice of `main_grad` against the
+    full-vocabulary reference."""
+    index = next(i for i, c in enumerate(CASES) if c.name == name)
+    ranks = [reports[index] for reports in dtype_reports]
     calls = []
     for parts in zip(*(r["calls"] for r in ranks), strict=True):
-        # The gathered, selected states are the same on both ranks; the weight is split.
+        # The (gathered,) selected states are the same on both ranks; the weight is split.
         assert torch.equal(parts[0]["hidden"], parts[1]["hidden"])
         calls.append(parts[0] | {"weight": torch.cat([p["weight"] for p in parts])})
     want = reference_weight_grad(calls)
