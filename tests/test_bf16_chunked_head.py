@@ -18,9 +18,10 @@
 2. Layouts (2 gloo ranks, megatron's training schedule with DDP): the hidden states handed to
    the chunked head are bf16 under bf16 — TP=1 (above), TP=2 without and with sequence
    parallelism (then also the all-gathered tensor), the last stage of PP=2 with tied
-   embeddings and of PP=2×VPP=2 — and fp32 under fp32. With TP=2 (±SP) each rank's vocabulary slice of the weight gradient
-   matches the float64 reference over the full vocabulary; with PP=2 and tied embeddings both
-   stages' copies hold head + lookup gradient after megatron's embedding-group all-reduce.
+   embeddings and of PP=2×VPP=2 — and fp32 under fp32. With TP=2 (±SP) each rank's
+   vocabulary slice of the weight gradient matches the float64 reference over the full
+   vocabulary; with PP=2 and tied embeddings both stages' copies hold head + lookup gradient
+   after megatron's embedding-group all-reduce.
 """
 
 from __future__ import annotations
