@@ -8,6 +8,7 @@ layer equals the full-logits path in values and gradients.
   with untied and tied embeddings: the per-row statistics and every parameter's gradient of a
   nonlinear loss are the same with `logprob_chunk_size` 3 as with 0 (full logits), to 1e-5 of
   each gradient tensor's largest entry.
+* A bf16 weight outside megatron DDP gets its gradient summed in fp32 and rounded once.
 * `hidden_states_output` really skips the output layer and always restores the model.
 """
 
@@ -68,6 +69,27 @@ def test_chunked_logprobs_match_float64_log_softmax(chunk_size):
     torch.testing.assert_close(weight.grad.double(), w64.grad, rtol=0, atol=TOL)
     assert (weight.grad[VOCAB:] == 0).all(), "padded vocabulary rows get no gradient"
     assert not mean_logit.requires_grad
+
+
+def test_bf16_weight_gradient_is_rounded_once_not_per_chunk():
+    """Outside megatron DDP (no `main_grad`) a bf16 weight's gradient is the fp32 sum over its
+    300 one-token chunks, rounded to bf16 once: within one bf16 rounding (2⁻⁸ relative) of the
+    exact sum (`test_bf16_chunked_head`'s float64 reference); a running bf16 sum is ~1e-2 off."""
+    from test_bf16_chunked_head import reference_weight_grad
+
+    g = torch.Generator().manual_seed(0)
+    n, h = 300, 64
+    hidden = torch.randn(n, h, generator=g).bfloat16()
+    weight = (torch.randn(PADDED, h, generator=g) * 0.1).bfloat16().requires_grad_()
+    target = torch.randint(0, VOCAB, (n,), generator=g)
+    upstream = torch.randn(n, generator=g)
+    logp, _ = chunked_token_logprobs(hidden, weight, target, 1, VOCAB)
+    logp.backward(upstream)
+    want = reference_weight_grad(
+        [{"hidden": hidden, "weight": weight.detach(), "target": target, "grad": upstream}]
+    )
+    assert weight.grad.dtype == torch.bfloat16
+    assert (weight.grad.double() - want).norm() <= 2**-8 * want.norm()
 
 
 def _batch(rows: int = 4, length: int = 12, seed: int = 1) -> dict[str, torch.Tensor]:

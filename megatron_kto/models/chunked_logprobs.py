@@ -10,7 +10,8 @@ positions, where the logits would be ``hidden @ weight.T`` on this TP rank's voc
   group — the vocabulary is never gathered); only the per-token log-sum-exp ([N] floats) is kept;
 * backward: per chunk, the logits are recomputed (one extra matmul), turned into the softmax with
   the saved log-sum-exp (no collective), and megatron's gradient step gives d/d(logits); the
-  gradients for the hidden states and the weight follow from two matmuls.
+  gradients for the hidden states and the weight follow from two matmuls (the weight's is summed
+  over the chunks in fp32 whatever the weight's dtype: `models.weight_grad`).
 
 Peak memory is therefore O(chunk × V/TP) instead of O(N × V/TP) — what lets a 128k vocabulary run
 long sequences — at the price of recomputing the output-layer matmul once in the backward.
@@ -26,6 +27,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+
+from megatron_kto.models.weight_grad import WeightGradSum
 
 
 def _tp_rank() -> int:
@@ -88,10 +91,12 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
         width = weight.shape[0]
         start = _tp_rank() * width
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # Each row of the hidden-state gradient comes from one chunk: one GEMM over this rank's
+        # vocabulary slice (fp32 accumulation inside), rounded once to the hidden states' dtype.
         grad_h = torch.empty_like(hidden) if want_h else None
-        # Accumulated in the weight's dtype: exact in fp32; in bf16 one rounding per chunk, as
-        # megatron's own bf16 weight gradient is rounded once per micro-batch.
-        grad_w = torch.zeros_like(weight) if want_w else None
+        # The weight gradient sums over every chunk: in fp32 (into megatron DDP's `main_grad`
+        # for a half-precision weight), never in a running bf16 sum (`models.weight_grad`).
+        grad_w = WeightGradSum(weight) if want_w else None
         n = hidden.shape[0]
         for lo in range(0, n, ctx.chunk_size):
             hi = min(lo + ctx.chunk_size, n)
@@ -109,8 +114,9 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
             if want_h:
                 torch.mm(grad_logits, weight, out=grad_h[lo:hi])
             if want_w:
-                grad_w.addmm_(grad_logits.t(), h)
-        return grad_h, grad_w, None, None, None, None, None
+                grad_w.add(grad_logits, h)
+        weight_grad = grad_w.result() if grad_w is not None else None
+        return grad_h, weight_grad, None, None, None, None, None
 
 
 def chunked_token_logprobs(

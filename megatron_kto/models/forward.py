@@ -17,6 +17,7 @@ from megatron_kto.models.logprobs import (
 )
 from megatron_kto.models.output_head import (
     completion_stats,
+    hidden_states_call_kwargs,
     hidden_states_output,
     output_head,
 )
@@ -58,12 +59,13 @@ def sequence_stats(
     return segment_sums(per_position, positions, *labels.shape, packed)
 
 
-def model_call(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """Run a model chunk on a micro-batch (with its THD parameters when it is packed)."""
+def model_call(model: torch.nn.Module, batch: Batch, **kwargs: object) -> torch.Tensor:
+    """Run a model chunk on a micro-batch (with its THD parameters when it is packed); `kwargs`
+    go to the model's forward (e.g. `hidden_states_call_kwargs`)."""
     packed = batch.get(PACKED)
-    if packed is None:
-        return model(batch["tokens"], batch["position_ids"], None)
-    return model(batch["tokens"], batch["position_ids"], None, packed_seq_params=packed)
+    if packed is not None:
+        kwargs = {**kwargs, "packed_seq_params": packed}
+    return model(batch["tokens"], batch["position_ids"], None, **kwargs)
 
 
 def gpt_forward_step(loss_fn: Callable[[Batch, torch.Tensor], object]) -> Callable:
@@ -95,8 +97,11 @@ def stats_forward_step(
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        context = hidden_states_output(model) if chunk_size else contextlib.nullcontext()
-        with context:
+        if chunk_size:
+            # The last stage stops at its hidden states, kept in the compute dtype.
+            with hidden_states_output(model):
+                output = model_call(model, batch, **hidden_states_call_kwargs(model))
+        else:
             output = model_call(model, batch)
 
         def loss_func(output_tensor, non_loss_data: bool = False):

@@ -13,7 +13,11 @@ same output weight to the selected positions, in chunks (`models.chunked_logprob
   this rank's vocabulary slice, the softmax is vocab-parallel;
 * tied embeddings use the weight megatron's `_postprocess` would use
   (`shared_embedding_or_output_weight`: the embedding on the first stage, the synced copy on
-  the last stage with PP > 1).
+  the last stage with PP > 1);
+* under bf16/fp16 the hidden states stay in the compute dtype from the last layer norm to the
+  chunks (`hidden_states_call_kwargs`: no fp32 copy, no fp32 all-gather), each chunk's logits
+  and softmax are fp32, and the weight gradient is summed over the chunks in fp32 — into
+  megatron DDP's `main_grad`, as megatron's own layers do (`models.weight_grad`).
 
 Selection is free of host syncs when the number of scored positions of the micro-batch is known
 on the host (`num_scored`, see `schedule.to_device`): `torch.nonzero_static` then has a static
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.module import Float16Module
 
 from megatron_kto.config.schema import ModelConfig
 from megatron_kto.models.builder import unwrap
@@ -60,6 +65,26 @@ def hidden_states_output(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         gpt.post_process = True
+
+
+def hidden_states_call_kwargs(model: torch.nn.Module) -> dict[str, bool]:
+    """Keyword arguments for calling `model` within `hidden_states_output`.
+
+    megatron-core's `Float16Module` (bf16/fp16) upcasts a last stage's output to fp32 — meant
+    for logits. Our output there is the hidden states, which the chunked output layer multiplies
+    in the weight's dtype: the upcast would only make an fp32 copy of [S, B, H] (and double the
+    bytes of the sequence-parallel all-gather) to be cast straight back. `fp32_output=False` is
+    `Float16Module`'s own switch for keeping its output in the compute dtype; every wrapper
+    above it (megatron DDP) passes keyword arguments through. Without `Float16Module` (fp32)
+    there is nothing to switch off.
+    """
+    module = model
+    while True:
+        if isinstance(module, Float16Module):
+            return {"fp32_output": False}
+        if not hasattr(module, "module"):
+            return {}
+        module = module.module
 
 
 @dataclass(frozen=True)
@@ -113,7 +138,8 @@ def completion_stats(
 
     Args:
         hidden: [S, B, H] (or [S/TP, B, H] under sequence parallelism) from
-            `hidden_states_output`.
+            `hidden_states_output`, in the compute dtype (`hidden_states_call_kwargs`): the
+            sequence-parallel gather and the selection move no more bytes than needed.
         labels: [B, S] next-token targets, `IGNORE_INDEX` where not scored.
         head: the chunk's `output_head`.
         vocab_size: the real vocabulary size (padded columns are left out).
