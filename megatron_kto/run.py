@@ -33,6 +33,7 @@ from megatron_kto.models.reference import (
     copy_weights,
 )
 from megatron_kto.models.training_setup import build_optimizer, build_scheduler, wrap_ddp
+from megatron_kto.planning.memory import startup_lines
 from megatron_kto.runtime import init_runtime, teardown
 from megatron_kto.runtime.launcher_env import adopt_launcher_env
 
@@ -295,6 +296,12 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
                 _say(rank0, split.describe())
 
             layout = _layout(cfg)
+            if rank0:
+                # Before anything is allocated: a run that cannot fit says so first.
+                for line in startup_lines(
+                    cfg, arch, runtime.world_size, runtime.device, algorithm
+                ):
+                    _say(rank0, line)
             model = _build_policy(cfg, algorithm, arch, layout, runtime)
             loop_cfg = cfg.trainer.kto if algorithm == "kto" else cfg.trainer.dpo
             loop = resolve_loop(
