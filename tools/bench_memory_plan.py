@@ -78,6 +78,35 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     ),
     "tp2": (2, ["model.tensor_model_parallel_size=2"]),
     "tp2_dp2": (4, ["model.tensor_model_parallel_size=2"]),
+    "pp2_dp2_unpacked_block_recompute": (
+        4,
+        [
+            "model.pipeline_model_parallel_size=2",
+            "model.data.pack_sequences=false",
+            "model.activations_checkpoint_granularity=full",
+            "model.activations_checkpoint_method=block",
+            "model.activations_checkpoint_num_layers=1",
+        ],
+    ),
+    "dp4_distopt_bf16_uniform_recompute": (
+        4,
+        [
+            "model.optim.name=distributed_fused_adam",
+            "trainer.precision=bf16",
+            "model.global_batch_size=16",
+            "model.activations_checkpoint_granularity=full",
+            "model.activations_checkpoint_num_layers=2",
+        ],
+    ),
+    "tp2_pp2_selective_separate": (
+        4,
+        [
+            "model.tensor_model_parallel_size=2",
+            "model.pipeline_model_parallel_size=2",
+            "model.activations_checkpoint_granularity=selective",
+            "model.kto.reference_policy=separate",
+        ],
+    ),
     "pp2_vpp2_dp2": (
         4,
         ["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2"],
@@ -106,17 +135,18 @@ def _batch(rows: int, length: int, vocab: int, seed: int):
 
 def measure_rank(rank: int, world: int, overrides: list[str]) -> dict:
     """Build and run a layout on this rank (see the module docstring); predicted vs measured."""
-    import torch
     from megatron.core import parallel_state
     from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
 
     from megatron_kto import run
     from megatron_kto.config.entry import compose_run_config
+    from megatron_kto.models.builder import unwrap
     from megatron_kto.models.reference import SeparateReference
     from megatron_kto.models.schedule import row_lengths, scored_per_row, to_device
     from megatron_kto.models.training_setup import zero_grads
     from megatron_kto.planning.measure import AllocationTrace, host_bytes, model_state_bytes
     from megatron_kto.planning.memory import plan_rank, run_inputs, with_tokens
+    from megatron_kto.planning.model_state import rank_chunks
     from megatron_kto.runtime import init_runtime, teardown
 
     prepared = compose_run_config("gpt_kto", [*MODEL, *overrides], world_size=world)
@@ -156,6 +186,7 @@ def measure_rank(rank: int, world: int, overrides: list[str]) -> dict:
         gc.collect()
         with trace.window():
             step()
+    built = [[(name, p.numel()) for name, p in unwrap(c).named_parameters()] for c in model.chunks]
     separate = model.reference if isinstance(model.reference, SeparateReference) else None
     measured = model_state_bytes(model.chunks, optimizer, separate._ref if separate else None)
     # Host-resident on a GPU too: cpu_swap's copies (pinned host memory there) and the batch as
@@ -176,10 +207,11 @@ def measure_rank(rank: int, world: int, overrides: list[str]) -> dict:
         x, tokens, max(sum(scored[i] for i in r) for r in micro), host["samples"].shape[1]
     )
     plan = plan_rank(arch, dims, x, strategy, pp_rank, dp_rank, USING_PYTORCH_OPTIMIZER)
+    planned = [[(p.name, p.numel) for p in chunk] for chunk in rank_chunks(arch, dims, pp_rank)]
     teardown()
-    del torch
     return {
         "rank": rank,
+        "parameters_match": planned == built,
         "pp_rank": pp_rank,
         "dp_rank": dp_rank,
         "predicted": {
@@ -187,7 +219,7 @@ def measure_rank(rank: int, world: int, overrides: list[str]) -> dict:
             "gradients": plan.gradients,
             "optimizer": plan.optimizer,
             "reference": plan.reference,
-            "activations": max(plan.activations, plan.forward_only),
+            "activations": max(plan.activations, plan.forward_only, plan.collectives),
             "peak": plan.peak,
         },
         "measured": {

@@ -83,6 +83,9 @@ class ActivationInputs:
     """The attention kernel takes grouped KV as is (CPU; CUDA bf16/fp16 flash)."""
     keep_pipeline_outputs: bool = False
     """megatron keeps stage outputs until their backward (on CPU; CUDA frees them)."""
+    gloo: bool = False
+    """Collectives run on gloo (CPU), whose reduce-scatter and all-gather stage a full-size
+    copy of their input / output (NCCL's run in place)."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,11 @@
 
     peak(rank) = weights + gradients + optimizer state      (`model_state`, exact)
                + reference                                  (the strategy's device share)
-               + max(training activations, forward-only pass) (`activations`)
+               + max(training activations, forward-only pass, (gloo) collective staging)
+
+(`activations`; on CPU, gloo's reduce-scatter copies its whole input — measured: a 4 MB
+reduce-scatter allocates 4 MB, an all-gather its output, NCCL neither — so the distributed
+optimizer's gradient reduce-scatter stages one fp32 bucket there.)
 
 Reference strategies (`model.kto.reference_policy`, README "Reference policy"), P = this rank's
 parameter bytes (unpadded, param dtype): `cpu_swap` +2P host, 0 device; `separate` +P device (a
@@ -27,7 +31,13 @@ from megatron_kto.planning.activations import (
     activation_bytes,
     forward_only_bytes,
 )
-from megatron_kto.planning.model_state import PARAM_BYTES, ParallelDims, model_state
+from megatron_kto.planning.model_state import (
+    FP32,
+    PARAM_BYTES,
+    ParallelDims,
+    largest_bucket,
+    model_state,
+)
 
 GiB = 2**30
 
@@ -46,6 +56,9 @@ class MemoryPlan:
     """Saved activations of the micro-batches in flight plus the largest transient."""
     forward_only: int
     """Peak working set of a forward-only (reference / KL) pass."""
+    collectives: int
+    """gloo only: the distributed optimizer's reduce-scatter stages a copy of a whole fp32
+    gradient bucket (at the end of the backward, activations freed)."""
     reference_host: int
     in_flight: int
     layer_activation: int
@@ -56,7 +69,8 @@ class MemoryPlan:
 
     @property
     def peak(self) -> int:
-        return self.model_state + self.reference + max(self.activations, self.forward_only)
+        transient = max(self.activations, self.forward_only, self.collectives)
+        return self.model_state + self.reference + transient
 
 
 def plan_rank(
@@ -81,6 +95,9 @@ def plan_rank(
         reference=param_bytes if reference_policy == "separate" else 0,
         activations=acts.total,
         forward_only=forward_only_bytes(arch, dims, x),
+        collectives=FP32 * largest_bucket(arch, dims, pp_rank)
+        if x.gloo and dims.distributed_optimizer and dims.dp > 1
+        else 0,
         reference_host=2 * param_bytes if reference_policy == "cpu_swap" else 0,
         in_flight=acts.in_flight,
         layer_activation=acts.layer,
@@ -145,12 +162,20 @@ def run_inputs(
         forward_tokens=fwd * max_length,
         native_gqa=device_type == "cpu" or dims.precision != "32",
         keep_pipeline_outputs=device_type != "cuda",
+        gloo=device_type == "cpu",
     )
     return dims, x, loss.reference_policy
 
 
-def _gib(n: int) -> str:
-    return f"{n / GiB:.2f}"
+def size(n: float) -> str:
+    """Bytes as '1.23 GiB' / '45.6 MiB' / '7.8 KiB'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{int(n)} B"
+
+
+_PRECISION = {"32": "fp32", "bf16": "bf16", "16": "fp16"}
 
 
 def format_plan(
@@ -159,32 +184,38 @@ def format_plan(
     x: ActivationInputs,
     device_bytes: int | None,
     device_name: str,
+    reference_policy: str = "",
 ) -> list[str]:
-    """A few lines for the start-up console: the worst rank's plan against the device."""
+    """A few lines for the start-up console: the largest rank's plan against the device."""
     layout = f"TP={dims.tp} PP={dims.pp}" + (f" VPP={dims.vpp}" if dims.vpp else "")
     layout += f" DP={dims.dp}" + (" SP" if dims.sequence_parallel else "")
-    recompute = x.recompute or "none"
+    mbs = "micro-batch" if plan.in_flight == 1 else "micro-batches"
+    reference = f"reference {size(plan.reference)}"
+    if reference_policy:
+        reference += f" ({reference_policy}" + (
+            f", +{size(plan.reference_host)} host)" if plan.reference_host else ")"
+        )
     lines = [
-        f"memory plan per rank (GiB; {layout}, {dims.precision}, micro-batch of {x.tokens} "
-        f"tokens{' packed' if x.packed else ''}, recompute {recompute}; worst rank: "
-        f"PP rank {plan.pp_rank}, DP rank {plan.dp_rank}):",
-        f"  weights {_gib(plan.weights)} | gradients {_gib(plan.gradients)} | optimizer "
-        f"{_gib(plan.optimizer)}{' (sharded over DP)' if dims.distributed_optimizer else ''} | "
-        f"reference {_gib(plan.reference)}"
-        + (f" (+{_gib(plan.reference_host)} host)" if plan.reference_host else ""),
-        f"  activations {_gib(plan.activations)} ({plan.in_flight} micro-batch(es) in flight, "
-        f"{_gib(plan.layer_activation)} per layer each) | forward-only pass "
-        f"{_gib(plan.forward_only)} | peak {_gib(plan.peak)}",
+        f"memory plan per rank ({layout}, {_PRECISION[dims.precision]}, micro-batch of "
+        f"{x.tokens} tokens{' packed' if x.packed else ''}, recompute {x.recompute or 'none'}; "
+        f"largest: PP rank {plan.pp_rank}, DP rank {plan.dp_rank}):",
+        f"  weights {size(plan.weights)} | gradients {size(plan.gradients)} | optimizer "
+        f"{size(plan.optimizer)}{' (sharded over DP)' if dims.distributed_optimizer else ''} | "
+        f"{reference}",
+        f"  activations {size(plan.activations)} ({plan.in_flight} {mbs} in flight, "
+        f"{size(plan.layer_activation)} per layer each) | forward-only pass "
+        f"{size(plan.forward_only)} | peak {size(plan.peak)}",
     ]
     if device_bytes:
         verdict = (
             "fits"
             if plan.peak <= device_bytes
-            else "EXCEEDS it: lower model.micro_batch_size, raise TP/PP, turn on "
-            "activation recomputation or the distributed optimizer"
+            else "EXCEEDS it: lower model.micro_batch_size, raise TP/PP, turn on activation "
+            "recomputation or the distributed optimizer (tools/plan_layout.py suggests a layout)"
         )
+        prefix = "  " if plan.peak <= device_bytes else "warning: "
         lines.append(
-            f"  {device_name}: {_gib(device_bytes)} GiB, peak {plan.peak / device_bytes:.0%}: "
+            f"{prefix}{device_name}: {size(device_bytes)}, peak {plan.peak / device_bytes:.0%}: "
             f"{verdict}"
         )
     else:
@@ -212,5 +243,5 @@ def startup_lines(
     plan = worst_rank(arch, dims, x, strategy, torch_adam)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return format_plan(plan, dims, x, props.total_memory, props.name)
-    return format_plan(plan, dims, x, None, device.type.upper())
+        return format_plan(plan, dims, x, props.total_memory, props.name, strategy)
+    return format_plan(plan, dims, x, None, device.type.upper(), strategy)

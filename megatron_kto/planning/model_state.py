@@ -260,6 +260,15 @@ def model_state(
     return ModelState(parameters=count, weights=weights, gradients=grads, optimizer=optim)
 
 
+def largest_bucket(arch: GPTArchitecture, dims: ParallelDims, pp_rank: int) -> int:
+    """Elements of the largest DDP bucket of pipeline rank `pp_rank` (padding included)."""
+    return max(
+        (b1 - b0)
+        for i, params in enumerate(rank_chunks(arch, dims, pp_rank))
+        for b0, b1 in ddp_buffer(params, dims, pp_rank, i).buckets
+    )
+
+
 def total_parameters(arch: GPTArchitecture) -> int:
     """Parameters of the whole model (TP = PP = 1)."""
     return sum(p.numel for p in chunk_parameters(arch, ParallelDims(), 0))
