@@ -298,9 +298,11 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
             layout = _layout(cfg)
             if rank0:
                 # Before anything is allocated: a run that cannot fit says so first.
-                for line in startup_lines(
-                    cfg, arch, runtime.world_size, runtime.device, algorithm
-                ):
+                try:
+                    plan = startup_lines(cfg, arch, runtime.world_size, runtime.device, algorithm)
+                except ValueError as e:  # a shape the planner does not know must not stop a run
+                    plan = [f"note: no memory plan: {e}"]
+                for line in plan:
                     _say(rank0, line)
             model = _build_policy(cfg, algorithm, arch, layout, runtime)
             loop_cfg = cfg.trainer.kto if algorithm == "kto" else cfg.trainer.dpo

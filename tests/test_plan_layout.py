@@ -164,3 +164,18 @@ def test_tiny_model_fits_and_bad_arguments_exit_2(tmp_path):
     assert out.returncode == 0, out.stderr
     bad = _run_tool("--hf-config", str(path), "--gpus", "2", "--gpu-memory", "lots")
     assert bad.returncode == 2 and bad.stderr.startswith("error: --gpu-memory")
+
+
+def test_startup_table_warns_only_when_the_device_is_too_small():
+    from megatron_kto.config.entry import compose_run_config
+    from megatron_kto.planning.memory import format_plan, run_inputs, worst_rank
+
+    prepared = compose_run_config("gpt_kto", ["model.micro_batch_size=2"], world_size=1)
+    dims, x, strategy = run_inputs(prepared.cfg, prepared.architecture, 1, "cuda")
+    plan = worst_rank(prepared.architecture, dims, x, strategy)
+    assert x.tokens == 2 * prepared.cfg.model.data.max_length  # the longest micro-batch
+    small = format_plan(plan, dims, x, plan.peak - 1, "GPU", strategy)
+    large = format_plan(plan, dims, x, plan.peak, "GPU", strategy)
+    assert small[-1].startswith("warning: GPU:") and "EXCEEDS" in small[-1]
+    assert large[-1].startswith("  GPU:") and large[-1].endswith("fits")
+    assert len(large) == 4 and "reference 0 B (cpu_swap, +" in large[1]
