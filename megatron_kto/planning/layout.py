@@ -196,15 +196,16 @@ def candidates(
             Candidate(dims, mbs, recompute, reference, plan, seconds, plan.peak <= usable, mfu)
         )
     order = {r: i for i, r in enumerate(REFERENCES)}
-    return sorted(out, key=lambda c: (not c.fits, c.step_time, order[c.reference]))
+    return sorted(out, key=lambda c: (not c.fits, c.step_time, order[c.reference], c.plan.peak))
 
 
 def format_candidates(found: list[Candidate], cluster: Cluster, top: int = 5) -> list[str]:
     """The recommendation and the next best, or why nothing fits."""
     usable = (int(USABLE_FRACTION * cluster.gpu_memory) - RESERVED) / GiB
     lines = [
-        f"{cluster.gpus} x {cluster.gpu_type} ({cluster.gpu_memory / GiB:.0f} GiB, "
-        f"{usable:.1f} GiB usable per GPU)",
+        f"{cluster.gpus} x {cluster.gpu_type}, {cluster.gpu_memory / 1e9:.0f} GB = "
+        f"{cluster.gpu_memory / GiB:.1f} GiB each, {usable:.1f} GiB usable (0.92 x memory - "
+        f"1.5 GiB)",
         "| TP | PP | DP | SP | micro-batch | recompute | reference | dist. optimizer | peak GiB "
         "| step s | MFU |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
