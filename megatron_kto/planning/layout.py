@@ -46,7 +46,7 @@ from megatron_kto.logging.throughput import architecture_flops, datasheet_peak_f
 from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.planning.activations import ACT_BYTES, ActivationInputs
 from megatron_kto.planning.memory import GiB, MemoryPlan, worst_rank
-from megatron_kto.planning.model_state import ParallelDims
+from megatron_kto.planning.model_state import ParallelDims, model_state
 
 #: name -> (HBM bytes/s, intra-node link bytes/s per direction, device name for the FLOP/s table)
 GPU_TYPES: dict[str, tuple[float, float, str]] = {
@@ -151,8 +151,6 @@ def step_time(
 
 def sum_params(arch: GPTArchitecture, dims: ParallelDims) -> int:
     """Parameters on the busiest pipeline rank."""
-    from megatron_kto.planning.model_state import model_state
-
     return max(model_state(arch, dims, pp).parameters for pp in range(dims.pp))
 
 

@@ -1,5 +1,5 @@
-"""Measure what the plan predicts, on any device: model-state bytes of real tensors, and the
-peak of live allocations during a step.
+"""Measure what the plan predicts: model-state bytes of real tensors (any device), and the
+peak of live allocations during a step (CPU; on CUDA read `torch.cuda.max_memory_allocated`).
 
 **Model state** (`model_state_bytes`) walks the objects the trainer built — the parameters of
 every chunk, megatron DDP's gradient buffers, the optimizer's state and main parameters — and
@@ -18,10 +18,13 @@ the device peak:
 
     peak = max over the step of (all live tensor bytes) − host-resident tensor bytes.
 
-Two things differ between the CPU run measured and a GPU run: kernels may allocate different
-scratch tensors (e.g. CPU flash attention vs TE's), and on CPU megatron keeps each pipeline
-stage's output until its backward (`deallocate_pipeline_outputs` is CUDA-only); the plan models
-the second (`activations.ActivationInputs.keep_pipeline_outputs`).
+What differs between the CPU run measured and a GPU run: kernels may allocate different scratch
+tensors (e.g. CPU flash attention vs TE's); on CPU megatron keeps each pipeline stage's output
+until its backward (`deallocate_pipeline_outputs` is CUDA-only); gloo's reduce-scatter and
+all-gather stage full-size copies through torch's allocator (NCCL's do not), and after its
+sequence-parallel collectives the running total holds a few MiB that no Python object does.
+The plan models the second and third for CPU runs (`activations.ActivationInputs`
+`keep_pipeline_outputs`, `gloo`); the last is why the tests leave sequence parallelism out.
 """
 
 from __future__ import annotations
@@ -94,12 +97,11 @@ def model_state_bytes(chunks: list[torch.nn.Module], optimizer, reference_chunks
 def host_bytes(reference, batch: dict) -> int:
     """Bytes that live in host memory on a GPU too: a `cpu_swap` reference's copies (pinned
     there) and the host batch the data loader made."""
+    from megatron_kto.models.reference import CPUSwapReference
+
     tensors = [v for v in batch.values() if torch.is_tensor(v)]
-    tensors += list(getattr(reference, "_ref", None) or []) + list(
-        getattr(reference, "_backup", None) or []
-    )
-    if reference is not None and type(reference).__name__ != "CPUSwapReference":
-        tensors = [v for v in batch.values() if torch.is_tensor(v)]
+    if isinstance(reference, CPUSwapReference):
+        tensors += [*reference._ref, *reference._backup]
     total, _ = _distinct_bytes(tensors, set())
     return total
 
