@@ -33,6 +33,7 @@ from megatron_kto.models.reference import (
     copy_weights,
 )
 from megatron_kto.models.training_setup import build_optimizer, build_scheduler, wrap_ddp
+from megatron_kto.planning.memory import startup_lines
 from megatron_kto.runtime import init_runtime, teardown
 from megatron_kto.runtime.launcher_env import adopt_launcher_env
 
@@ -296,6 +297,14 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
                 _say(rank0, split.describe())
 
             layout = _layout(cfg)
+            if rank0:
+                # Before anything is allocated: a run that cannot fit says so first.
+                try:
+                    plan = startup_lines(cfg, arch, runtime.world_size, runtime.device, algorithm)
+                except ValueError as e:  # a shape the planner does not know must not stop a run
+                    plan = [f"note: no memory plan: {e}"]
+                for line in plan:
+                    _say(rank0, line)
             model = _build_policy(cfg, algorithm, arch, layout, runtime)
             loop_cfg = cfg.trainer.kto if algorithm == "kto" else cfg.trainer.dpo
             loop = resolve_loop(

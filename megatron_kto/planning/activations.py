@@ -1,0 +1,235 @@
+"""Activation memory of a training step: what the layers keep for their backward, how many
+micro-batches keep it at once, and the transient tensors on top.
+
+Per transformer layer and micro-batch of t tokens (t = rows × padded length, or the packed
+length), e = bytes of the compute dtype (2 for bf16/fp16, 4 for fp32), TP = T, sp = T under
+sequence parallelism (else 1), n heads, g query groups, d head dim, h hidden, f ffn hidden.
+These are the tensors autograd saves in megatron-core's local layer spec with our norms and
+`SDPAttention` (found with `torch.autograd.graph.saved_tensors_hooks` and checked by
+`tests/test_memory_plan.py` against a measured step):
+
+| tensor | bytes |
+|---|---|
+| two norms: input, normalised input, output (the next linear's input) each; fp32 1/rms | t/sp · (6·h·e + 2·4) |
+| QKV projection output (alive through v, a view of it) | t · (n + 2g)·d/T · e |
+| q and k after RoPE | t · (n + g)·d/T · e |
+| RoPE cos/sin of q and k | 4 · d_rot · e per position (s positions padded, t packed) |
+| attention output, fp32 log-sum-exp | t · n·d/T · e + t · n/T · 4 |
+| packed: the rows' outputs concatenated | t · n·d/T · e |
+| SwiGLU MLP: fc1 output, silu output, its product, and one more [t, f/T] | t · 5·f/T · e (GeLU: 2·f/T) |
+| dropout masks (hidden_dropout > 0) | 2 · t/sp · h |
+
+Without grouped KV support in the kernel (CUDA fp32, or a mask), k and v are expanded to n
+heads: q + 2·n·d/T instead of (n + 2g)·d/T + (n + g)·d/T. Selective recomputation of core
+attention drops the attention output's log-sum-exp (the rest is still saved by its neighbours).
+
+Per stage and micro-batch: the first keeps the token ids (8·t); the last keeps the final norm
+(t/sp·(2·h·e + 4)) and, for the chunked output layer, the N scored positions' hidden states
+(N·h·e) and their indices, targets and log-sum-exp (N·20).
+
+**In flight.** PP = 1 runs each micro-batch's backward right after its forward: one micro-batch.
+1F1B keeps min(PP − r, M) micro-batches on pipeline rank r (M micro-batches per step); the
+interleaved schedule keeps min(M·v, 2·(PP − r − 1) + (v − 1)·PP + 1) chunk-micro-batches of
+L/(PP·v) layers each. On CPU megatron also keeps each non-last stage's output [t/sp, h] until its
+backward (it frees them on CUDA only).
+
+**Recomputation.** full/uniform with k layers per block: each block keeps its input
+(t/sp·h·e), and one block's k layers are live again during its backward; full/block: the first
+k layers of each chunk keep only their inputs; each is recomputed alone after the chunk's
+later layers freed theirs (so no extra, unless all layers of the chunk are recomputed).
+
+**Transients** (the largest wins): a layer's backward — max(t·4·f/T·e of MLP gradients,
+t·2·f/T·e plus its largest weight's gradient in the compute dtype, and an fp32 copy of it for
+the addition to the fp32 buffer when the dtypes differ; measured on one layer's backward over
+h, f, s and dtype) — and the chunked output layer's backward (the [V/T, h] weight gradient, a
+chunk's c·V/T fp32 softmax plus its compute-dtype copy, N·h·e for the hidden-state gradient).
+Without chunking (logprob_chunk_size 0) the full [t, V/T] logits are kept: t·V/T·(e + 8).
+Under sequence parallelism megatron's global buffer for all-gathered sequences stays allocated
+(longest micro-batch · h · e).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.planning.model_state import ParallelDims, layers_per_chunk
+
+ACT_BYTES = {"32": 4, "bf16": 2, "16": 2}
+
+
+@dataclass(frozen=True)
+class ActivationInputs:
+    """What the step runs, beyond the architecture and layout."""
+
+    tokens: int
+    """Tokens per training micro-batch (rows × padded length, or the packed length)."""
+    seq_len: int
+    """Padded row length (RoPE tables of an unpacked micro-batch are per position)."""
+    scored: int
+    """Scored (completion) positions per micro-batch: what the chunked output layer runs on."""
+    micro_batches: int
+    """Training micro-batches per step on each DP rank (M)."""
+    packed: bool = True
+    recompute: str | None = None
+    """None, 'full' or 'selective'."""
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    chunk_size: int = 1024
+    """`model.logprob_chunk_size` (0: full logits)."""
+    forward_tokens: int = 0
+    """Tokens per forward-only micro-batch (reference and KL passes); 0: `tokens`."""
+    native_gqa: bool = True
+    """The attention kernel takes grouped KV as is (CPU; CUDA bf16/fp16 flash)."""
+    keep_pipeline_outputs: bool = False
+    """megatron keeps stage outputs until their backward (on CPU; CUDA frees them)."""
+    gloo: bool = False
+    """Collectives run on gloo (CPU), whose reduce-scatter and all-gather stage a full-size
+    copy of their input / output (NCCL's run in place)."""
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation bytes of one rank at its peak."""
+
+    saved: int
+    """Kept for the backward by all micro-batches in flight."""
+    transient: int
+    """The largest short-lived working set on top of `saved`."""
+    layer: int
+    """One layer's saved bytes for one micro-batch (for the table)."""
+    in_flight: int
+    """Micro-batches (chunk-micro-batches when interleaved) whose activations are kept."""
+
+    @property
+    def total(self) -> int:
+        return self.saved + self.transient
+
+
+def _dims(arch: GPTArchitecture) -> tuple[int, int, int, int, int]:
+    heads = arch.num_attention_heads
+    return (
+        arch.hidden_size,
+        arch.ffn_hidden_size,
+        heads,
+        arch.num_query_groups or heads,
+        arch.kv_channels or arch.hidden_size // heads,
+    )
+
+
+def layer_bytes(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs) -> int:
+    """One transformer layer's saved tensors for one micro-batch (the table above)."""
+    h, f, n, g, d = _dims(arch)
+    e, T, t = ACT_BYTES[dims.precision], dims.tp, x.tokens
+    sp = T if dims.sequence_parallel else 1
+    total = t // sp * (6 * h * e + 2 * 4)
+    if x.native_gqa or g == n:
+        total += t * ((n + 2 * g) + (n + g)) * d // T * e
+    else:
+        total += t * 3 * n * d // T * e
+    if arch.position_embedding_type == "rope":
+        rot = int(d * arch.rotary_percent)
+        total += 4 * rot * e * (t if x.packed else x.seq_len)
+    total += t * n * d // T * e
+    if x.recompute != "selective":
+        total += t * n // T * 4
+    if x.packed:
+        total += t * n * d // T * e
+    total += t * (5 if arch.activation == "swiglu" else 2) * f // T * e
+    if arch.hidden_dropout > 0:
+        total += 2 * t // sp * h
+    return total
+
+
+def _in_flight(dims: ParallelDims, pp_rank: int, micro_batches: int) -> int:
+    pp, v = dims.pp, dims.vpp or 1
+    if pp == 1:
+        return 1
+    if v == 1:
+        return min(pp - pp_rank, micro_batches)
+    return min(micro_batches * v, 2 * (pp - pp_rank - 1) + (v - 1) * pp + 1)
+
+
+def _kept_per_chunk(arch, dims, x: ActivationInputs, layer: int) -> tuple[int, int]:
+    """(bytes a chunk keeps per micro-batch, layers live again during a recomputed backward)."""
+    layers = layers_per_chunk(arch, dims)
+    sp = dims.tp if dims.sequence_parallel else 1
+    checkpoint_input = x.tokens // sp * arch.hidden_size * ACT_BYTES[dims.precision]
+    if x.recompute != "full":
+        return layers * layer, 0
+    k = x.recompute_num_layers or 1
+    if (x.recompute_method or "uniform") == "uniform":
+        return -(-layers // k) * checkpoint_input, min(k, layers)
+    k = min(k, layers)
+    # Each of the k layers is recomputed alone, after the chunk's other layers have freed theirs.
+    return k * checkpoint_input + (layers - k) * layer, 1 if k == layers else 0
+
+
+def head_bytes(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs) -> tuple[int, int]:
+    """(saved, backward transient) of the last stage's final norm and output layer."""
+    h, e, T = arch.hidden_size, ACT_BYTES[dims.precision], dims.tp
+    sp = T if dims.sequence_parallel else 1
+    vocab = arch.padded_vocab(T) // T
+    norm = x.tokens // sp * (2 * h * e + 4)
+    if x.chunk_size == 0:
+        return norm + x.tokens * vocab * (e + 8), vocab * h * e
+    chunk = min(x.chunk_size, x.scored)
+    saved = norm + x.scored * (h * e + 20)
+    transient = vocab * h * e + chunk * vocab * (4 + (e if e != 4 else 0)) + x.scored * h * e
+    return saved, transient
+
+
+def activation_bytes(
+    arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs, pp_rank: int = 0
+) -> Activations:
+    """Peak activation bytes of pipeline rank `pp_rank` during a training step."""
+    h, f, *_ = _dims(arch)
+    e, T = ACT_BYTES[dims.precision], dims.tp
+    sp = T if dims.sequence_parallel else 1
+    vpp = dims.vpp or 1
+    first, last = pp_rank == 0, pp_rank == dims.pp - 1
+    layer = layer_bytes(arch, dims, x)
+    per_chunk, recomputed = _kept_per_chunk(arch, dims, x, layer)
+    in_flight = _in_flight(dims, pp_rank, x.micro_batches)
+    saved = in_flight * per_chunk
+    if x.keep_pipeline_outputs and not (last and vpp == 1):
+        saved += in_flight * x.tokens // sp * h * e
+    if first:
+        saved += min(in_flight, vpp) * 8 * x.tokens
+    if dims.sequence_parallel:
+        # megatron's global "mpu" buffer for the all-gathered sequence: allocated by the first
+        # gather, kept for the run, as large as the longest micro-batch gathered.
+        saved += max(x.tokens, x.forward_tokens) * h * e
+    head_transient = 0
+    if last:
+        head_saved, head_transient = head_bytes(arch, dims, x)
+        saved += head_saved
+    largest_weight = max(
+        (2 if arch.activation == "swiglu" else 1) * f * h // T,
+        (arch.num_attention_heads + 2 * (arch.num_query_groups or arch.num_attention_heads))
+        * (arch.kv_channels or h // arch.num_attention_heads)
+        * h
+        // T,
+    )
+    # A weight's gradient exists in the compute dtype before megatron adds it to the fp32
+    # buffer (plus an fp32 copy of it for the addition when the dtypes differ).
+    weight_grad = largest_weight * (e + (4 if e != 4 else 0))
+    layer_transient = max(4 * f // T * x.tokens * e, 2 * f // T * x.tokens * e + weight_grad)
+    transient = max(layer_transient + recomputed * layer, head_transient)
+    return Activations(saved=saved, transient=transient, layer=layer, in_flight=in_flight)
+
+
+def forward_only_bytes(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs) -> int:
+    """Peak working set of a forward-only pass (reference, KL rows), nothing kept across layers:
+    the hidden stream (t·h·e) plus the larger of a layer's live tensors (t·e·(2·h/sp + 4·f/T +
+    2·(n + 2g)·d/T)) and the output layer's chunk (c·V/T·(4 + e) + N·h·e)."""
+    h, f, n, g, d = _dims(arch)
+    e, T = ACT_BYTES[dims.precision], dims.tp
+    sp = T if dims.sequence_parallel else 1
+    t = x.forward_tokens or x.tokens
+    scored = min(x.scored * t // max(1, x.tokens), t)
+    vocab = arch.padded_vocab(T) // T
+    layer = t * e * (2 * h // sp + 4 * f // T + 2 * (n + 2 * g) * d // T)
+    chunk = min(x.chunk_size or t, scored)
+    head = chunk * vocab * (4 + e) + scored * h * e
+    return t // sp * h * e + max(layer, head)

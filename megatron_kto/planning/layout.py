@@ -1,0 +1,229 @@
+"""Recommend a layout for a model and a cluster: every valid layout, its memory per rank
+(`memory.worst_rank`) and a roofline estimate of its KTO step time; the fastest that fits wins.
+
+**Valid layouts.** TP divides the attention heads and the query groups, TP ≤ GPUs per node
+(tensor-parallel collectives need NVLink); PP divides the layers; DP = N / (TP·PP) and the global
+batch divides into micro-batches × DP. Sequence parallelism is on whenever TP > 1 (same
+communication volume, less activation memory), the distributed optimizer whenever DP > 1 (the
+same bytes as an all-reduce: a reduce-scatter plus an all-gather). Micro-batch 1, 2, 4, 8;
+recomputation none / selective / full (uniform, 1 layer); reference `separate`, `precomputed`,
+`cpu_swap`. Every row of the global batch is `seq` tokens long (the worst case) and packed.
+
+**Fits** when the worst rank's peak ≤ usable memory = 0.92 × GPU memory − 1.5 GiB (CUDA context,
+NCCL and cuBLAS workspaces, allocator fragmentation: an assumption, not a measurement).
+
+**Step time** (one KTO step of G rows; all terms per GPU, seconds):
+
+* compute = model FLOPs / (peak FLOP/s × 0.6): `logging.throughput.architecture_flops` of the
+  rows run — reference forward over samples + KL rows (2G; precomputed: the same FLOPs once per
+  epoch, amortised), policy forward over the KL rows (G), forward + backward (3×) over the
+  samples (G), + one more forward of the samples under full recomputation, + their attention
+  scores again under selective — divided over the N GPUs; 0.6 is an achievable fraction of the
+  datasheet peak for large GEMMs (assumption);
+* weights read = every micro-batch pass reads this rank's weights (forward 1×, backward 2×) from
+  HBM, and the optimizer step moves 16 bytes per owned parameter (Adam moments, main weights,
+  gradients) over the HBM bandwidth — only what exceeds the compute of the same pass counts
+  (roofline: a pass takes the larger of its compute and its memory time);
+* TP = per layer and micro-batch, 2 all-reduces forward and 2 backward (or all-gather +
+  reduce-scatter under SP, the same volume) of t·h·e bytes: 2·(TP − 1)/TP · bytes / link;
+* PP = the 1F1B bubble, (PP − 1)/M of the pipelined passes' time, plus p2p sends of t·h·e;
+* DP = reduce-scatter of fp32 gradients + all-gather of params: (DP − 1)/DP · P·(4 + e) / link
+  (across nodes when TP·DP spans more than a node), half of it hidden behind the backward;
+* `cpu_swap` = 3 copies of this rank's weights over PCIe per step.
+
+Bandwidths per GPU (datasheets; `GPU_TYPES`): HBM, NVLink (one direction) within a node and
+the network between nodes (one 400 Gb/s NIC per GPU). FLOP/s: `throughput.datasheet_peak_flops`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from megatron_kto.logging.throughput import architecture_flops, datasheet_peak_flops
+from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.planning.activations import ACT_BYTES, ActivationInputs
+from megatron_kto.planning.memory import GiB, MemoryPlan, worst_rank
+from megatron_kto.planning.model_state import ParallelDims, model_state
+
+#: name -> (HBM bytes/s, intra-node link bytes/s per direction, device name for the FLOP/s table)
+GPU_TYPES: dict[str, tuple[float, float, str]] = {
+    "H100": (3.35e12, 450e9, "H100 SXM"),
+    "H200": (4.8e12, 450e9, "H200"),
+    "A100": (2.0e12, 300e9, "A100"),
+    "L40S": (0.864e12, 32e9, "L40S"),
+}
+INTER_NODE = 50e9  # 400 Gb/s per GPU
+PCIE = 25e9
+ACHIEVABLE = 0.6
+USABLE_FRACTION, RESERVED = 0.92, int(1.5 * GiB)
+MICRO_BATCHES = (1, 2, 4, 8)
+RECOMPUTE = (None, "selective", "full")
+REFERENCES = ("separate", "precomputed", "cpu_swap")
+_DTYPE = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpu_memory: int
+    """Bytes per GPU."""
+    gpu_type: str = "H100"
+    gpus_per_node: int = 8
+
+
+@dataclass(frozen=True)
+class Candidate:
+    dims: ParallelDims
+    micro_batch: int
+    recompute: str | None
+    reference: str
+    plan: MemoryPlan
+    step_time: float
+    fits: bool
+    mfu: float
+
+
+def valid_parallel(arch: GPTArchitecture, cluster: Cluster) -> list[tuple[int, int, int]]:
+    """(TP, PP, DP) triples that the model and the cluster allow."""
+    heads, groups = arch.num_attention_heads, arch.num_query_groups or arch.num_attention_heads
+    out = []
+    for tp in range(1, min(8, cluster.gpus_per_node, cluster.gpus) + 1):
+        if heads % tp or groups % tp or cluster.gpus % tp:
+            continue
+        for pp in range(1, arch.num_layers + 1):
+            if arch.num_layers % pp or cluster.gpus % (tp * pp):
+                continue
+            out.append((tp, pp, cluster.gpus // (tp * pp)))
+    return out
+
+
+def step_time(
+    arch: GPTArchitecture,
+    dims: ParallelDims,
+    x: ActivationInputs,
+    global_batch: int,
+    seq: int,
+    reference: str,
+    cluster: Cluster,
+) -> tuple[float, float]:
+    """(seconds per KTO step, model FLOPs utilisation) by the roofline of the module docstring."""
+    hbm, link, name = GPU_TYPES[cluster.gpu_type]
+    peak = datasheet_peak_flops(name, _DTYPE[dims.precision], tf32=True) or 1e15
+    flops = architecture_flops(arch, arch.padded_vocab(dims.tp))
+    row = flops.rows(torch.tensor([seq]))
+    model_flops = global_batch * row * (2 + 1 + 3)
+    extra = 0.0
+    if x.recompute == "full":
+        extra = global_batch * row
+    elif x.recompute == "selective":
+        extra = global_batch * flops.per_position * seq * seq
+    compute = (model_flops + extra) / cluster.gpus / (peak * ACHIEVABLE)
+    e = ACT_BYTES[dims.precision]
+    params_rank = sum_params(arch, dims)
+    passes = x.micro_batches * (2 + 1 + 3)  # ref (2 passes' rows), KL, train fwd+bwd (3x)
+    weights_io = passes * params_rank * e / hbm
+    optim_io = 16 * params_rank / max(1, dims.dp if dims.distributed_optimizer else 1) / hbm
+    memory = max(0.0, weights_io - compute) + optim_io
+    layers = arch.num_layers // dims.pp
+    t_bytes = x.tokens * arch.hidden_size * e
+    tp_comm = 0.0
+    if dims.tp > 1:
+        per_pass = layers * 2 * 2 * (dims.tp - 1) / dims.tp * t_bytes / link
+        tp_comm = x.micro_batches * per_pass * (1 + 1 + 2)  # fwd passes + backward (2 of them)
+    pp_comm = 0.0
+    bubble = 0.0
+    if dims.pp > 1:
+        pp_comm = x.micro_batches * 4 * t_bytes / link
+        bubble = (dims.pp - 1) / x.micro_batches * (compute + tp_comm)
+    dp_comm = 0.0
+    if dims.dp > 1:
+        across = dims.tp * dims.dp > cluster.gpus_per_node
+        bw = INTER_NODE if across else link
+        dp_comm = 0.5 * (dims.dp - 1) / dims.dp * params_rank * (4 + e) / bw
+    swap = 3 * params_rank * e / PCIE if reference == "cpu_swap" else 0.0
+    total = compute + memory + tp_comm + pp_comm + bubble + dp_comm + swap
+    mfu = global_batch * row * 6 / total / (cluster.gpus * peak)
+    return total, mfu
+
+
+def sum_params(arch: GPTArchitecture, dims: ParallelDims) -> int:
+    """Parameters on the busiest pipeline rank."""
+    return max(model_state(arch, dims, pp).parameters for pp in range(dims.pp))
+
+
+def candidates(
+    arch: GPTArchitecture,
+    cluster: Cluster,
+    seq: int,
+    global_batch: int,
+    precision: str = "bf16",
+) -> list[Candidate]:
+    """Every valid layout × micro-batch × recomputation × reference, fastest first (those that
+    fit before those that do not)."""
+    usable = int(USABLE_FRACTION * cluster.gpu_memory) - RESERVED
+    out = []
+    for (tp, pp, dp), mbs, recompute, reference in itertools.product(
+        valid_parallel(arch, cluster), MICRO_BATCHES, RECOMPUTE, REFERENCES
+    ):
+        if global_batch % (mbs * dp):
+            continue
+        dims = ParallelDims(
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            sequence_parallel=tp > 1,
+            precision=precision,
+            distributed_optimizer=dp > 1,
+        )
+        x = ActivationInputs(
+            tokens=mbs * seq,
+            seq_len=seq,
+            scored=mbs * seq,
+            micro_batches=global_batch // (mbs * dp),
+            recompute=recompute,
+            recompute_method="uniform" if recompute == "full" else None,
+            recompute_num_layers=1 if recompute == "full" else None,
+            native_gqa=precision != "32",
+        )
+        plan = worst_rank(arch, dims, x, reference)
+        seconds, mfu = step_time(arch, dims, x, global_batch, seq, reference, cluster)
+        out.append(
+            Candidate(dims, mbs, recompute, reference, plan, seconds, plan.peak <= usable, mfu)
+        )
+    order = {r: i for i, r in enumerate(REFERENCES)}
+    return sorted(out, key=lambda c: (not c.fits, c.step_time, order[c.reference], c.plan.peak))
+
+
+def format_candidates(found: list[Candidate], cluster: Cluster, top: int = 5) -> list[str]:
+    """The recommendation and the next best, or why nothing fits."""
+    usable = (int(USABLE_FRACTION * cluster.gpu_memory) - RESERVED) / GiB
+    lines = [
+        f"{cluster.gpus} x {cluster.gpu_type}, {cluster.gpu_memory / 1e9:.0f} GB = "
+        f"{cluster.gpu_memory / GiB:.1f} GiB each, {usable:.1f} GiB usable (0.92 x memory - "
+        f"1.5 GiB)",
+        "| TP | PP | DP | SP | micro-batch | recompute | reference | dist. optimizer | peak GiB "
+        "| step s | MFU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    fitting = [c for c in found if c.fits]
+    for c in (fitting or sorted(found, key=lambda c: c.plan.peak))[:top]:
+        d = c.dims
+        lines.append(
+            f"| {d.tp} | {d.pp} | {d.dp} | {'on' if d.sequence_parallel else 'off'} | "
+            f"{c.micro_batch} | {c.recompute or 'none'} | {c.reference} | "
+            f"{'on' if d.distributed_optimizer else 'off'} | {c.plan.peak / GiB:.1f} | "
+            f"{c.step_time:.2f} | {c.mfu:.2f} |"
+        )
+    if not fitting:
+        best = min(found, key=lambda c: c.plan.peak) if found else None
+        need = f"{best.plan.peak / GiB:.1f} GiB" if best else "no valid layout"
+        lines.append(
+            f"does not fit: full fine-tuning needs at least {need} per GPU (the smallest above), "
+            f"{usable:.1f} GiB usable"
+        )
+    else:
+        lines.append("recommended: the first row")
+    return lines

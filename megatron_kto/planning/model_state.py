@@ -1,0 +1,274 @@
+"""Weights, gradients and optimizer state of one rank, byte for byte as megatron-core lays them out.
+
+Pure arithmetic on the architecture and the layout (no torch, no process group), so it can run
+before launch. What it reproduces (megatron-core 0.16.1, the way `models.training_setup` builds):
+
+* **Parameters per chunk** (`chunk_parameters`): the local/SDPA layer spec's parameters in
+  `GPTModel.named_parameters()` order. TP shards the QKV rows ((n + 2g)·d/TP), the attention
+  output columns (n·d/TP), the MLP ((2 if SwiGLU)·f/TP rows, f/TP columns) and the padded
+  vocabulary (V/TP rows of the embedding and output layer); norms (and the row-parallel biases)
+  are replicated. Layers split evenly over PP × VPP chunks; the embedding lives on the first
+  chunk, the final norm and the output layer on the last; with tied embeddings and PP > 1 the
+  last stage holds its own copy of the embedding as `output_layer.weight` (PP = 1: no output
+  weight at all).
+* **Megatron DDP buffers** (`ddp_buffer`): one contiguous buffer per chunk holding fp32
+  gradients (`grad_reduce_in_fp32=True`), params laid out in reverse order. Without the
+  distributed optimizer it is exactly Σ numel. With it, every parameter starts on a multiple of
+  64 elements, every bucket is padded to a multiple of lcm(DP, 128), a tied embedding gets a
+  bucket of its own, and the parameters themselves move into a second, param-dtype buffer of the
+  same (padded) size. Buckets hold `bucket_size` elements (max(4e7, 1e6·DP) by default) only
+  when the gradient reduce overlaps the backward, on the first chunk of pipeline rank 0.
+* **Optimizer state** (`optimizer_state`): Adam's two moments (fp32) for every element the
+  optimizer owns, plus, for bf16/fp16 parameters, an fp32 main copy of them. The non-distributed
+  optimizer owns all of this rank's parameters; the distributed optimizer only its DP shard of
+  each bucket (bucket/DP elements, intersected with each parameter's range — so shards of
+  different DP ranks differ by the padding). For fp32 parameters the distributed optimizer's
+  main "copy" is a view of the parameter buffer (no bytes). torch's AdamW (what megatron-core
+  falls back to without Transformer Engine or Apex, e.g. on CPU) also keeps a 4-byte `step`
+  tensor per optimizer parameter; TE/Apex FusedAdam keep the step in the param group.
+
+Everything is in bytes of real tensors: `tests/test_memory_plan.py` builds the model and optimizer
+through the trainer's own builders at TP/PP/VPP/DP × precision × optimizer and compares.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_kto.models.architecture import GPTArchitecture
+
+#: Bytes per element of each precision's parameters.
+PARAM_BYTES = {"32": 4, "bf16": 2, "16": 2}
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The layout a plan is for (a subset of `builder.ParallelLayout`, plus DP)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int | None = None
+    sequence_parallel: bool = False
+    precision: str = "32"
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool | None = None
+    """None: on with the distributed optimizer (`gpu_settings.ddp_overlap_settings`)."""
+    bucket_size: int | None = None
+    """DDP bucket size in elements; None: megatron-core's default."""
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a chunk: its name (as in `GPTModel.named_parameters()`) and shape."""
+
+    name: str
+    numel: int
+    shared_embedding: bool = False
+
+
+def _layer_params(arch: GPTArchitecture, tp: int, prefix: str) -> list[Param]:
+    heads = arch.num_attention_heads
+    groups = arch.num_query_groups or heads
+    d = arch.kv_channels or arch.hidden_size // heads
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    fc1_rows = (2 if arch.activation == "swiglu" else 1) * f // tp
+    norm_bias = arch.normalization == "LayerNorm"
+    bias = arch.add_bias_linear
+    out: list[Param] = [Param(f"{prefix}input_layernorm.weight", h)]
+    if norm_bias:
+        out.append(Param(f"{prefix}input_layernorm.bias", h))
+    out.append(Param(f"{prefix}self_attention.linear_proj.weight", h * heads * d // tp))
+    if bias:
+        out.append(Param(f"{prefix}self_attention.linear_proj.bias", h))
+    out.append(
+        Param(f"{prefix}self_attention.linear_qkv.weight", (heads + 2 * groups) * d // tp * h)
+    )
+    if bias or arch.add_qkv_bias:
+        out.append(Param(f"{prefix}self_attention.linear_qkv.bias", (heads + 2 * groups) * d // tp))
+    out.append(Param(f"{prefix}pre_mlp_layernorm.weight", h))
+    if norm_bias:
+        out.append(Param(f"{prefix}pre_mlp_layernorm.bias", h))
+    out.append(Param(f"{prefix}mlp.linear_fc1.weight", fc1_rows * h))
+    if bias:
+        out.append(Param(f"{prefix}mlp.linear_fc1.bias", fc1_rows))
+    out.append(Param(f"{prefix}mlp.linear_fc2.weight", h * f // tp))
+    if bias:
+        out.append(Param(f"{prefix}mlp.linear_fc2.bias", h))
+    return out
+
+
+def layers_per_chunk(arch: GPTArchitecture, dims: ParallelDims) -> int:
+    """Transformer layers in each model chunk (PP × VPP chunks share them evenly)."""
+    chunks = dims.pp * (dims.vpp or 1)
+    if arch.num_layers % chunks:
+        raise ValueError(f"{arch.num_layers} layers do not split into {chunks} pipeline chunks")
+    return arch.num_layers // chunks
+
+
+def chunk_parameters(
+    arch: GPTArchitecture, dims: ParallelDims, pp_rank: int, vp_stage: int = 0
+) -> list[Param]:
+    """Parameters of one model chunk, in `named_parameters()` order (names without wrappers)."""
+    vpp = dims.vpp or 1
+    first = pp_rank == 0 and vp_stage == 0
+    last = pp_rank == dims.pp - 1 and vp_stage == vpp - 1
+    h = arch.hidden_size
+    vocab = arch.padded_vocab(dims.tp) // dims.tp
+    tied = arch.share_embeddings_and_output_weights
+    out: list[Param] = []
+    if first:
+        out.append(Param("embedding.word_embeddings.weight", vocab * h, tied and dims.pp > 1))
+        if arch.position_embedding_type == "learned_absolute":
+            out.append(Param("embedding.position_embeddings.weight", arch.encoder_seq_length * h))
+    for i in range(layers_per_chunk(arch, dims)):
+        out.extend(_layer_params(arch, dims.tp, f"decoder.layers.{i}."))
+    if last:
+        out.append(Param("decoder.final_layernorm.weight", h))
+        if arch.normalization == "LayerNorm":
+            out.append(Param("decoder.final_layernorm.bias", h))
+        if not tied or dims.pp > 1:
+            out.append(Param("output_layer.weight", vocab * h, tied))
+    return out
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A chunk's DDP buffer: total elements (padding included) and each bucket's
+    [start, end) and its parameters' [start, end) ranges, all in buffer elements."""
+
+    numel: int
+    buckets: tuple[tuple[int, int], ...]
+    param_ranges: tuple[tuple[int, int, int], ...]
+    """(start, end, bucket index) per parameter, in buffer order."""
+
+
+def _bucket_size(dims: ParallelDims, pp_rank: int, chunk_index: int) -> int | None:
+    overlap = (
+        dims.distributed_optimizer if dims.overlap_grad_reduce is None else dims.overlap_grad_reduce
+    )
+    if not overlap or chunk_index > 0 or pp_rank > 0:
+        return None
+    return dims.bucket_size or max(40_000_000, 1_000_000 * dims.dp)
+
+
+def ddp_buffer(params: list[Param], dims: ParallelDims, pp_rank: int, chunk_index: int) -> Buffer:
+    """Lay out a chunk's parameters as megatron DDP's `_ParamAndGradBuffer` does."""
+    dist = dims.distributed_optimizer
+    bucket_size = _bucket_size(dims, pp_rank, chunk_index)
+    divisor = math.lcm(dims.dp, 128)
+
+    def pad_end(index: int) -> int:
+        return -(-index // divisor) * divisor if dist else index
+
+    buckets: list[tuple[int, int]] = []
+    ranges: list[tuple[int, int, int]] = []
+    start = bucket_start = 0
+    in_bucket = 0
+    for p in reversed(params):
+        if dist:
+            start = -(-start // 64) * 64
+        own_bucket = p.shared_embedding and dist
+        if own_bucket and in_bucket:
+            start = pad_end(start)
+            buckets.append((bucket_start, start))
+            bucket_start, in_bucket = start, 0
+        end = start + p.numel
+        ranges.append((start, end, len(buckets)))
+        in_bucket += 1
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or own_bucket:
+            start = pad_end(end)
+            buckets.append((bucket_start, start))
+            bucket_start, in_bucket = start, 0
+        else:
+            start = end
+    if in_bucket:
+        buckets.append((bucket_start, pad_end(end)))
+    total = buckets[-1][1] if buckets else 0
+    return Buffer(total, tuple(buckets), tuple(ranges))
+
+
+def shard_elements(buffer: Buffer, dp: int, dp_rank: int) -> list[int]:
+    """Elements of each parameter (buffer order) that DP rank `dp_rank` owns under the
+    distributed optimizer (0 where it owns none of it)."""
+    owned = []
+    for start, end, bucket in buffer.param_ranges:
+        b0, b1 = buffer.buckets[bucket]
+        size = (b1 - b0) // dp
+        lo, hi = b0 + dp_rank * size, b0 + (dp_rank + 1) * size
+        owned.append(max(0, min(end, hi) - max(start, lo)))
+    return owned
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """Bytes of one rank's model state (device memory unless said otherwise)."""
+
+    parameters: int
+    """Parameter count of this rank (all chunks, unpadded)."""
+    weights: int
+    """Parameter tensors (the DDP param buffer, padding included, under the distributed
+    optimizer)."""
+    gradients: int
+    """fp32 DDP gradient buffers."""
+    optimizer: int
+    """Adam moments + fp32 main weights (+ torch AdamW's step tensors)."""
+
+
+def rank_chunks(arch: GPTArchitecture, dims: ParallelDims, pp_rank: int) -> list[list[Param]]:
+    """The parameter lists of every chunk of pipeline rank `pp_rank`."""
+    return [chunk_parameters(arch, dims, pp_rank, v) for v in range(dims.vpp or 1)]
+
+
+def model_state(
+    arch: GPTArchitecture,
+    dims: ParallelDims,
+    pp_rank: int = 0,
+    dp_rank: int = 0,
+    torch_adam_steps: bool = False,
+) -> ModelState:
+    """Weights, gradients and optimizer state of the rank at (`pp_rank`, `dp_rank`).
+
+    Args:
+        torch_adam_steps: count torch AdamW's per-parameter 4-byte `step` tensors (the optimizer
+            megatron-core uses without Transformer Engine or Apex).
+    """
+    pbytes = PARAM_BYTES[dims.precision]
+    half = dims.precision != "32"
+    count = weights = grads = optim = 0
+    for i, params in enumerate(rank_chunks(arch, dims, pp_rank)):
+        buffer = ddp_buffer(params, dims, pp_rank, i)
+        numel = sum(p.numel for p in params)
+        count += numel
+        grads += FP32 * buffer.numel
+        if dims.distributed_optimizer:
+            weights += pbytes * buffer.numel
+            owned = [n for n in shard_elements(buffer, dims.dp, dp_rank) if n]
+        else:
+            weights += pbytes * numel
+            owned = [p.numel for p in params]
+        elements = sum(owned)
+        optim += 2 * FP32 * elements + (FP32 * elements if half else 0)
+        if torch_adam_steps:
+            optim += FP32 * len(owned)
+    return ModelState(parameters=count, weights=weights, gradients=grads, optimizer=optim)
+
+
+def largest_bucket(arch: GPTArchitecture, dims: ParallelDims, pp_rank: int) -> int:
+    """Elements of the largest DDP bucket of pipeline rank `pp_rank` (padding included)."""
+    return max(
+        (b1 - b0)
+        for i, params in enumerate(rank_chunks(arch, dims, pp_rank))
+        for b0, b1 in ddp_buffer(params, dims, pp_rank, i).buckets
+    )
+
+
+def total_parameters(arch: GPTArchitecture) -> int:
+    """Parameters of the whole model (TP = PP = 1)."""
+    return sum(p.numel for p in chunk_parameters(arch, ParallelDims(), 0))

@@ -1,0 +1,181 @@
+"""The memory plan's arithmetic against independent references, and `tools/plan_layout.py`.
+
+* Parameter counts: `transformers`' own models built from the same config (tiny Llama with
+  GQA, tiny Qwen2 with QKV biases and tied embeddings) and the published Llama-3-8B count
+  (8,030,261,248, README), not our formulas.
+* The DDP buffer layout under the distributed optimizer, worked out by hand in the docstring.
+* The layout tool: an 8B-shaped config on 8 x 80 GB fits and recommends a layout whose memory
+  really is below the GPU's; on 1 x 24 GB full fine-tuning is reported as not fitting
+  (exit code 1); a tiny model fits anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_kto.conversion.hf_config import architecture_from_hf
+from megatron_kto.planning.layout import Cluster, candidates
+from megatron_kto.planning.model_state import (
+    ParallelDims,
+    Param,
+    ddp_buffer,
+    model_state,
+    shard_elements,
+    total_parameters,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
+
+
+def _tiny_hf(tmp_path: Path, family: str) -> tuple[Path, int]:
+    """A tiny HF config saved by `transformers`, and its model's parameter count."""
+    import torch
+    import transformers
+
+    common = dict(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        max_position_embeddings=256,
+    )
+    if family == "llama":
+        config = transformers.LlamaConfig(**common)
+        model_cls = transformers.LlamaForCausalLM
+    else:
+        config = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+        model_cls = transformers.Qwen2ForCausalLM
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = model_cls(config)
+    return tmp_path, sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_parameter_count_equals_transformers(tmp_path, family):
+    path, expected = _tiny_hf(tmp_path, family)
+    arch = architecture_from_hf(json.loads((path / "config.json").read_text()))
+    # Our vocabulary is padded (to a multiple of 128): count the unpadded model to compare.
+    arch.padded_vocab_size = arch.vocab_size
+    assert total_parameters(arch) == expected
+    # Every rank's share adds up: TP shards, replicated norms counted once per TP rank.
+    for tp, pp in [(2, 1), (1, 2), (2, 2)]:
+        dims = ParallelDims(tp=tp, pp=pp)
+        per_tp_rank = sum(model_state(arch, dims, r).parameters for r in range(pp))
+        replicated = (2 * arch.num_layers + 1) * arch.hidden_size
+        tied_copy = arch.vocab_size * arch.hidden_size // tp if pp > 1 and family == "qwen2" else 0
+        assert (per_tp_rank - replicated) * tp + replicated == expected + tied_copy * tp
+
+
+def test_llama3_8b_parameter_count():
+    arch = architecture_from_hf(LLAMA3_8B)
+    assert total_parameters(arch) == 8_030_261_248  # published; vocabulary 128256 = 1002 x 128
+
+
+def test_distributed_optimizer_buffer_layout_by_hand():
+    """Params [a=100, b=30, c=200] (model order) go into the buffer reversed: c at 0..200,
+    b starts at the next multiple of 64 (256) and ends at 286, a at 320..420. One bucket, padded
+    to lcm(DP=3, 128) = 384: 420 -> 768. DP shards of 256: rank 0 [0, 256) owns all of c (200);
+    rank 1 [256, 512) owns b (30) and a (100); rank 2 owns only padding."""
+    params = [Param("a", 100), Param("b", 30), Param("c", 200)]
+    dims = ParallelDims(dp=3, distributed_optimizer=True)
+    buffer = ddp_buffer(params, dims, pp_rank=0, chunk_index=0)
+    assert buffer.numel == 768
+    assert buffer.param_ranges == ((0, 200, 0), (256, 286, 0), (320, 420, 0))
+    assert [shard_elements(buffer, 3, r) for r in range(3)] == [
+        [200, 0, 0],
+        [0, 30, 100],
+        [0, 0, 0],
+    ]
+    # Without the distributed optimizer: no padding at all.
+    plain = ddp_buffer(params, ParallelDims(dp=3), 0, 0)
+    assert plain.numel == 330
+
+
+def test_bf16_model_state_bytes_per_parameter():
+    """bf16 + Adam without sharding: 2 (weights) + 4 (fp32 grads) + 12 (moments, main weights)."""
+    arch = architecture_from_hf(LLAMA3_8B)
+    state = model_state(arch, ParallelDims(precision="bf16"))
+    n = state.parameters
+    assert (state.weights, state.gradients, state.optimizer) == (2 * n, 4 * n, 12 * n)
+
+
+def _run_tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / "plan_layout.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_8b_on_8x80gb_fits_and_recommendation_is_within_memory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    out = _run_tool("--hf-config", str(tmp_path), "--gpus", "8", "--gpu-memory", "80GB")
+    assert out.returncode == 0, out.stderr
+    assert "recommended: the first row" in out.stdout
+    first = next(
+        line for line in out.stdout.splitlines() if line.startswith("| ") and "TP" not in line
+    )
+    cells = [c.strip() for c in first.strip("|").split("|")]
+    tp, pp, dp, peak = int(cells[0]), int(cells[1]), int(cells[2]), float(cells[8])
+    assert tp * pp * dp == 8 and peak < 80e9 / 2**30
+    # The plan of that row, recomputed independently of the tool's table, fits too.
+    arch = architecture_from_hf(LLAMA3_8B)
+    best = candidates(arch, Cluster(8, 80 * 10**9), 4096, 64)[0]
+    assert best.fits and (best.dims.tp, best.dims.pp, best.dims.dp) == (tp, pp, dp)
+
+
+def test_8b_on_one_24gb_gpu_does_not_fit(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    out = _run_tool("--hf-config", str(tmp_path), "--gpus", "1", "--gpu-memory", "24GB")
+    assert out.returncode == 1
+    assert "does not fit" in out.stdout
+    # Weights, gradients and Adam state alone are 16 bytes per parameter: > 120 GiB.
+    needed = float(out.stdout.split("needs at least ")[1].split(" GiB")[0])
+    assert needed > 16 * 8.03e9 / 2**30
+
+
+def test_tiny_model_fits_and_bad_arguments_exit_2(tmp_path):
+    path, _ = _tiny_hf(tmp_path, "llama")
+    out = _run_tool("--hf-config", str(path), "--gpus", "2", "--gpu-memory", "8GB", "--seq", "128")
+    assert out.returncode == 0, out.stderr
+    bad = _run_tool("--hf-config", str(path), "--gpus", "2", "--gpu-memory", "lots")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --gpu-memory")
+
+
+def test_startup_table_warns_only_when_the_device_is_too_small():
+    from megatron_kto.config.entry import compose_run_config
+    from megatron_kto.planning.memory import format_plan, run_inputs, worst_rank
+
+    prepared = compose_run_config("gpt_kto", ["model.micro_batch_size=2"], world_size=1)
+    dims, x, strategy = run_inputs(prepared.cfg, prepared.architecture, 1, "cuda")
+    plan = worst_rank(prepared.architecture, dims, x, strategy)
+    assert x.tokens == 2 * prepared.cfg.model.data.max_length  # the longest micro-batch
+    small = format_plan(plan, dims, x, plan.peak - 1, "GPU", strategy)
+    large = format_plan(plan, dims, x, plan.peak, "GPU", strategy)
+    assert small[-1].startswith("warning: GPU:") and "EXCEEDS" in small[-1]
+    assert large[-1].startswith("  GPU:") and large[-1].endswith("fits")
+    assert len(large) == 4 and "reference 0 B (cpu_swap, +" in large[1]

@@ -1,0 +1,75 @@
+"""Which layout for this model on this cluster? Memory per rank and a roofline step time.
+
+    python tools/plan_layout.py --hf-config /models/Meta-Llama-3-8B --gpus 8 --gpu-memory 80GB
+    python tools/plan_layout.py --hf-config config.json --gpus 1 --gpu-memory 24GB --seq 2048
+
+Reads a Hugging Face config.json (a file or the directory holding it; Llama / Mistral / Qwen2),
+enumerates every valid TP / PP / DP × micro-batch × recomputation × reference strategy for a KTO
+run, and prints the fastest few that fit (or, if none does, the smallest and by how much it
+misses). How memory and time are estimated, and every assumption: `megatron_kto/planning/`
+(`memory.py`, `activations.py`, `layout.py`). Exit code 0 when something fits, 1 when nothing
+does, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from megatron_kto.conversion.hf_config import ConversionError, architecture_from_hf
+from megatron_kto.planning.layout import GPU_TYPES, Cluster, candidates, format_candidates
+
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB' (10⁹), '80GiB' (2³⁰), '24' (GB) -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if not match or unit not in _UNITS:
+        raise ValueError(f"--gpu-memory: cannot read {text!r} (e.g. 80GB or 80GiB)")
+    scale = _UNITS[unit] if unit else 1e9
+    return int(float(match.group(1)) * scale)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hf-config", required=True, help="config.json or its directory")
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--gpu-memory", required=True, help="per GPU, e.g. 80GB or 80GiB")
+    parser.add_argument("--gpu-type", default="H100", choices=sorted(GPU_TYPES))
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=None, help="tokens per row (default 4096)")
+    parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "16", "32"])
+    parser.add_argument("--top", type=int, default=5)
+    args = parser.parse_args(argv)
+    path = Path(args.hf_config)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        memory = parse_bytes(args.gpu_memory)
+        if not path.is_file():
+            raise ValueError(f"--hf-config: {path} does not exist")
+        arch = architecture_from_hf(json.loads(path.read_text()), where=str(path))
+        if args.gpus < 1 or args.global_batch < 1:
+            raise ValueError("--gpus and --global-batch must be >= 1")
+    except (ValueError, ConversionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    seq = args.seq or min(4096, arch.encoder_seq_length)
+    cluster = Cluster(args.gpus, memory, args.gpu_type, min(args.gpus_per_node, args.gpus))
+    found = candidates(arch, cluster, seq, args.global_batch, args.precision)
+    print(
+        f"model: {arch.num_layers} layers, hidden {arch.hidden_size}, {arch.num_attention_heads} "
+        f"heads / {arch.num_query_groups} groups, vocabulary {arch.vocab_size}; KTO, {seq} "
+        f"tokens per row, global batch {args.global_batch}, {args.precision}"
+    )
+    print("\n".join(format_candidates(found, cluster, args.top)))
+    return 0 if any(c.fits for c in found) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
