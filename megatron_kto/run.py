@@ -33,6 +33,9 @@ from megatron_kto.models.reference import (
     copy_weights,
 )
 from megatron_kto.models.training_setup import build_optimizer, build_scheduler, wrap_ddp
+from megatron_kto.peft.reference import AdaptersOffReference
+from megatron_kto.peft.settings import lora_settings, uses_lora
+from megatron_kto.peft.wiring import adapters_disabled, apply_lora, parameter_counts
 from megatron_kto.runtime import init_runtime, teardown
 from megatron_kto.runtime.launcher_env import adopt_launcher_env
 
@@ -109,6 +112,12 @@ def _build_policy(cfg: Any, algorithm: str, arch, layout: ParallelLayout, runtim
         _say(
             runtime.is_rank0, f"restored weights from {cfg.pretrained_checkpoint.restore_from_path}"
         )
+    lora = uses_lora(m)
+    if lora:  # after the base weights are in, before DDP: only adapters get grad buffers
+        try:
+            apply_lora(chunks, arch, lora_settings(m))
+        except ValueError as e:
+            raise ConfigError(f"model.peft.lora_tuning: {e}") from e
     reference = None
     if strategy == "separate":
         ref_chunks = build_gpt_chunks(arch, layout, runtime.device)
@@ -122,6 +131,15 @@ def _build_policy(cfg: Any, algorithm: str, arch, layout: ParallelLayout, runtim
     )
     if strategy == "cpu_swap":
         reference = CPUSwapReference(chunks)
+    elif strategy == "adapters_off":
+        reference = AdaptersOffReference(chunks)
+    if lora:
+        trainable, total = parameter_counts(chunks)
+        _say(
+            runtime.is_rank0,
+            f"LoRA: {trainable:,} trainable of {total:,} parameters "
+            f"({100 * trainable / total:.3f}%); reference = the base model (adapters off)",
+        )
     settings = _loss_settings(cfg, algorithm, arch.vocab_size)
     model_cls = MegatronGPTKTOModel if algorithm == "kto" else MegatronGPTDPOModel
     return model_cls(chunks, reference, settings)
@@ -158,15 +176,16 @@ def _attach_precomputed_reference(
         runtime.is_rank0,
         "precomputing reference log-probs over the data (reference_policy=precomputed)",
     )
-    table = load_or_compute(
-        model,
-        splits,
-        runtime,
-        Coverage(loop.max_steps, loop.steps_per_epoch, loop.limit_val_batches),
-        log_dir / "reference_logps",
-        fingerprint,
-        resuming,
-    )
+    with adapters_disabled(model.chunks):  # LoRA: the reference is the base model
+        table = load_or_compute(
+            model,
+            splits,
+            runtime,
+            Coverage(loop.max_steps, loop.steps_per_epoch, loop.limit_val_batches),
+            log_dir / "reference_logps",
+            fingerprint,
+            resuming,
+        )
     model.reference = PrecomputedReference(table)
 
 
