@@ -134,6 +134,7 @@ class LoRALinear(torch.nn.Module):
         key: str,
     ):
         super().__init__()
+        self.key = key
         self.kind = _layer_kind(base)
         self.layout = layout
         self.names = [p.name for p in projections]
@@ -174,6 +175,11 @@ class LoRALinear(torch.nn.Module):
         replicated_partial = self.sequence_parallel and shard_dim is None
         param.sequence_parallel = replicated_partial
         return param
+
+    def shard(self, name: str, which: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full (unsharded) `lora_A` / `lora_B` of projection `name`."""
+        axis = self.shard_axes()[f"adapters.{name}.{which}"]
+        return full if axis is None else full.chunk(self.tp, dim=axis)[self.tp_rank]
 
     def shard_axes(self) -> dict[str, int | None]:
         """TP axis of each parameter (None: replicated), keyed as in `state_dict()`."""

@@ -1,7 +1,8 @@
 """Which projections get a LoRA adapter: NeMo's and Hugging Face's target names, resolved.
 
-Pure functions over the architecture (no torch), so config validation can call them before any
-model exists. A target is one Hugging Face projection; NeMo's names stand for sets of them:
+Pure functions over the architecture, so config validation can call them before any model
+exists. The megatron linears and the Hugging Face modules they fuse are read off the conversion
+key map (`conversion.keymap.LAYER_MAP`), not listed a second time. A target is one Hugging Face projection; NeMo's names stand for sets of them:
 
 ==================  ==========================================
 NeMo name           Hugging Face projections
@@ -24,22 +25,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-#: megatron linear (under `decoder.layers.{i}.`) -> its Hugging Face projections, fused order.
+from megatron_kto.conversion.keymap import LAYER_MAP
+
+
+def _linears_from_keymap() -> dict[str, tuple[str, ...]]:
+    """megatron linear (under `decoder.layers.{i}.`) -> the Hugging Face modules (under
+    `model.layers.{i}.`) it fuses, in fused order: read off the conversion key map."""
+    out = {}
+    for megatron, hf, _kind in LAYER_MAP:
+        if megatron.endswith(".weight") and ".linear_" in megatron:
+            out[megatron.removesuffix(".weight")] = tuple(h.removesuffix(".weight") for h in hf)
+    return out
+
+
+#: megatron linear -> its Hugging Face projections (`q_proj`, ...), fused order.
 LINEARS: dict[str, tuple[str, ...]] = {
-    "self_attention.linear_qkv": ("q_proj", "k_proj", "v_proj"),
-    "self_attention.linear_proj": ("o_proj",),
-    "mlp.linear_fc1": ("gate_proj", "up_proj"),
-    "mlp.linear_fc2": ("down_proj",),
+    linear: tuple(m.rsplit(".", 1)[-1] for m in modules)
+    for linear, modules in _linears_from_keymap().items()
 }
 #: Hugging Face module path of each projection under `model.layers.{i}.`.
-HF_MODULES = {
-    "q_proj": "self_attn.q_proj",
-    "k_proj": "self_attn.k_proj",
-    "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj",
-    "gate_proj": "mlp.gate_proj",
-    "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
+HF_MODULES: dict[str, str] = {
+    m.rsplit(".", 1)[-1]: m for modules in _linears_from_keymap().values() for m in modules
 }
 NEMO_NAMES: dict[str, tuple[str, ...]] = {
     "attention_qkv": ("q_proj", "k_proj", "v_proj"),
