@@ -114,10 +114,7 @@ def _build_policy(cfg: Any, algorithm: str, arch, layout: ParallelLayout, runtim
         )
     lora = uses_lora(m)
     if lora:  # after the base weights are in, before DDP: only adapters get grad buffers
-        try:
-            apply_lora(chunks, arch, lora_settings(m))
-        except ValueError as e:
-            raise ConfigError(f"model.peft.lora_tuning: {e}") from e
+        _add_adapters(cfg, arch, chunks, runtime)
     reference = None
     if strategy == "separate":
         ref_chunks = build_gpt_chunks(arch, layout, runtime.device)
@@ -143,6 +140,37 @@ def _build_policy(cfg: Any, algorithm: str, arch, layout: ParallelLayout, runtim
     settings = _loss_settings(cfg, algorithm, arch.vocab_size)
     model_cls = MegatronGPTKTOModel if algorithm == "kto" else MegatronGPTDPOModel
     return model_cls(chunks, reference, settings)
+
+
+def _add_adapters(cfg: Any, arch, chunks: list[torch.nn.Module], runtime) -> None:
+    """LoRA adapters on the chunks (base frozen), starting from `model.peft.restore_from_path`
+    (a Hugging Face PEFT adapter directory) when given."""
+    from megatron_kto.peft import hf_peft
+
+    settings = lora_settings(cfg.model)
+    try:
+        apply_lora(chunks, arch, settings)
+    except ValueError as e:
+        raise ConfigError(f"model.peft.lora_tuning: {e}") from e
+    path = cfg.model.peft.restore_from_path
+    if path:
+        where = f"model.peft.restore_from_path={path}"
+        try:
+            config, tensors = hf_peft.read_adapter(resolve_path(path))
+            hf_peft.check_matches(config, settings, arch, where)
+            hf_peft.load_adapter(chunks, tensors, hf_peft.expected_keys(settings, arch), where)
+        except (ValueError, OSError) as e:
+            raise ConfigError(str(e) if where in str(e) else f"{where}: {e}") from e
+        _say(runtime.is_rank0, f"LoRA: starting adapter loaded from {path}")
+
+
+def _lora_base(cfg: Any, chunks: list[torch.nn.Module]) -> dict[str, Any] | None:
+    """A LoRA run's base record for its (adapter-only) checkpoints; None without LoRA."""
+    if not uses_lora(cfg.model):
+        return None
+    from megatron_kto.peft.checkpoint import base_fingerprint, base_record
+
+    return base_record(cfg.pretrained_checkpoint.restore_from_path, base_fingerprint(chunks))
 
 
 def _bucket_size(bucket_cap_mb: float | None) -> int | None:
@@ -343,7 +371,9 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
             state = TrainerState()
             if e.create_checkpoint_callback:
                 manager = CheckpointManager(
-                    log_dir / "checkpoints", keep_last=e.checkpoint_callback_params.save_top_k
+                    log_dir / "checkpoints",
+                    keep_last=e.checkpoint_callback_params.save_top_k,
+                    lora_base=_lora_base(cfg, model.chunks),
                 )
                 restored = (
                     manager.load_latest(model.chunks, optimizer, scheduler)

@@ -91,6 +91,17 @@ def _init_full(method: str, shape: tuple[int, int], generator: torch.Generator) 
     raise ValueError(f"unknown LoRA init method {method!r}; one of {INIT_METHODS}")
 
 
+class LoRAPair(torch.nn.Module):
+    """One projection's `lora_A` [r, in] and `lora_B` [out, r] (set by `LoRALinear`)."""
+
+    lora_A: torch.nn.Parameter
+    lora_B: torch.nn.Parameter
+
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, B)."""
+        return self.lora_A, self.lora_B
+
+
 def _layer_kind(base: torch.nn.Module) -> str:
     """'column' or 'row' for megatron's local linears and its Transformer Engine wrappers."""
     if isinstance(base, ColumnParallelLinear):
@@ -155,7 +166,7 @@ class LoRALinear(torch.nn.Module):
             gen = torch.Generator().manual_seed(seed + zlib.crc32(f"{key}.{p.name}".encode()))
             a_full = _init_full(init_a, (rank, p.in_features), gen)
             b_full = _init_full(init_b, (p.out_features, rank), gen)
-            pair = torch.nn.Module()
+            pair = LoRAPair()
             pair.lora_A = self._param(a_full, shard_dim=1 if self.kind == "row" else None, w=weight)
             pair.lora_B = self._param(
                 b_full, shard_dim=0 if self.kind == "column" else None, w=weight
@@ -219,7 +230,11 @@ class LoRALinear(torch.nn.Module):
         if self.norm_weight is not None:
             x = self._normalised(x)
         x = self._dropped(x)
-        a = torch.cat([self.adapters[n].lora_A for n in self.names])
+        # Calling each pair (rather than reading its attributes) runs the forward pre-hooks
+        # megatron DDP puts on parameter-owning modules: with the distributed optimizer's
+        # overlapped parameter all-gather, that is where a rank waits for updated shards.
+        pairs = {n: self.adapters[n]() for n in self.names}
+        a = torch.cat([pairs[n][0] for n in self.names])
         u = torch.matmul(x, a.t())
         if self.kind == "row":
             u = (
@@ -227,14 +242,14 @@ class LoRALinear(torch.nn.Module):
                 if self.sequence_parallel
                 else reduce_from_tensor_model_parallel_region(u)
             )
-            return torch.matmul(u, self.adapters[self.names[0]].lora_B.t()) * self.scaling
+            return torch.matmul(u, pairs[self.names[0]][1].t()) * self.scaling
         u = (
             gather_from_sequence_parallel_region(u)
             if self.sequence_parallel
             else copy_to_tensor_model_parallel_region(u)
         )
         parts = {
-            n: torch.matmul(ui, self.adapters[n].lora_B.t()) * self.scaling
+            n: torch.matmul(ui, pairs[n][1].t()) * self.scaling
             for n, ui in zip(self.names, u.chunk(len(self.names), dim=-1), strict=True)
         }
         return self._fuse(parts, u)
