@@ -11,7 +11,10 @@ on every projection for 2 steps (lr 1e-2: every adapter is far from its initiali
 * a new run started from the exported adapter (`model.peft.restore_from_path`) sees it: its
   step-1 rewards are non-zero (policy = base + adapter, reference = base); with lr 1e-30 its one
   step leaves the adapter bit-identical, and exporting it again reproduces the adapter files
-  bit for bit (import -> export is the identity).
+  bit for bit (import -> export is the identity);
+* `tools/eval_kto_rewards.py --policy <LoRA run>` scores policy = base + adapters against
+  reference = base (adapters off): its log-probs equal those of the merged export imported
+  back as a plain checkpoint and scored against the base checkpoint.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_cli import KTO_SCRIPT, QUIET, REPO, read_metrics, run_script
+from e2e_cli import EVAL_TOOL, KTO_SCRIPT, QUIET, REPO, read_metrics, run_script
 from hf_tiny import make_hf_chat_model, write_kto_rows
 from multirank import run_multirank
 
@@ -96,6 +99,16 @@ def exported(tmp_path_factory):
     )
     run_script(TOOL, ["export", "--ckpt", str(root / "again"), "--out", str(root / "adapter2")])
     ours = run_multirank(_ours_worker, 1, str(root / "run"), timeout=180)[0]
+    merged_ckpt = ["import", "--hf-dir", str(root / "merged"), "--out", str(root / "mcore_merged")]
+    run_script(TOOL, merged_ckpt)
+    data = ["--data", str(root / "train.jsonl"), "--no-cache"]
+    run_script(EVAL_TOOL, ["--policy", str(root / "run"), *data, "--per-example", f"{root}/e1"])
+    plain = [
+        *("--policy", str(root / "mcore_merged"), "--reference", str(root / "mcore")),
+        *("--beta", "0.1", "--max-length", "128", "--tokenizer-library", "huggingface"),
+        *("--tokenizer", str(root / "mcore")),
+    ]
+    run_script(EVAL_TOOL, [*plain, *data, "--per-example", f"{root}/e2"])
     return root, ours
 
 
@@ -135,3 +148,17 @@ def test_imported_adapter_trains_from_where_it_was(exported):
     a = load_file(str(root / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(root / "adapter2" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_eval_tool_scores_the_lora_run_against_its_base(exported):
+    root, _ = exported
+    lora, merged = (
+        [json.loads(line) for line in (root / name).read_text().splitlines()]
+        for name in ("e1", "e2")
+    )
+    assert len(lora) == len(merged) == 64
+    for key in ("policy_logps", "reference_logps"):
+        a = torch.tensor([r[key] for r in lora], dtype=torch.float64)
+        b = torch.tensor([r[key] for r in merged], dtype=torch.float64)
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-4), (key, (a - b).abs().max())
+    assert max(abs(r["reward"]) for r in lora) > 1e-2  # the adapters matter

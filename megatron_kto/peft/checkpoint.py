@@ -120,6 +120,15 @@ def is_lora_checkpoint(ckpt_dir: Path) -> bool:
     return (Path(ckpt_dir) / BASE_FILE).is_file()
 
 
+def lora_base_dir(ckpt_dir: Path) -> Path | None:
+    """The resolved base checkpoint a LoRA checkpoint's adapters were trained on (None if the
+    run started from a random initialisation)."""
+    from megatron_kto.checkpointing.locate import resolve_pretrained_dir
+
+    base = json.loads((Path(ckpt_dir) / BASE_FILE).read_text())["restore_from_path"]
+    return resolve_pretrained_dir(base) if base else None
+
+
 def load_adapters(ckpt_dir: Path, chunks: list[torch.nn.Module]) -> None:
     """Collectively load a LoRA checkpoint's adapters into chunks that have them (any layout)."""
     from megatron_kto.checkpointing.model_io import model_sharded_state_dict
