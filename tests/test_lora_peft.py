@@ -13,7 +13,8 @@ get a non-zero B, so they change the logits by O(1). Shown here:
   equals `transformers`' base model;
 * merging (`merge_and_strip`, fused with the conversion key map's `fuse_qkv` / `fuse_fc1`) gives
   the adapter model's logits;
-* import -> export of an adapter directory is bit-exact.
+* import -> export of an adapter directory is bit-exact;
+* the same with adapters on some projections of the fused linears only (q, v, up, o).
 """
 
 from __future__ import annotations
@@ -54,11 +55,20 @@ def _tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-def _settings(seed: int):
+#: Some projections of the fused linears only (the others' rows of the output get nothing).
+PARTIAL = ["q_proj", "v_proj", "o_proj", "up_proj"]
+
+
+def _settings(seed: int, targets: tuple[str, ...] = ("all",)):
     from megatron_kto.peft.wiring import LoRASettings
 
     return LoRASettings(
-        rank=RANK, alpha=ALPHA, target_modules=["all"], init_a="kaiming", init_b="normal", seed=seed
+        rank=RANK,
+        alpha=ALPHA,
+        target_modules=list(targets),
+        init_a="kaiming",
+        init_b="normal",
+        seed=seed,
     )
 
 
@@ -110,6 +120,11 @@ def _tp1_worker(rank: int, world_size: int, root: str) -> dict:
         hf_peft.write_adapter(base / "adapter_again", other, _settings(8), arch, str(base / "hf"))
         hf_peft.merge_and_strip(chunks, arch)
         result["merged"] = _logits(chunks)
+        partial = build_gpt_chunks(arch, ParallelLayout(), rt.device)
+        restore_pretrained(base / "mcore", partial)
+        apply_lora(partial, arch, _settings(7, PARTIAL))
+        result["partial"] = _logits(partial)
+        hf_peft.write_adapter(base / "adapter_partial", partial, _settings(7, PARTIAL), arch)
         out[name] = result
         teardown()
     return out
@@ -135,6 +150,13 @@ def _tp2_worker(rank: int, world_size: int, root: str) -> dict:
         _, tensors = hf_peft.read_adapter(base / "adapter")
         hf_peft.load_adapter(chunks, tensors, hf_peft.expected_keys(_settings(9), arch), "test")
         out[name] = _logits(chunks)
+        partial = build_gpt_chunks(arch, layout, rt.device)
+        restore_pretrained(base / "mcore", partial)
+        apply_lora(partial, arch, _settings(9, PARTIAL))
+        _, tensors = hf_peft.read_adapter(base / "adapter_partial")
+        expected = hf_peft.expected_keys(_settings(9, PARTIAL), arch)
+        hf_peft.load_adapter(partial, tensors, expected, "test")
+        out[name, "partial"] = _logits(partial)
     teardown()
     return out
 
@@ -158,13 +180,15 @@ def results(tmp_path_factory):
     return root, tp1, tp2[0]
 
 
-def _peft_logits(root: Path, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _peft_logits(
+    root: Path, name: str, adapter: str = "adapter"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(peft model logits, base model logits) from `transformers` + `peft`."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(root / name / "hf", dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, root / name / "adapter")
+    model = PeftModel.from_pretrained(base, root / name / adapter)
     model.eval()
     with torch.no_grad():
         adapted = model(_tokens()).logits
@@ -186,6 +210,19 @@ def test_adapters_equal_peft(results, name):
     print(f"{name}: adapters move logits by {effect:.3f}; max|Δ| vs peft {diffs}")
     assert effect > 0.1  # the comparison is not vacuous
     assert all(d <= TOLERANCE for d in diffs.values()), diffs
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_partial_targets_equal_peft(results, name):
+    """q and v of the fused qkv, up of the fused gate/up, and o: TP=1 and TP=2+SP."""
+    root, tp1, tp2 = results
+    adapted, plain = _peft_logits(root, name, "adapter_partial")
+    diffs = [(x - adapted).abs().max().item() for x in (tp1[name]["partial"], tp2[name, "partial"])]
+    print(f"{name} partial: effect {(adapted - plain).abs().max():.3f}, max|Δ| vs peft {diffs}")
+    assert (adapted - plain).abs().max().item() > 0.1
+    assert max(diffs) <= TOLERANCE
+    config = json.loads((root / name / "adapter_partial" / "adapter_config.json").read_text())
+    assert config["target_modules"] == sorted(PARTIAL)
 
 
 @pytest.mark.parametrize("name", MODELS)

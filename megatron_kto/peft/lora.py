@@ -235,48 +235,46 @@ class LoRALinear(torch.nn.Module):
         # overlapped parameter all-gather, that is where a rank waits for updated shards.
         pairs = {n: self.adapters[n]() for n in self.names}
         a = torch.cat([pairs[n][0] for n in self.names])
-        u = torch.matmul(x, a.t())
+        # The scaling goes on the r-wide u, not on the output: one [tokens, out] tensor per call.
+        u = torch.matmul(x, a.t()) * self.scaling
         if self.kind == "row":
             u = (
                 reduce_scatter_to_sequence_parallel_region(u)
                 if self.sequence_parallel
                 else reduce_from_tensor_model_parallel_region(u)
             )
-            return torch.matmul(u, pairs[self.names[0]][1].t()) * self.scaling
+            return torch.matmul(u, pairs[self.names[0]][1].t())
         u = (
             gather_from_sequence_parallel_region(u)
             if self.sequence_parallel
             else copy_to_tensor_model_parallel_region(u)
         )
-        parts = {
-            n: torch.matmul(ui, pairs[n][1].t()) * self.scaling
-            for n, ui in zip(self.names, u.chunk(len(self.names), dim=-1), strict=True)
-        }
-        return self._fuse(parts, u)
+        return torch.matmul(u, self._fused_b({n: pairs[n][1] for n in self.names}).t())
 
-    def _fuse(self, parts: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-        """Per-projection outputs (this rank's rows) laid out as the base linear's output."""
+    def _fused_b(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This rank's B matrices as one [out_local, k·r] matrix laid out like the base output
+        (block-diagonal in the k projections, zero where a projection has no adapter), so the
+        fused output is one matmul — no per-projection outputs to concatenate."""
         if len(self.all_names) == 1:
-            return parts[self.all_names[0]]
+            return b[self.all_names[0]]
+        rank = next(iter(b.values())).shape[1]
+        k = len(self.names)
+
+        def block(name: str, rows: int, lead: tuple[int, ...]) -> torch.Tensor:
+            if name not in b:
+                return b[self.names[0]].new_zeros(*lead, rows, k * rank)
+            j = self.names.index(name)
+            part = b[name].reshape(*lead, rows, rank)
+            return torch.nn.functional.pad(part, (j * rank, (k - 1 - j) * rank))
+
         lay = self.layout
-        lead = like.shape[:-1]
         if lay.kind == "fc1":
-            rows = next(iter(parts.values())).shape[-1]
-            pieces = [parts.get(n, like.new_zeros(*lead, rows)) for n in self.all_names]
-            return torch.cat(pieces, dim=-1)
+            rows = next(iter(b.values())).shape[0]
+            return torch.cat([block(n, rows, ()) for n in self.all_names])
         groups = lay.groups // self.tp
-        sizes = {
-            self.all_names[0]: lay.heads_per_group * lay.head_dim,
-            self.all_names[1]: lay.head_dim,
-            self.all_names[2]: lay.head_dim,
-        }
-        pieces = [
-            parts[n].reshape(*lead, groups, sizes[n])
-            if n in parts
-            else like.new_zeros(*lead, groups, sizes[n])
-            for n in self.all_names
-        ]
-        return torch.cat(pieces, dim=-1).reshape(*lead, -1)
+        sizes = (lay.heads_per_group * lay.head_dim, lay.head_dim, lay.head_dim)
+        pieces = [block(n, size, (groups,)) for n, size in zip(self.all_names, sizes, strict=True)]
+        return torch.cat(pieces, dim=1).reshape(-1, k * rank)
 
 
 def attach(base: torch.nn.Module, adapter: LoRALinear) -> Callable[[], None]:
