@@ -33,6 +33,9 @@ from megatron_kto.models.reference import (
     copy_weights,
 )
 from megatron_kto.models.training_setup import build_optimizer, build_scheduler, wrap_ddp
+from megatron_kto.peft.reference import AdaptersOffReference
+from megatron_kto.peft.settings import lora_settings, uses_lora
+from megatron_kto.peft.wiring import adapters_disabled, apply_lora, parameter_counts
 from megatron_kto.planning.memory import startup_lines
 from megatron_kto.runtime import init_runtime, teardown
 from megatron_kto.runtime.launcher_env import adopt_launcher_env
@@ -111,6 +114,9 @@ def _build_policy(cfg: Any, algorithm: str, arch, layout: ParallelLayout, runtim
         _say(
             runtime.is_rank0, f"restored weights from {cfg.pretrained_checkpoint.restore_from_path}"
         )
+    lora = uses_lora(m)
+    if lora:  # after the base weights are in, before DDP: only adapters get grad buffers
+        _add_adapters(cfg, arch, chunks, runtime)
     reference = None
     if strategy == "separate":
         ref_chunks = build_gpt_chunks(arch, layout, runtime.device)
@@ -124,9 +130,49 @@ def _build_policy(cfg: Any, algorithm: str, arch, layout: ParallelLayout, runtim
     )
     if strategy == "cpu_swap":
         reference = CPUSwapReference(chunks)
+    elif strategy == "adapters_off":
+        reference = AdaptersOffReference(chunks)
+    if lora:
+        trainable, total = parameter_counts(chunks)
+        _say(
+            runtime.is_rank0,
+            f"LoRA: {trainable:,} trainable of {total:,} parameters "
+            f"({100 * trainable / total:.3f}%); reference = the base model (adapters off)",
+        )
     settings = _loss_settings(cfg, algorithm, arch.vocab_size)
     model_cls = MegatronGPTKTOModel if algorithm == "kto" else MegatronGPTDPOModel
     return model_cls(chunks, reference, settings)
+
+
+def _add_adapters(cfg: Any, arch, chunks: list[torch.nn.Module], runtime) -> None:
+    """LoRA adapters on the chunks (base frozen), starting from `model.peft.restore_from_path`
+    (a Hugging Face PEFT adapter directory) when given."""
+    from megatron_kto.peft import hf_peft
+
+    settings = lora_settings(cfg.model)
+    try:
+        apply_lora(chunks, arch, settings)
+    except ValueError as e:
+        raise ConfigError(f"model.peft.lora_tuning: {e}") from e
+    path = cfg.model.peft.restore_from_path
+    if path:
+        where = f"model.peft.restore_from_path={path}"
+        try:
+            config, tensors = hf_peft.read_adapter(resolve_path(path))
+            hf_peft.check_matches(config, settings, arch, where)
+            hf_peft.load_adapter(chunks, tensors, hf_peft.expected_keys(settings, arch), where)
+        except (ValueError, OSError) as e:
+            raise ConfigError(str(e) if where in str(e) else f"{where}: {e}") from e
+        _say(runtime.is_rank0, f"LoRA: starting adapter loaded from {path}")
+
+
+def _lora_base(cfg: Any, chunks: list[torch.nn.Module]) -> dict[str, Any] | None:
+    """A LoRA run's base record for its (adapter-only) checkpoints; None without LoRA."""
+    if not uses_lora(cfg.model):
+        return None
+    from megatron_kto.peft.checkpoint import base_fingerprint, base_record
+
+    return base_record(cfg.pretrained_checkpoint.restore_from_path, base_fingerprint(chunks))
 
 
 def _bucket_size(bucket_cap_mb: float | None) -> int | None:
@@ -160,15 +206,16 @@ def _attach_precomputed_reference(
         runtime.is_rank0,
         "precomputing reference log-probs over the data (reference_policy=precomputed)",
     )
-    table = load_or_compute(
-        model,
-        splits,
-        runtime,
-        Coverage(loop.max_steps, loop.steps_per_epoch, loop.limit_val_batches),
-        log_dir / "reference_logps",
-        fingerprint,
-        resuming,
-    )
+    with adapters_disabled(model.chunks):  # LoRA: the reference is the base model
+        table = load_or_compute(
+            model,
+            splits,
+            runtime,
+            Coverage(loop.max_steps, loop.steps_per_epoch, loop.limit_val_batches),
+            log_dir / "reference_logps",
+            fingerprint,
+            resuming,
+        )
     model.reference = PrecomputedReference(table)
 
 
@@ -334,7 +381,9 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
             state = TrainerState()
             if e.create_checkpoint_callback:
                 manager = CheckpointManager(
-                    log_dir / "checkpoints", keep_last=e.checkpoint_callback_params.save_top_k
+                    log_dir / "checkpoints",
+                    keep_last=e.checkpoint_callback_params.save_top_k,
+                    lora_base=_lora_base(cfg, model.chunks),
                 )
                 restored = (
                     manager.load_latest(model.chunks, optimizer, scheduler)

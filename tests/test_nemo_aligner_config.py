@@ -47,7 +47,7 @@ NO_EFFECT = [
     "exp_manager.checkpoint_callback_params.model_parallel_size",
     "model.mcore_gpt",
     "model.megatron_amp_O2",
-    "model.peft",
+    "model.peft.restore_from_ckpt",
     "model.optim.contiguous_grad_buffer",
     "model.data.data_impl",
     "model.data.splits_string",
@@ -111,7 +111,11 @@ def test_data_prefix_test_split_has_no_effect():
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("model.peft.peft_scheme=lora", "model.peft.peft_scheme: 'lora' is not supported: PEFT"),
+        (
+            "model.peft.restore_from_ckpt.checkpoint_dir=/nemo/lora",
+            "model.peft.restore_from_ckpt.checkpoint_dir: '/nemo/lora' is not supported: a "
+            "starting adapter is model.peft.restore_from_path",
+        ),
         ("model.mcore_gpt=false", "model.mcore_gpt: False is not supported"),
         (
             "exp_manager.resume_from_checkpoint=/ckpt/x.ckpt",
@@ -144,6 +148,26 @@ def test_values_that_would_change_results_are_refused(override, message):
     with pytest.raises(ConfigError) as info:
         _adapt([override])
     assert str(info.value).startswith(message), str(info.value)
+
+
+def test_peft_block_is_honoured():
+    """NeMo-Aligner's stock model.peft block, switched to LoRA, keeps its meaning here."""
+    cfg, ignored = _adapt(["model.peft.peft_scheme=lora"])
+    p = cfg.model.peft
+    assert p.peft_scheme == "lora" and p.restore_from_path is None
+    lt = p.lora_tuning
+    assert (list(lt.target_modules), lt.adapter_dim, lt.adapter_dropout) == (
+        ["attention_qkv"], 32, 0.0,
+    )  # fmt: skip
+    assert (lt.column_init_method, lt.row_init_method, lt.layer_selection) == (
+        "xavier", "zero", None,
+    )  # fmt: skip
+    assert "model.peft.restore_from_ckpt" in ignored
+    from megatron_kto.peft.settings import check_peft
+
+    tied, _ = _adapt(["model.peft.peft_scheme=lora", "model.peft.lora_tuning.weight_tying=true"])
+    with pytest.raises(ConfigError, match=r"^model.peft.lora_tuning.weight_tying: not implemented"):
+        check_peft(tied.model, "kto", tied.model)
 
 
 def test_renamed_keys():
@@ -179,8 +203,10 @@ def test_dpo_keys():
 
 
 @pytest.mark.e2e
-def test_trains_two_steps_from_the_nemo_aligner_config(tmp_path):
-    """The user's command: their config file, their overrides for this machine and data."""
+@pytest.mark.parametrize("peft", ["none", "lora"])
+def test_trains_two_steps_from_the_nemo_aligner_config(tmp_path, peft):
+    """The user's command: their config file, their overrides for this machine and data; with
+    `model.peft.peft_scheme=lora` the stock LoRA block (attention_qkv, rank 32) trains."""
     from e2e_cli import save_initial_checkpoint
 
     init = save_initial_checkpoint(tmp_path / "init", seed=11)
@@ -198,6 +224,7 @@ def test_trains_two_steps_from_the_nemo_aligner_config(tmp_path):
         "+model.tokenizer.library=sentencepiece",
         f"+model.tokenizer.model={TOKENIZER}",
         f"exp_manager.explicit_log_dir={log_dir}",
+        f"model.peft.peft_scheme={peft}",
     ]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(KTO_SCRIPT), *args],
@@ -227,6 +254,12 @@ def test_trains_two_steps_from_the_nemo_aligner_config(tmp_path):
     assert saved.model.optim.name == "distributed_fused_adam" and saved.trainer.precision == "bf16"
     meta = json.loads((log_dir / "checkpoints" / "step_2" / "checkpoint.json").read_text())
     assert meta["step"] == 2
+    assert saved.model.peft.peft_scheme == peft
+    if peft == "lora":
+        (line,) = [x for x in proc.stdout.splitlines() if x.startswith("LoRA:")]
+        assert "reference = the base model (adapters off)" in line
+        assert saved.model.kto.reference_policy == "adapters_off"
+        assert train[0]["loss"] == pytest.approx(0.5, abs=1e-6)  # B = 0: policy = reference
 
 
 def test_migration_guide_covers_every_rule():

@@ -8,7 +8,10 @@ for `pretrained_checkpoint.restore_from_path` (any TP/PP/DP layout); tokenizer f
 It runs in one process (no torchrun): the whole model is built once, in float32 unless
 `--dtype bfloat16`, and filled one safetensors tensor at a time.
 `export` writes config.json + safetensors (+ tokenizer files) that `transformers` loads; a run
-or checkpoints directory means its latest complete checkpoint. Bad input: one `error:` line,
+or checkpoints directory means its latest complete checkpoint. A LoRA run exports as a Hugging
+Face PEFT adapter directory (adapter_config.json + adapter_model.safetensors, for
+`peft.PeftModel.from_pretrained` on the base model), or with `--merge-lora` as a plain model
+with the adapters merged into the weights. Bad input: one `error:` line,
 exit code 2.
 """
 
@@ -43,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--model-type", choices=["llama", "mistral", "qwen2"], default=None)
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
+    exp.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="LoRA runs: write the base with the adapters merged in (default: a PEFT adapter)",
+    )
     args = parser.parse_args(argv)
     from megatron_kto.console import quiet_third_party
 
@@ -60,14 +68,24 @@ def main(argv: list[str] | None = None) -> int:
                 f"{arch.hidden_size}, vocab {arch.vocab_size} (padded {arch.padded_vocab_size})"
             )
         else:
+            from megatron_kto.peft.export import export_adapter, is_lora_run, merged_loader
+
+            lora = is_lora_run(args.ckpt)
+            if args.merge_lora and not lora:
+                raise ConversionError(f"--merge-lora: {args.ckpt} is not a LoRA run")
+            if lora and not args.merge_lora:
+                source = export_adapter(args.ckpt, args.out)
+                print(f"exported the LoRA adapter of {source} -> {args.out} (PEFT format)")
+                return 0
             source = export_hf(
                 args.ckpt,
                 args.out,
                 model_type=args.model_type,
                 dtype=args.dtype,
                 max_shard_bytes=int(args.max_shard_gb * 1024**3),
+                load=merged_loader if lora else None,
             )
-            print(f"exported {source} -> {args.out}")
+            print(f"exported {source} -> {args.out}" + (" (LoRA merged)" if lora else ""))
     except (ConversionError, CheckpointError, OSError) as e:
         # OSError: unreadable input or unwritable output (permissions, a file in the way).
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

@@ -33,6 +33,7 @@ from megatron_kto.checkpointing.spec_compat import load_module_state, load_shard
 from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.builder import unwrap
 from megatron_kto.models.training_setup import finish_param_sync
+from megatron_kto.peft import checkpoint as lora_checkpoint
 
 __all__ = ["CheckpointManager", "current_layout", "resolve_pretrained_dir", "restore_pretrained"]
 
@@ -113,11 +114,17 @@ class CheckpointManager:
     Args:
         root: checkpoint root, e.g. `<explicit_log_dir>/checkpoints` (created if missing).
         keep_last: how many complete checkpoints to keep; ≤ 0 keeps all.
+        lora_base: for a LoRA run, the record of its frozen base (`peft.checkpoint.base_record`):
+            checkpoints then hold the adapters and their optimizer state only, plus this record,
+            and resuming refuses a checkpoint trained on another base.
     """
 
-    def __init__(self, root: str | Path, keep_last: int = -1) -> None:
+    def __init__(
+        self, root: str | Path, keep_last: int = -1, lora_base: dict[str, Any] | None = None
+    ) -> None:
         self.root = Path(root)
         self.keep_last = int(keep_last)
+        self.lora_base = lora_base
         self.loaded_from: Path | None = None
         """The directory the last successful load read."""
         self._last_saved_step: int | None = None
@@ -150,6 +157,13 @@ class CheckpointManager:
         t = torch.tensor([value], dtype=torch.int64)
         dist.broadcast(t, src=0, group=self._group)
         return int(t.item())
+
+    def _model_state(self, model_chunks: list[torch.nn.Module]) -> dict[str, Any]:
+        """The model tensors a checkpoint holds: all of them, or a LoRA run's adapters."""
+        model_sd = model_sharded_state_dict(model_chunks)
+        if self.lora_base is None:
+            return model_sd
+        return lora_checkpoint.adapter_sharded_state_dict(model_sd)
 
     # -------------------------------------------------------------------------------------- save
     def save(
@@ -194,7 +208,7 @@ class CheckpointManager:
         # With overlap_param_gather the last step's all-gather is still pending: save the
         # updated weights, not the stale shards of other DP ranks.
         finish_param_sync(model_chunks)
-        model_sd = model_sharded_state_dict(model_chunks)
+        model_sd = self._model_state(model_chunks)
         sharded = dict(model_sd)
         kind = optimizer_state.optimizer_kind(optimizer)
         if optimizer is not None:
@@ -224,6 +238,8 @@ class CheckpointManager:
                     files.write_json(tmp / files.SCHEDULER, scheduler.state_dict())
                 files.atomic_write_text(tmp / files.CONFIG, config_yaml)
                 write_architecture(tmp, arch)
+                if self.lora_base is not None:
+                    files.write_json(tmp / lora_checkpoint.BASE_FILE, self.lora_base)
         except OSError as e:
             error = e
         if not self._all_ok(error is None):
@@ -386,6 +402,16 @@ class CheckpointManager:
                 "model.optim.name, or start a new run from these weights with "
                 f"pretrained_checkpoint.restore_from_path={path}"
             )
+        lora_saved = (path / lora_checkpoint.BASE_FILE).is_file()
+        if self.lora_base is not None:
+            try:
+                lora_checkpoint.check_same_base(path, self.lora_base["fingerprint"])
+            except CheckpointError as e:
+                raise _Incompatible(str(e)) from e
+        elif lora_saved:
+            raise _Incompatible(
+                f"{path}: holds LoRA adapters only; resume it with model.peft.peft_scheme=lora"
+            )
         same_layout = all(saved_layout.get(k) == v for k, v in layout.items())
         return {
             "meta": meta,
@@ -405,7 +431,7 @@ class CheckpointManager:
         scheduler: Any,
     ) -> dict[str, Any]:
         """Collective tensor load, then scheduler and RNG; returns the trainer state."""
-        model_sd = model_sharded_state_dict(model_chunks)
+        model_sd = self._model_state(model_chunks)
         sharded = dict(model_sd)
         if optimizer is not None:
             sharded["optimizer"] = optimizer_state.sharded_state_dict(optimizer, model_sd, True)
@@ -413,7 +439,10 @@ class CheckpointManager:
         loaded = load_sharded(sharded, path)
         for i, chunk in enumerate(model_chunks):
             key = "model" if len(model_chunks) == 1 else f"model{i}"
-            load_module_state(unwrap(chunk), loaded[key], str(path))
+            if self.lora_base is not None:
+                lora_checkpoint.load_adapter_state(chunk, loaded[key], str(path))
+            else:
+                load_module_state(unwrap(chunk), loaded[key], str(path))
         if optimizer is not None:
             optimizer_state.load_state_dict(optimizer, loaded["optimizer"])
 

@@ -9,7 +9,7 @@ schema plus the keys that have no effect here (the caller lists them in one warn
 - renamed keys are moved (`model.dpo.preference_loss: dpo` -> `model.dpo.loss_type: sigmoid`);
 - Lightning/NeMo plumbing (`trainer.accelerator`, `exp_manager.exp_dir`, `model.mcore_gpt`, ...)
   is accepted and reported as having no effect;
-- a value that would change results and that we do not implement (LoRA, RPO losses, resuming
+- a value that would change results and that we do not implement (RPO losses, resuming
   from an explicit file, ...) is refused in one line naming the key;
 - anything else is an unknown key, as in our own configs.
 
@@ -143,15 +143,12 @@ RULES: dict[str, Rule] = {
         "half-precision runs always keep half-precision weights with an fp32 master copy "
         "in the optimizer (O2)",
     ),
-    "model.peft.peft_scheme": Rule(
+    "model.peft.restore_from_ckpt.*": Rule(
         "no_effect",
-        "PEFT/LoRA is not supported: training updates all weights",
-        accept=_is("none", None),
+        "a starting adapter is model.peft.restore_from_path (a Hugging Face PEFT directory); a "
+        "run resumes its own adapters from <explicit_log_dir>/checkpoints/latest",
+        accept=_is(None),
     ),
-    "model.peft.restore_from_path": Rule(
-        "no_effect", "PEFT/LoRA is not supported: training updates all weights", accept=_is(None)
-    ),
-    "model.peft.*": Rule("no_effect", "PEFT/LoRA is not supported (peft_scheme none)"),
     "model.optim.contiguous_grad_buffer": Rule(
         "no_effect", "megatron-core DDP always reduces from one contiguous buffer"
     ),

@@ -39,6 +39,7 @@ from megatron_kto.config.validate import (
     validate,
 )
 from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.peft.settings import reference_strategy
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -297,6 +298,8 @@ def prepare_run_config(
     if m.optim.sched.min_lr is None and m.optim.lr > 0:
         m.optim.sched.min_lr = m.optim.lr / DEFAULT_MIN_LR_DIVISOR
     validate(cfg, world_size, algorithm, architecture_file=arch_file)
+    loss = m.kto if algorithm == "kto" else m.dpo
+    loss.reference_policy = reference_strategy(m, algorithm)  # its default depends on LoRA
 
     notes.append(attention_choice(cfg).note(m.attention_backend))
     if t.precision != "32" and not _on_cuda():

@@ -131,9 +131,11 @@ class KTOLossConfig:
     """Weight of the NLL of desirable completions added to the loss."""
     sft_average_log_probs: bool = True
     """SFT NLL per token (True) or summed over the completion (False)."""
-    reference_policy: str = "cpu_swap"
-    """'cpu_swap' (host copy swapped in), 'separate' (second model on the device), or
-    'precomputed' (the run's reference passes done before training; same KL partners as cpu_swap)."""
+    reference_policy: str | None = None
+    """'cpu_swap' (host copy swapped in), 'separate' (second model on the device),
+    'precomputed' (the run's reference passes done before training; same KL partners as
+    cpu_swap) or 'adapters_off' (LoRA: the same model with its adapters disabled); None means
+    'adapters_off' with LoRA (model.peft), else 'cpu_swap'."""
     log_prob_forward_micro_batch_size: int | None = None
     """Rows per micro-batch in forward-only passes; None means model.micro_batch_size."""
 
@@ -156,10 +158,49 @@ class DPOLossConfig:
     """Weight of the chosen completions' NLL added to the loss."""
     sft_average_log_probs: bool = True
     """SFT NLL per token (True) or summed over the completion (False)."""
-    reference_policy: str = "cpu_swap"
-    """'cpu_swap', 'separate' or 'precomputed'."""
+    reference_policy: str | None = None
+    """'cpu_swap', 'separate', 'precomputed' or 'adapters_off' (LoRA); None means
+    'adapters_off' with LoRA (model.peft), else 'cpu_swap'."""
     log_prob_forward_micro_batch_size: int | None = None
     """Pairs per micro-batch in forward-only passes; None means model.micro_batch_size."""
+
+
+@dataclass
+class LoRATuningConfig:
+    """`model.peft.lora_tuning.*` (NeMo's names)."""
+
+    adapter_dim: int = 32
+    """LoRA rank r."""
+    alpha: float | None = None
+    """Scaling numerator: adapters add (alpha / adapter_dim)·B·A·x; None means adapter_dim."""
+    adapter_dropout: float = 0.0
+    """Dropout on the adapters' input (training only)."""
+    target_modules: list[str] = field(default_factory=lambda: ["attention_qkv"])
+    """NeMo names (attention_qkv, attention_dense, mlp_fc1, mlp_fc2, attention, mlp, all) or
+    Hugging Face projections (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)."""
+    layer_selection: list[int] | None = None
+    """1-based layer numbers that get adapters; None means every layer."""
+    column_init_method: str = "xavier"
+    """Init of A (the input-side matrix): 'xavier', 'normal', 'kaiming' (peft's) or 'zero'."""
+    row_init_method: str = "zero"
+    """Init of B (the output-side matrix); 'zero' makes step 0 equal the base model."""
+    weight_tying: bool = False
+    """NeMo's adapters shared across layers: not implemented (must be False)."""
+    position_embedding_strategy: str | None = None
+    """NeMo's weight-tying position embeddings: not implemented (must be None)."""
+
+
+@dataclass
+class PEFTConfig:
+    """`model.peft.*`: parameter-efficient fine-tuning."""
+
+    peft_scheme: str = "none"
+    """'none' (train every weight) or 'lora' (train adapters only; the base stays frozen)."""
+    restore_from_path: str | None = None
+    """Starting adapter: a Hugging Face PEFT adapter directory (adapter_config.json +
+    adapter_model.safetensors); None starts from the configured init."""
+    lora_tuning: LoRATuningConfig = field(default_factory=LoRATuningConfig)
+    """LoRA settings (peft_scheme=lora)."""
 
 
 @dataclass
@@ -309,6 +350,8 @@ class ModelConfig(ArchitectureFields):
     """Data."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     """Tokenizer."""
+    peft: PEFTConfig = field(default_factory=PEFTConfig)
+    """Parameter-efficient fine-tuning (LoRA)."""
 
 
 @dataclass

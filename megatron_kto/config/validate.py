@@ -9,6 +9,7 @@ from typing import Any
 
 from megatron_kto.config.errors import ConfigError
 from megatron_kto.config.keys import check_known_keys
+from megatron_kto.peft.settings import check_peft
 
 __all__ = [
     "ConfigError",
@@ -352,11 +353,6 @@ def validate(
     if algorithm == "kto":
         k = m.kto
         _choice(k.loss_type, "model.kto.loss_type", ("kto", "apo_zero_unpaired"))
-        _choice(
-            k.reference_policy,
-            "model.kto.reference_policy",
-            ("cpu_swap", "separate", "precomputed"),
-        )
         _need(k.ref_policy_kl_penalty > 0, "model.kto.ref_policy_kl_penalty", "β must be > 0")
         _need(
             k.desirable_loss_weight >= 0 and k.undesirable_loss_weight >= 0,
@@ -373,14 +369,11 @@ def validate(
     else:
         d = m.dpo
         _choice(d.loss_type, "model.dpo.loss_type", ("sigmoid", "ipo", "hinge"))
-        _choice(
-            d.reference_policy,
-            "model.dpo.reference_policy",
-            ("cpu_swap", "separate", "precomputed"),
-        )
         _need(d.ref_policy_kl_penalty > 0, "model.dpo.ref_policy_kl_penalty", "β must be > 0")
         _need(0.0 <= d.label_smoothing < 0.5, "model.dpo.label_smoothing", "must be in [0, 0.5)")
         fwd = d.log_prob_forward_micro_batch_size
+    # model.peft.* and the reference policies it allows (architecture fields are resolved).
+    check_peft(m, algorithm, m)
     if fwd is not None:
         _need(fwd >= 1, f"model.{algorithm}.log_prob_forward_micro_batch_size", "must be >= 1")
         _need(

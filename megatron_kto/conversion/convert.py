@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +217,7 @@ def export_hf(
     model_type: str | None = None,
     dtype: str | None = None,
     max_shard_bytes: int = 5 * 1024**3,
+    load: Callable[[Path, list[torch.nn.Module], GPTArchitecture], None] | None = None,
 ) -> Path:
     """Write a megatron_kto checkpoint (imported or trained; a run directory means its latest
     checkpoint) as a Hugging Face model directory that `transformers` loads.
@@ -227,6 +229,9 @@ def export_hf(
             biases, llama otherwise).
         dtype: float32, bfloat16 or float16 (default: the source model's, else float32).
         max_shard_bytes: largest safetensors shard.
+        load: fills the built TP=1 model from the checkpoint (default: `load_model`); LoRA
+            exports pass one that rebuilds base + adapters and merges them
+            (`peft.export.merged_loader`).
 
     Returns:
         The checkpoint directory that was exported.
@@ -260,7 +265,10 @@ def export_hf(
         # A bf16 export loads straight into a bf16 model (half the host memory); the cast on
         # load rounds exactly as `Tensor.to(torch.bfloat16)` would.
         model = _single_process_model(arch, "bfloat16" if dtype == "bfloat16" else "float32")
-        load_model(ckpt_dir, [model])
+        if load is None:
+            load_model(ckpt_dir, [model])
+        else:
+            load(ckpt_dir, [model], arch)
         state = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
         if arch.share_embeddings_and_output_weights:
             state.pop(OUTPUT[0], None)

@@ -37,6 +37,8 @@ from megatron_kto.models.forward import (
 )
 from megatron_kto.models.output_head import DEFAULT_LOGPROB_CHUNK_SIZE
 from megatron_kto.models.packing import DEFAULT_PACK_SEQUENCES
+from megatron_kto.peft.checkpoint import build_lora_model, is_lora_checkpoint, lora_base_dir
+from megatron_kto.peft.wiring import adapters_disabled
 from megatron_kto.runtime.distributed import Runtime
 
 #: The forward passes here pack their micro-batches as training does by default
@@ -208,12 +210,29 @@ def implicit_rewards(
         pack_sequences=PACKED_PASSES,
     )
     chunks = build_gpt_chunks(arch, layout, runtime.device)
-    tables = []
-    for weights in (policy_dir, reference_dir):
-        load_model(weights, chunks)
-        tables.append(
-            sequence_logps(chunks, dataset, runtime, tokenizer.pad_id, arch.vocab_size, batch_size)
+
+    def logps() -> torch.Tensor:
+        return sequence_logps(
+            chunks, dataset, runtime, tokenizer.pad_id, arch.vocab_size, batch_size
         )
+
+    if is_lora_checkpoint(policy_dir):
+        # A LoRA run: policy = its base + adapters; the reference, when it is that base, is the
+        # same model with the adapters off (no second load).
+        build_lora_model(policy_dir, chunks, arch)
+        tables = [logps()]
+        if lora_base_dir(policy_dir) == reference_dir:
+            with adapters_disabled(chunks):
+                tables.append(logps())
+        else:
+            chunks = build_gpt_chunks(arch, layout, runtime.device)
+            load_model(reference_dir, chunks)
+            tables.append(logps())
+    else:
+        tables = []
+        for weights in (policy_dir, reference_dir):
+            load_model(weights, chunks)
+            tables.append(logps())
     policy_logps, reference_logps = tables[0][:, 0].numpy(), tables[1][:, 0].numpy()
     return ImplicitRewards(
         rewards=beta * (policy_logps - reference_logps),

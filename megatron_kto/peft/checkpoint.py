@@ -1,0 +1,175 @@
+"""LoRA training checkpoints: the adapters (and their optimizer state) only, plus the base's identity.
+
+The frozen base never changes, so a LoRA run's checkpoint holds the adapter tensors (global
+keys `lora.layers.<i>...`, resharded on load like any dist-checkpoint tensor) and, in
+`lora_base.json`, which base they were trained on: the `pretrained_checkpoint.restore_from_path`
+and a fingerprint of the base weights. Resuming rebuilds the base from its own checkpoint and
+refuses one whose fingerprint differs.
+
+The fingerprint is (parameter count, Σw, Σw²) of every frozen tensor in float64, summed over the
+model-parallel ranks (TP-replicated tensors once), so it does not depend on the layout beyond
+float64 rounding; two bases agree when they match to a relative 1e-9.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+
+from megatron_kto.checkpointing.errors import CheckpointError
+from megatron_kto.models.builder import unwrap
+
+BASE_FILE = "lora_base.json"
+_PREFIX = "lora."
+_RTOL = 1e-9
+
+
+def adapter_sharded_state_dict(model_sd: dict[str, Any]) -> dict[str, Any]:
+    """The adapter entries of a `model_io.model_sharded_state_dict` result (same nesting)."""
+    return {
+        chunk: {k: v for k, v in entries.items() if k.startswith(_PREFIX)}
+        for chunk, entries in model_sd.items()
+    }
+
+
+def load_adapter_state(chunk: torch.nn.Module, state: dict[str, Any], where: str) -> None:
+    """Load the adapter entries of a loaded (adapter-only) model state into `chunk`, strictly."""
+    container = unwrap(chunk).lora
+    inner = {k[len(_PREFIX) :]: v for k, v in state.items() if k.startswith(_PREFIX)}
+    result = container.load_state_dict(inner, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise CheckpointError(
+            f"{where}: the adapters do not fit this run's model.peft.lora_tuning (missing "
+            f"{result.missing_keys[:2]}, unexpected {result.unexpected_keys[:2]})"
+        )
+
+
+def base_fingerprint(chunks: list[torch.nn.Module]) -> list[float]:
+    """[count, Σw, Σw²] over the frozen (base) parameters of the whole model (collective over
+    the model-parallel group)."""
+    sums = []
+    for chunk in chunks:
+        model = unwrap(chunk)
+        # With tied embeddings and PP > 1 the last stage holds a copy of the embedding.
+        copy = (
+            id(model.output_layer.weight)
+            if getattr(model, "share_embeddings_and_output_weights", False)
+            and model.post_process
+            and not model.pre_process
+            else None
+        )
+        for p in model.parameters():
+            if p.requires_grad or not param_is_not_tensor_parallel_duplicate(p) or id(p) == copy:
+                continue
+            w = p.detach().double()
+            sums.append(torch.stack([w.new_tensor(float(w.numel())), w.sum(), (w * w).sum()]))
+    device = next(unwrap(chunks[0]).parameters()).device
+    total = torch.stack(sums).sum(0) if sums else torch.zeros(3, dtype=torch.float64, device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
+    return [float(x) for x in total.cpu()]
+
+
+def base_record(restore_from_path: str | None, fingerprint: list[float]) -> dict[str, Any]:
+    """What `lora_base.json` holds."""
+    return {"restore_from_path": restore_from_path, "fingerprint": fingerprint}
+
+
+def check_same_base(ckpt_dir: Path, fingerprint: list[float]) -> None:
+    """Refuse to resume adapters trained on another base model.
+
+    Raises:
+        CheckpointError: one line naming the checkpoint and the base it was trained on.
+    """
+    path = Path(ckpt_dir) / BASE_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"{ckpt_dir}: not a LoRA checkpoint ({BASE_FILE} is missing); resume it with "
+            "model.peft.peft_scheme=none"
+        )
+    saved = json.loads(path.read_text())
+    then = saved["fingerprint"]
+    same = len(then) == len(fingerprint) and all(
+        abs(a - b) <= _RTOL * max(abs(a), abs(b), 1.0) for a, b in zip(then, fingerprint)
+    )
+    if not same:
+        raise CheckpointError(
+            f"{ckpt_dir}: its adapters were trained on another base model "
+            f"(pretrained_checkpoint.restore_from_path={saved['restore_from_path']}); resume with "
+            "that base, or start a new run directory"
+        )
+
+
+def run_config(ckpt_dir: Path) -> Any:
+    """The run config stored with a training checkpoint (None if it has none)."""
+    from omegaconf import OmegaConf
+
+    from megatron_kto.checkpointing import files
+
+    path = Path(ckpt_dir) / files.CONFIG
+    return OmegaConf.load(path) if path.is_file() else None
+
+
+def is_lora_checkpoint(ckpt_dir: Path) -> bool:
+    """Whether a checkpoint holds a LoRA run's adapters (and no base weights)."""
+    return (Path(ckpt_dir) / BASE_FILE).is_file()
+
+
+def lora_base_dir(ckpt_dir: Path) -> Path | None:
+    """The resolved base checkpoint a LoRA checkpoint's adapters were trained on (None if the
+    run started from a random initialisation)."""
+    from megatron_kto.checkpointing.locate import resolve_pretrained_dir
+
+    base = json.loads((Path(ckpt_dir) / BASE_FILE).read_text())["restore_from_path"]
+    return resolve_pretrained_dir(base) if base else None
+
+
+def load_adapters(ckpt_dir: Path, chunks: list[torch.nn.Module]) -> None:
+    """Collectively load a LoRA checkpoint's adapters into chunks that have them (any layout)."""
+    from megatron_kto.checkpointing.model_io import model_sharded_state_dict
+    from megatron_kto.checkpointing.spec_compat import load_sharded
+
+    sharded = adapter_sharded_state_dict(model_sharded_state_dict(chunks))
+    loaded = load_sharded(sharded, ckpt_dir)
+    for i, chunk in enumerate(chunks):
+        load_adapter_state(
+            chunk, loaded["model" if len(chunks) == 1 else f"model{i}"], str(ckpt_dir)
+        )
+
+
+def build_lora_model(ckpt_dir: Path, chunks: list[torch.nn.Module], arch: Any) -> Any:
+    """Make freshly built chunks the model a LoRA checkpoint describes: its base weights (from
+    the run's `pretrained_checkpoint.restore_from_path`, checked against the fingerprint) plus
+    its adapters. Collective.
+
+    Returns:
+        The run's `wiring.LoRASettings`.
+
+    Raises:
+        CheckpointError: not a LoRA checkpoint, its base is not restorable, or it changed.
+    """
+    from megatron_kto.checkpointing.pretrained import restore_pretrained
+    from megatron_kto.peft.settings import lora_settings
+    from megatron_kto.peft.wiring import apply_lora
+
+    ckpt_dir = Path(ckpt_dir)
+    cfg = run_config(ckpt_dir)
+    if cfg is None or not is_lora_checkpoint(ckpt_dir):
+        raise CheckpointError(f"{ckpt_dir}: not a LoRA training checkpoint")
+    base = json.loads((ckpt_dir / BASE_FILE).read_text())["restore_from_path"]
+    if not base:
+        raise CheckpointError(
+            f"{ckpt_dir}: its run had no pretrained_checkpoint.restore_from_path, so the base "
+            "weights (a random initialisation) cannot be rebuilt"
+        )
+    restore_pretrained(base, chunks)
+    settings = lora_settings(cfg.model)
+    apply_lora(chunks, arch, settings)
+    check_same_base(ckpt_dir, base_fingerprint(chunks))
+    load_adapters(ckpt_dir, chunks)
+    return settings

@@ -1,0 +1,239 @@
+"""Hugging Face PEFT adapter directories in and out, and merging adapters into the base weights.
+
+A `peft` LoRA directory holds `adapter_config.json` and `adapter_model.safetensors` with keys
+`base_model.model.model.layers.{i}.<module>.lora_{A,B}.weight` (A [r, in], B [out, r]). Our
+adapters are one (A, B) pair per Hugging Face projection, so the tensors are the same numbers;
+the module paths come from the conversion key map (`targets.HF_MODULES`, derived from
+`conversion.keymap.LAYER_MAP`) and TP shards are cut from / would be gathered into the full
+tensors with the adapter's own rule (`LoRALinear.shard`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_kto.conversion.keymap import fuse_fc1, fuse_qkv
+from megatron_kto.models.builder import unwrap
+from megatron_kto.peft.lora import LoRALinear
+from megatron_kto.peft.targets import HF_MODULES, resolve_targets, selected_layers
+from megatron_kto.peft.wiring import LoRASettings, adapters_of
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PREFIX = "base_model.model.model.layers"
+
+
+class AdapterError(ValueError):
+    """A PEFT adapter directory that does not fit this model or run (one line)."""
+
+
+def _layer(adapter: LoRALinear) -> int:
+    return int(adapter.key.split(".")[2])  # decoder.layers.<i>.<linear>
+
+
+def hf_key(layer: int, projection: str, which: str) -> str:
+    """PEFT's safetensors key of `lora_A` / `lora_B` of one projection of one layer."""
+    return f"{_PREFIX}.{layer}.{HF_MODULES[projection]}.{which}.weight"
+
+
+def expected_keys(settings: LoRASettings, arch: Any) -> set[str]:
+    """Every key an adapter of these settings has, over the whole model."""
+    targets = resolve_targets(settings.target_modules, arch)
+    layers = selected_layers(settings.layer_selection, arch.num_layers)
+    return {
+        hf_key(i, p, which)
+        for i in layers
+        for t in targets
+        for p in t.projections
+        for which in ("lora_A", "lora_B")
+    }
+
+
+def peft_config(settings: LoRASettings, arch: Any, base_model: str | None) -> dict[str, Any]:
+    """`adapter_config.json` contents equivalent to `settings` (a `peft` LoraConfig)."""
+    projections = sorted(
+        {p for t in resolve_targets(settings.target_modules, arch) for p in t.projections}
+    )
+    layers = settings.layer_selection
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": settings.rank,
+        "lora_alpha": settings.alpha,
+        "lora_dropout": settings.dropout,
+        "target_modules": projections,
+        "layers_to_transform": None if layers is None else sorted(int(n) - 1 for n in layers),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+
+
+def full_tensors(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """This process's adapters as PEFT keys -> full tensors (TP=1 only: the export tool builds
+    the whole model in one process)."""
+    out: dict[str, torch.Tensor] = {}
+    for adapter in adapters_of(chunks):
+        if adapter.tp != 1:
+            raise AdapterError("adapter export runs at tensor-parallel size 1")
+        for name in adapter.names:
+            pair = adapter.adapters[name]
+            for which in ("lora_A", "lora_B"):
+                tensor = getattr(pair, which).detach()
+                out[hf_key(_layer(adapter), name, which)] = tensor.float().cpu().contiguous()
+    return out
+
+
+def write_adapter(
+    out_dir: str | Path,
+    chunks: list[torch.nn.Module],
+    settings: LoRASettings,
+    arch: Any,
+    base_model: str | None = None,
+) -> None:
+    """Write `adapter_config.json` + `adapter_model.safetensors` (fp32) into `out_dir`."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(full_tensors(chunks), str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = peft_config(settings, arch, base_model)
+    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def read_adapter(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(adapter_config.json, tensors) of a PEFT LoRA directory.
+
+    Raises:
+        AdapterError: missing files, or a PEFT method other than plain LoRA.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (path / name).is_file():
+            raise AdapterError(f"{path}: not a PEFT adapter directory ({name} is missing)")
+    config = json.loads((path / ADAPTER_CONFIG).read_text())
+    checks = {
+        "peft_type": (config.get("peft_type"), "LORA"),
+        "bias": (config.get("bias", "none"), "none"),
+        "use_dora": (bool(config.get("use_dora")), False),
+        "use_rslora": (bool(config.get("use_rslora")), False),
+        "fan_in_fan_out": (bool(config.get("fan_in_fan_out")), False),
+        "modules_to_save": (config.get("modules_to_save") or None, None),
+    }
+    for key, (got, want) in checks.items():
+        if got != want:
+            raise AdapterError(f"{path / ADAPTER_CONFIG}: {key}={got!r} is not supported")
+    tensors = {
+        k.replace(".default.", "."): v for k, v in load_file(str(path / ADAPTER_WEIGHTS)).items()
+    }
+    return config, tensors
+
+
+def check_matches(config: dict[str, Any], settings: LoRASettings, arch: Any, where: str) -> None:
+    """The adapter's rank, alpha, targets and layers are the run's.
+
+    Raises:
+        AdapterError: naming the run's key to change.
+    """
+    key = "model.peft.lora_tuning"
+    ours = peft_config(settings, arch, None)
+    pairs = {
+        "adapter_dim": (config.get("r"), ours["r"]),
+        "alpha": (float(config.get("lora_alpha", 8)), float(ours["lora_alpha"])),
+        "target_modules": (sorted(config.get("target_modules") or []), ours["target_modules"]),
+        "layer_selection": (config.get("layers_to_transform"), ours["layers_to_transform"]),
+    }
+    for name, (theirs, mine) in pairs.items():
+        if theirs != mine:
+            raise AdapterError(
+                f"{where}: the adapter has {theirs!r} where the run has {key}.{name}={mine!r}; "
+                f"set {key}.{name} to match the adapter"
+            )
+
+
+def load_adapter(
+    chunks: list[torch.nn.Module], tensors: dict[str, torch.Tensor], expected: set[str], where: str
+) -> None:
+    """Copy PEFT tensors into this rank's adapters (each rank takes its TP shard).
+
+    Args:
+        expected: every key the run's adapter has (`expected_keys`); the file must hold exactly
+            these.
+
+    Raises:
+        AdapterError: missing / unexpected keys or shapes that do not fit.
+    """
+    missing, extra = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
+    if missing or extra:
+        what = f"lacks {missing[:2]}" if missing else f"has keys the run lacks: {extra[:2]}"
+        raise AdapterError(f"{where}: the adapter {what}")
+    with torch.no_grad():
+        for adapter in adapters_of(chunks):
+            for name in adapter.names:
+                pair = adapter.adapters[name]
+                for which in ("lora_A", "lora_B"):
+                    key = hf_key(_layer(adapter), name, which)
+                    param = getattr(pair, which)
+                    part = adapter.shard(name, which, tensors[key])
+                    if part.shape != param.shape:
+                        raise AdapterError(
+                            f"{where}: {key} has shape {tuple(tensors[key].shape)}, which does "
+                            "not fit this model"
+                        )
+                    param.copy_(part)
+
+
+def _delta(adapter: LoRALinear, arch: Any) -> torch.Tensor:
+    """scaling · B·A of a (TP=1) adapter, laid out as its base linear's weight."""
+    layout = adapter.layout
+    deltas = {}
+    for name in adapter.names:
+        pair = adapter.adapters[name]
+        deltas[name] = (pair.lora_B.float() @ pair.lora_A.float()) * adapter.scaling
+    like = next(iter(deltas.values()))
+    if len(adapter.all_names) == 1:
+        return deltas[adapter.all_names[0]]
+    if layout.kind == "fc1":
+        gate, up = (deltas.get(n, torch.zeros_like(like)) for n in adapter.all_names)
+        return fuse_fc1(gate, up)
+    d = layout.head_dim
+    sizes = [arch.num_attention_heads * d, layout.groups * d, layout.groups * d]
+    q, k, v = (
+        deltas.get(n, like.new_zeros(rows, like.shape[1]))
+        for n, rows in zip(adapter.all_names, sizes, strict=True)
+    )
+    return fuse_qkv(q, k, v, heads=arch.num_attention_heads, groups=layout.groups)
+
+
+def merge_and_strip(chunks: list[torch.nn.Module], arch: Any) -> None:
+    """Fold every adapter into its base weight (W += scaling·B·A, fused as the base is) and
+    remove the adapters: the chunks become a plain model (TP=1 only)."""
+    for chunk in chunks:
+        model = unwrap(chunk)
+        container = getattr(model, "lora", None)
+        if container is None:
+            continue
+        with torch.no_grad():
+            for adapter in container.linears():
+                if adapter.tp != 1:
+                    raise AdapterError("merging adapters runs at tensor-parallel size 1")
+                layer, linear = _layer(adapter), adapter.key.split(".", 3)[3]
+                base = model.decoder.layers[layer - _first_layer(model)].get_submodule(linear)
+                base.weight.add_(_delta(adapter, arch).to(base.weight.dtype))
+        for remove in container.removers:
+            remove()
+        del model.lora
+
+
+def _first_layer(model: torch.nn.Module) -> int:
+    return model.decoder.layers[0].layer_number - 1

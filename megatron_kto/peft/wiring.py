@@ -1,0 +1,209 @@
+"""Apply LoRA to built model chunks: adapters beside the targeted linears, base frozen, on/off.
+
+The adapters of a chunk live in one container module, `GPTModel.lora`, keyed by *global* layer
+index (`lora.layers.<i>.<linear>.adapters.<proj>.lora_{A,B}`), so their state-dict and
+dist-checkpoint keys are the same under every TP/PP/VPP layout. The container writes its own
+sharded state dict (TP axis per matrix, see `lora.LoRALinear.shard_axes`).
+
+Call `apply_lora` after the base weights are restored and before megatron DDP wraps the chunks:
+then only adapter parameters have gradient buffers and optimizer state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+from megatron_kto.models.builder import unwrap
+from megatron_kto.peft.lora import FusedLayout, LoRALinear, Projection, attach
+from megatron_kto.peft.targets import projection_shape, resolve_targets, selected_layers
+
+
+@dataclass
+class LoRASettings:
+    """What `apply_lora` builds (`model.peft.lora_tuning.*`, resolved)."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["all"])
+    layer_selection: list[int] | None = None
+    init_a: str = "xavier"
+    init_b: str = "zero"
+    seed: int = 1234
+
+
+class LoRAAdapters(torch.nn.Module):
+    """All adapters of one model chunk (`GPTModel.lora`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict()
+        self.removers: list[Any] = []
+
+    def linears(self) -> Iterator[LoRALinear]:
+        """Every `LoRALinear` of the chunk."""
+        for layer in self.layers.values():
+            yield from layer.values()
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """Adapter tensors with global keys; B sharded like a column-parallel output, A like a
+        row-parallel input, the other matrix replicated."""
+        dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        tp = parallel_state.get_tensor_model_parallel_group()
+        out: dict[str, Any] = {}
+        for index, layer in self.layers.items():
+            for linear_key, adapter in layer.items():
+                state = adapter.state_dict(prefix="", keep_vars=True)
+                axes = adapter.shard_axes()
+                out.update(
+                    make_sharded_tensors_for_checkpoint(
+                        state,
+                        f"{prefix}layers.{index}.{linear_key}.",
+                        {k: v for k, v in axes.items() if v is not None},
+                        sharded_offsets,
+                        tp_group=tp,
+                        dp_cp_group=dp_cp,
+                    )
+                )
+        return out
+
+
+def _linear_key(path: str) -> str:
+    # ModuleDict keys cannot hold dots: `self_attention.linear_qkv` -> `self_attention__linear_qkv`.
+    return path.replace(".", "__")
+
+
+def _layout(linear: str, arch: Any) -> FusedLayout:
+    if linear.endswith("linear_qkv"):
+        heads = arch.num_attention_heads
+        groups = arch.num_query_groups or heads
+        return FusedLayout(
+            "qkv", groups, heads // groups, arch.kv_channels or arch.hidden_size // heads
+        )
+    if linear.endswith("linear_fc1") and arch.activation == "swiglu":
+        return FusedLayout("fc1")
+    return FusedLayout("single")
+
+
+def _submodule(root: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    module = root
+    for part in path.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def apply_lora(chunks: list[torch.nn.Module], arch: Any, settings: LoRASettings) -> None:
+    """Add adapters to this rank's chunks and freeze every other parameter.
+
+    Args:
+        chunks: this rank's model chunks (possibly `Float16Module`-wrapped), not yet DDP-wrapped.
+        arch: the model's GPTArchitecture.
+        settings: rank, scaling, targets, layers, init.
+
+    Raises:
+        ValueError: bad targets / layers, or a targeted linear that this model does not have
+            (e.g. the MLP of a mixture-of-experts layer).
+    """
+    targets = resolve_targets(list(settings.target_modules), arch)
+    layers = set(selected_layers(settings.layer_selection, arch.num_layers))
+    for chunk in chunks:
+        model = unwrap(chunk)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        container = LoRAAdapters()
+        for layer in model.decoder.layers:
+            index = layer.layer_number - 1  # megatron's layer_number is global and 1-based
+            if index not in layers:
+                continue
+            adapted = torch.nn.ModuleDict()
+            for t in targets:
+                base = _submodule(layer, t.linear)
+                if base is None or not hasattr(base, "weight"):
+                    raise ValueError(
+                        f"layer {index + 1} has no plain `{t.linear}` linear to adapt "
+                        f"(targets {list(settings.target_modules)})"
+                    )
+                adapter = LoRALinear(
+                    base,
+                    [Projection(p, *projection_shape(p, arch)) for p in t.projections],
+                    _layout(t.linear, arch),
+                    [Projection(p, *projection_shape(p, arch)) for p in t.all_projections],
+                    rank=settings.rank,
+                    alpha=settings.alpha,
+                    dropout=settings.dropout,
+                    init_a=settings.init_a,
+                    init_b=settings.init_b,
+                    seed=settings.seed,
+                    key=f"decoder.layers.{index}.{t.linear}",
+                )
+                adapted[_linear_key(t.linear)] = adapter
+                container.removers.append(attach(base, adapter))
+            container.layers[str(index)] = adapted
+        model.lora = container
+        if model.config.recompute_granularity is not None and model.pre_process:
+            # Reentrant activation checkpointing drops the gradients of blocks whose inputs
+            # need none; with a frozen embedding the adapters' inputs would need none.
+            model.embedding.register_forward_hook(_require_grad)
+
+
+def _require_grad(module, args, output):
+    return output.requires_grad_(True) if torch.is_grad_enabled() else output
+
+
+def adapters_of(chunks: list[torch.nn.Module]) -> list[LoRALinear]:
+    """Every `LoRALinear` of the chunks (none without LoRA)."""
+    out: list[LoRALinear] = []
+    for chunk in chunks:
+        container = getattr(unwrap(chunk), "lora", None)
+        if container is not None:
+            out.extend(container.linears())
+    return out
+
+
+def has_lora(chunks: list[torch.nn.Module]) -> bool:
+    """Whether `apply_lora` was applied to the chunks."""
+    return any(getattr(unwrap(c), "lora", None) is not None for c in chunks)
+
+
+@contextlib.contextmanager
+def adapters_disabled(chunks: list[torch.nn.Module]) -> Iterator[list[torch.nn.Module]]:
+    """The base model: every adapter of `chunks` contributes nothing inside the scope."""
+    adapters = adapters_of(chunks)
+    previous = [a.enabled for a in adapters]
+    for a in adapters:
+        a.enabled = False
+    try:
+        yield chunks
+    finally:
+        for a, was in zip(adapters, previous, strict=True):
+            a.enabled = was
+
+
+def parameter_counts(chunks: list[torch.nn.Module]) -> tuple[int, int]:
+    """(trainable, total) parameters of the whole model, summed over TP and PP ranks
+    (a collective over the model-parallel group; TP-replicated tensors counted once)."""
+    trainable = total = 0
+    for chunk in chunks:
+        for p in unwrap(chunk).parameters():
+            if param_is_not_tensor_parallel_duplicate(p):
+                total += p.numel()
+                trainable += p.numel() if p.requires_grad else 0
+    counts = torch.tensor([trainable, total], dtype=torch.float64)
+    if torch.distributed.is_initialized():
+        group = parallel_state.get_model_parallel_group()
+        device = next(unwrap(chunks[0]).parameters()).device
+        counts = counts.to(device)
+        torch.distributed.all_reduce(counts, group=group)
+    return int(counts[0].item()), int(counts[1].item())
