@@ -171,8 +171,8 @@ def test_startup_table_warns_only_when_the_device_is_too_small():
     from megatron_kto.planning.memory import format_plan, run_inputs, worst_rank
 
     prepared = compose_run_config("gpt_kto", ["model.micro_batch_size=2"], world_size=1)
-    dims, x, strategy = run_inputs(prepared.cfg, prepared.architecture, 1, "cuda")
-    plan = worst_rank(prepared.architecture, dims, x, strategy)
+    dims, x, strategy, lora = run_inputs(prepared.cfg, prepared.architecture, 1, "cuda")
+    plan = worst_rank(prepared.architecture, dims, x, strategy, lora=lora)
     assert x.tokens == 2 * prepared.cfg.model.data.max_length  # the longest micro-batch
     small = format_plan(plan, dims, x, plan.peak - 1, "GPU", strategy)
     large = format_plan(plan, dims, x, plan.peak, "GPU", strategy)
