@@ -201,6 +201,7 @@ def format_plan(
     device_bytes: int | None,
     device_name: str,
     reference_policy: str = "",
+    lora: LoRAShape | None = None,
 ) -> list[str]:
     """A few lines for the start-up console: the largest rank's plan against the device."""
     layout = f"TP={dims.tp} PP={dims.pp}" + (f" VPP={dims.vpp}" if dims.vpp else "")
@@ -214,7 +215,8 @@ def format_plan(
     lines = [
         f"memory plan per rank ({layout}, {_PRECISION[dims.precision]}, micro-batch of "
         f"{x.tokens} tokens{' packed' if x.packed else ''}, recompute {x.recompute or 'none'}; "
-        f"largest: PP rank {plan.pp_rank}, DP rank {plan.dp_rank}):",
+        f"largest: PP rank {plan.pp_rank}, DP rank {plan.dp_rank}"
+        f"{f'; LoRA rank {lora.rank}: gradients and optimizer state of the adapters' if lora else ''}):",
         f"  weights {size(plan.weights)} | gradients {size(plan.gradients)} | optimizer "
         f"{size(plan.optimizer)}{' (sharded over DP)' if dims.distributed_optimizer else ''} | "
         f"{reference}",
@@ -259,5 +261,5 @@ def startup_lines(
     plan = worst_rank(arch, dims, x, strategy, torch_adam, lora)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return format_plan(plan, dims, x, props.total_memory, props.name, strategy)
-    return format_plan(plan, dims, x, None, device.type.upper(), strategy)
+        return format_plan(plan, dims, x, props.total_memory, props.name, strategy, lora)
+    return format_plan(plan, dims, x, None, device.type.upper(), strategy, lora)
