@@ -19,9 +19,10 @@ sides' figures include the same host-side data tensors (a few MiB; they make the
 conservative). The memory plan's model state (`planning.model_state`) is printed beside it, per
 model parameter.
 
-The reference pass's cost is the wall time of the reference's `log_probs` calls (samples + KL
-rows) per step, from a timer wrapped around them for this process only, next to the step time of
-`metrics.jsonl`. With the trace on, the profiler slows every op; ``--no-trace`` times without it.
+The reference pass's cost is the wall and process CPU time of the reference's `log_probs` calls
+(samples + KL rows) per step, from a timer wrapped around them for this process only, next to
+the step time of `metrics.jsonl` (CPU time is what other load on a shared machine disturbs
+least). With the trace on, the profiler slows every op; ``--no-trace`` times without it.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def _side_overrides(side: str, rank: int, targets: str) -> list[str]:
     ]
 
 
-def _timed_references(per_step: list[float]) -> None:
-    """Wrap every reference strategy's `log_probs` with a wall-clock timer (this process)."""
+def _timed_references(per_step: list[tuple[float, float]]) -> None:
+    """Wrap every reference strategy's `log_probs` with a (wall, process CPU) timer (this
+    process only)."""
     from megatron_kto.models import reference
     from megatron_kto.peft.reference import AdaptersOffReference
 
@@ -59,9 +61,9 @@ def _timed_references(per_step: list[float]) -> None:
         original = cls.log_probs
 
         def timed(self, batch, forward, _original=original):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             out = _original(self, batch, forward)
-            per_step.append(time.perf_counter() - start)
+            per_step.append((time.perf_counter() - start, time.process_time() - cpu))
             return out
 
         cls.log_probs = timed
@@ -104,7 +106,7 @@ def worker(args: argparse.Namespace) -> dict:
     ]
     prepared = compose_run_config("gpt_kto", overrides, "kto", config_dir=bench_kto.CONF_DIR)
     cfg, arch = prepared.cfg, prepared.architecture
-    reference_times: list[float] = []
+    reference_times: list[tuple[float, float]] = []
     swaps: list = []
     _timed_references(reference_times)
     _held_references(swaps)
@@ -131,7 +133,12 @@ def worker(args: argparse.Namespace) -> dict:
         "step_times": [r["step_time"] for r in train],
         "samples_per_sec": [r.get("samples_per_sec") for r in train],
         "reference_seconds_per_step": [
-            sum(reference_times[i * calls : (i + 1) * calls]) for i in range(len(train))
+            sum(w for w, _ in reference_times[i * calls : (i + 1) * calls])
+            for i in range(len(train))
+        ],
+        "reference_cpu_seconds_per_step": [
+            sum(c for _, c in reference_times[i * calls : (i + 1) * calls])
+            for i in range(len(train))
         ],
         "parameters": total_params,
         "trainable": state.parameters - total_params if lora else total_params,
@@ -150,19 +157,20 @@ def report(results: dict[str, dict], trace: bool) -> list[str]:
     mib = 2**20
     lines = [
         "| side | reference | trainable / total params | model state (plan) MiB | bytes/param "
-        "| peak tensor MiB | step s (median) | reference pass s/step (median) |",
+        "| peak tensor MiB | step s (median) | reference pass s/step, wall / CPU (median) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for side, r in results.items():
         # Steps after the first: the first carries one-time work (caches, optimizer state).
         steps = r["step_times"][1:] or r["step_times"]
         refs = r["reference_seconds_per_step"][1:] or r["reference_seconds_per_step"]
+        cpu = r["reference_cpu_seconds_per_step"][1:] or r["reference_cpu_seconds_per_step"]
         peak = f"{r['peak_tensor_bytes'] / mib:.1f}" if trace else "-"
         lines.append(
             f"| {side} | {r['reference']} | {r['trainable']:,} / {r['parameters']:,} | "
             f"{r['model_state_bytes'] / mib:.1f} | "
             f"{r['model_state_bytes'] / r['parameters']:.2f} | {peak} | {_median(steps):.2f} | "
-            f"{_median(refs):.2f} |"
+            f"{_median(refs):.2f} / {_median(cpu):.2f} |"
         )
     full, lora = results["full"], results["lora"]
     if trace:
