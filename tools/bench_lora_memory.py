@@ -156,7 +156,7 @@ def report(results: dict[str, dict], trace: bool) -> list[str]:
     """Markdown rows: one per side, then the LoRA/full ratios."""
     mib = 2**20
     lines = [
-        "| side | reference | trainable / total params | model state (plan) MiB | bytes/param "
+        "| side | reference | trainable / base params | model state (plan) MiB | bytes/param "
         "| peak tensor MiB | step s (median) | reference pass s/step, wall / CPU (median) |",
         "|---|---|---|---|---|---|---|---|",
     ]
