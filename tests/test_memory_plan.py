@@ -3,7 +3,9 @@
 Four gloo ranks (one spawn per layout) build five layouts with the trainer's own builders
 (`run._build_policy`, `run._build_optimization`): TP×DP, PP×DP unpacked with block
 recomputation, DP=4 distributed optimizer in bf16 with uniform recomputation, TP×PP with
-selective recomputation and a `separate` reference, PP×VPP×DP. On every rank:
+selective recomputation and a `separate` reference, PP×VPP×DP, and a LoRA run (TP×DP, distributed
+optimizer, reference = adapters off: only the adapters have gradient buffers and optimizer
+state, sharded and padded by DP). On every rank:
 
 * each chunk's parameters (names and sizes, in order) are the plan's;
 * weights, gradients, optimizer state and the reference's weights are the plan's to the byte
@@ -37,6 +39,7 @@ LAYOUTS = [
     "dp4_distopt_bf16_uniform_recompute",
     "tp2_pp2_selective_separate",
     "pp2_vpp2_dp2",
+    "tp2_dp2_lora_distopt",
 ]
 TOLERANCE = 0.15
 

@@ -21,6 +21,7 @@ import pytest
 from megatron_kto.conversion.hf_config import architecture_from_hf
 from megatron_kto.planning.layout import Cluster, candidates
 from megatron_kto.planning.model_state import (
+    LoRAShape,
     ParallelDims,
     Param,
     ddp_buffer,
@@ -171,11 +172,50 @@ def test_startup_table_warns_only_when_the_device_is_too_small():
     from megatron_kto.planning.memory import format_plan, run_inputs, worst_rank
 
     prepared = compose_run_config("gpt_kto", ["model.micro_batch_size=2"], world_size=1)
-    dims, x, strategy = run_inputs(prepared.cfg, prepared.architecture, 1, "cuda")
-    plan = worst_rank(prepared.architecture, dims, x, strategy)
+    dims, x, strategy, lora = run_inputs(prepared.cfg, prepared.architecture, 1, "cuda")
+    plan = worst_rank(prepared.architecture, dims, x, strategy, lora=lora)
     assert x.tokens == 2 * prepared.cfg.model.data.max_length  # the longest micro-batch
     small = format_plan(plan, dims, x, plan.peak - 1, "GPU", strategy)
     large = format_plan(plan, dims, x, plan.peak, "GPU", strategy)
     assert small[-1].startswith("warning: GPU:") and "EXCEEDS" in small[-1]
     assert large[-1].startswith("  GPU:") and large[-1].endswith("fits")
     assert len(large) == 4 and "reference 0 B (cpu_swap, +" in large[1]
+
+
+def _llama3_8b_lora_parameters(rank: int) -> int:
+    """LoRA parameters of Llama-3-8B on every projection, from its published shapes: r·(in + out)
+    per projection (q 4096→4096, k/v 4096→1024, o 4096→4096, gate/up 4096→14336, down back)."""
+    per_layer = (
+        (4096 + 4096) + 2 * (4096 + 1024) + (4096 + 4096) + 2 * (4096 + 14336) + (14336 + 4096)
+    )
+    return 32 * rank * per_layer
+
+
+def test_lora_model_state_counts_only_adapters_as_trained():
+    """bf16 LoRA without sharding: 2 bytes per (base + adapter) weight, 4 + 12 more per adapter."""
+    arch = architecture_from_hf(LLAMA3_8B)
+    base = model_state(arch, ParallelDims(precision="bf16")).parameters
+    lora = model_state(arch, ParallelDims(precision="bf16"), lora=LoRAShape(16, ("all",)))
+    adapters = _llama3_8b_lora_parameters(16)
+    assert lora.parameters == base + adapters
+    assert (lora.weights, lora.gradients, lora.optimizer) == (
+        2 * (base + adapters),
+        4 * adapters,
+        12 * adapters,
+    )
+
+
+def test_8b_lora_on_one_24gb_gpu_fits(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    args = ("--hf-config", str(tmp_path), "--gpus", "1", "--gpu-memory", "24GB")
+    out = _run_tool(*args, "--lora-rank", "16")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "recommended: the first row" in out.stdout and "adapters_off" in out.stdout
+    first = next(
+        line for line in out.stdout.splitlines() if line.startswith("| ") and "TP" not in line
+    )
+    peak = float([c.strip() for c in first.strip("|").split("|")][8])
+    # Above the bf16 base weights alone (2 bytes per parameter), below the usable 24 GB.
+    assert 2 * 8.03e9 / 2**30 < peak < (0.92 * 24e9 - 1.5 * 2**30) / 2**30
+    bad = _run_tool(*args, "--lora-rank", "16", "--lora-targets", "nope")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --lora-targets")

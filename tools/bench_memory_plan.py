@@ -123,6 +123,27 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
         4,
         ["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2"],
     ),
+    # LoRA (reference = adapters off): only the adapters have DDP buffers and optimizer state;
+    # TP shards half of each adapter, the distributed optimizer shards and pads their buffer.
+    "tp2_dp2_lora_distopt": (
+        4,
+        [
+            "model.tensor_model_parallel_size=2",
+            "model.peft.peft_scheme=lora",
+            "model.peft.lora_tuning.adapter_dim=16",
+            "model.optim.name=distributed_fused_adam",
+            "model.optim.overlap_grad_sync=false",
+        ],
+    ),
+    "single_lora_bf16": (
+        1,
+        [
+            "model.peft.peft_scheme=lora",
+            "model.peft.lora_tuning.adapter_dim=8",
+            "model.peft.lora_tuning.target_modules=[attention_qkv,mlp_fc2]",
+            "trainer.precision=bf16",
+        ],
+    ),
 }
 
 
@@ -205,7 +226,7 @@ def measure_rank(rank: int, world: int, overrides: list[str]) -> dict:
     # the data loader made it.
     host_only = host_bytes(model.reference, host)
 
-    dims, x, strategy = run_inputs(cfg, arch, world, runtime.device.type)
+    dims, x, strategy, lora = run_inputs(cfg, arch, world, runtime.device.type)
     mbs = m.micro_batch_size
     lengths = row_lengths(host, "sample_labels")
     scored = scored_per_row(host, "sample_labels")
@@ -218,8 +239,10 @@ def measure_rank(rank: int, world: int, overrides: list[str]) -> dict:
     x = with_tokens(
         x, tokens, max(sum(scored[i] for i in r) for r in micro), host["samples"].shape[1]
     )
-    plan = plan_rank(arch, dims, x, strategy, pp_rank, dp_rank, USING_PYTORCH_OPTIMIZER)
-    planned = [[(p.name, p.numel) for p in chunk] for chunk in rank_chunks(arch, dims, pp_rank)]
+    plan = plan_rank(arch, dims, x, strategy, pp_rank, dp_rank, USING_PYTORCH_OPTIMIZER, lora)
+    planned = [
+        [(p.name, p.numel) for p in chunk] for chunk in rank_chunks(arch, dims, pp_rank, lora)
+    ]
     teardown()
     return {
         "rank": rank,

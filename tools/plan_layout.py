@@ -2,10 +2,12 @@
 
     python tools/plan_layout.py --hf-config /models/Meta-Llama-3-8B --gpus 8 --gpu-memory 80GB
     python tools/plan_layout.py --hf-config config.json --gpus 1 --gpu-memory 24GB --seq 2048
+    python tools/plan_layout.py --hf-config config.json --gpus 1 --gpu-memory 24GB --lora-rank 16
 
 Reads a Hugging Face config.json (a file or the directory holding it; Llama / Mistral / Qwen2),
 enumerates every valid TP / PP / DP × micro-batch × recomputation × reference strategy for a KTO
-run, and prints the fastest few that fit (or, if none does, the smallest and by how much it
+run (a LoRA run with `--lora-rank`: adapters on `--lora-targets`, reference adapters-off or
+precomputed), and prints the fastest few that fit (or, if none does, the smallest and by how much it
 misses). How memory and time are estimated, and every assumption: `megatron_kto/planning/`
 (`memory.py`, `activations.py`, `layout.py`). Exit code 0 when something fits, 1 when nothing
 does, 2 for bad arguments.
@@ -20,7 +22,9 @@ import sys
 from pathlib import Path
 
 from megatron_kto.conversion.hf_config import ConversionError, architecture_from_hf
+from megatron_kto.peft.targets import resolve_targets
 from megatron_kto.planning.layout import GPU_TYPES, Cluster, candidates, format_candidates
+from megatron_kto.planning.model_state import LoRAShape
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -46,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--precision", default="bf16", choices=["bf16", "16", "32"])
     parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--lora-rank", type=int, default=None, help="plan a LoRA run of this rank")
+    parser.add_argument(
+        "--lora-targets",
+        default="all",
+        help="LoRA target modules, comma-separated (NeMo or Hugging Face names; default all)",
+    )
     args = parser.parse_args(argv)
     path = Path(args.hf_config)
     path = path / "config.json" if path.is_dir() else path
@@ -56,18 +66,29 @@ def main(argv: list[str] | None = None) -> int:
         arch = architecture_from_hf(json.loads(path.read_text()), where=str(path))
         if args.gpus < 1 or args.global_batch < 1:
             raise ValueError("--gpus and --global-batch must be >= 1")
+        lora = None
+        if args.lora_rank is not None:
+            if args.lora_rank < 1:
+                raise ValueError(f"--lora-rank: must be >= 1, got {args.lora_rank}")
+            targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+            try:
+                resolve_targets(list(targets), arch)
+            except ValueError as e:
+                raise ValueError(f"--lora-targets: {e}") from e
+            lora = LoRAShape(args.lora_rank, targets)
     except (ValueError, ConversionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     seq = args.seq or min(4096, arch.encoder_seq_length)
     cluster = Cluster(args.gpus, memory, args.gpu_type, min(args.gpus_per_node, args.gpus))
-    found = candidates(arch, cluster, seq, args.global_batch, args.precision)
+    found = candidates(arch, cluster, seq, args.global_batch, args.precision, lora)
+    tuning = f"LoRA rank {lora.rank} on {','.join(lora.targets)}" if lora else "full fine-tuning"
     print(
         f"model: {arch.num_layers} layers, hidden {arch.hidden_size}, {arch.num_attention_heads} "
-        f"heads / {arch.num_query_groups} groups, vocabulary {arch.vocab_size}; KTO, {seq} "
-        f"tokens per row, global batch {args.global_batch}, {args.precision}"
+        f"heads / {arch.num_query_groups} groups, vocabulary {arch.vocab_size}; KTO, {tuning}, "
+        f"{seq} tokens per row, global batch {args.global_batch}, {args.precision}"
     )
-    print("\n".join(format_candidates(found, cluster, args.top)))
+    print("\n".join(format_candidates(found, cluster, args.top, lora)))
     return 0 if any(c.fits for c in found) else 1
 
 

@@ -46,6 +46,19 @@ chunk's c·V/T fp32 softmax plus its compute-dtype copy, N·h·e for the hidden-
 Without chunking (logprob_chunk_size 0) the full [t, V/T] logits are kept: t·V/T·(e + 8).
 Under sequence parallelism megatron's global buffer for all-gathered sequences stays allocated
 (longest micro-batch · h · e).
+
+**LoRA** (`lora_layer_bytes`, `peft.lora.LoRALinear.forward`). A frozen linear runs megatron's
+`LinearWithFrozenWeight`, which saves only its weight, and a norm with a frozen weight does not
+save its normalised input: of the table's norm tensors only the inputs (and 1/rms) remain, and a
+linear's input (norm output, packed attention output, the SwiGLU product) is kept only when an
+adapter of that linear saves it (x for A's gradient). Per adapted linear with k adapted
+projections the adapter adds its r-wide activation u = x·Aᵀ·scaling, saved by the B matmul
+(t·k·r·e; row-parallel under SP: t/sp·r·e), the concatenated A it multiplied by (k·r·in/T·e, a
+copy per forward) and, for fused linears (q/k/v, gate/up), the block-structured fused B
+(out/T·k·r·e). No base weight gradient exists: the layer backward's and the output layer's
+weight-gradient transients drop out, and the frozen embedding keeps no token ids. Every layer
+is planned like a middle one (the first layer's input norm saves nothing: an over-estimate), a
+layer selection as if every layer were adapted.
 """
 
 from __future__ import annotations
@@ -53,7 +66,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_kto.models.architecture import GPTArchitecture
-from megatron_kto.planning.model_state import ParallelDims, layers_per_chunk
+from megatron_kto.peft.targets import projection_shape, resolve_targets
+from megatron_kto.planning.model_state import LoRAShape, ParallelDims, layers_per_chunk
 
 ACT_BYTES = {"32": 4, "bf16": 2, "16": 2}
 
@@ -117,12 +131,26 @@ def _dims(arch: GPTArchitecture) -> tuple[int, int, int, int, int]:
     )
 
 
-def layer_bytes(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs) -> int:
-    """One transformer layer's saved tensors for one micro-batch (the table above)."""
+def _adapted_linears(arch: GPTArchitecture, lora: LoRAShape | None) -> set[str] | None:
+    if lora is None:
+        return None
+    return {t.linear.rsplit(".", 1)[-1] for t in resolve_targets(list(lora.targets), arch)}
+
+
+def layer_bytes(
+    arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs, lora: LoRAShape | None = None
+) -> int:
+    """One transformer layer's saved tensors for one micro-batch (the table above; a LoRA
+    layer's base part when `lora` is given — the adapters' own: `lora_layer_bytes`)."""
     h, f, n, g, d = _dims(arch)
     e, T, t = ACT_BYTES[dims.precision], dims.tp, x.tokens
     sp = T if dims.sequence_parallel else 1
-    total = t // sp * (6 * h * e + 2 * 4)
+    adapted = _adapted_linears(arch, lora)
+    if adapted is None:
+        total = t // sp * (6 * h * e + 2 * 4)
+    else:  # norm inputs and 1/rms; a norm output only as an adapted linear's input
+        inputs = 2 + ("linear_qkv" in adapted) + ("linear_fc1" in adapted)
+        total = t // sp * (inputs * h * e + 2 * 4)
     if x.native_gqa or g == n:
         total += t * ((n + 2 * g) + (n + g)) * d // T * e
     else:
@@ -133,11 +161,34 @@ def layer_bytes(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs) 
     total += t * n * d // T * e
     if x.recompute != "selective":
         total += t * n // T * 4
-    if x.packed:
+    if x.packed and (adapted is None or "linear_proj" in adapted):
         total += t * n * d // T * e
-    total += t * (5 if arch.activation == "swiglu" else 2) * f // T * e
+    mlp = 5 if arch.activation == "swiglu" else 2
+    if adapted is not None and "linear_fc2" not in adapted:
+        mlp -= 1  # fc2's input, saved only by an fc2 adapter
+    total += t * mlp * f // T * e
     if arch.hidden_dropout > 0:
         total += 2 * t // sp * h
+    return total
+
+
+def lora_layer_bytes(
+    arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs, lora: LoRAShape
+) -> int:
+    """What one layer's adapters save for their backward for one micro-batch (module docstring)."""
+    e, T, t, r = ACT_BYTES[dims.precision], dims.tp, x.tokens, lora.rank
+    sp = T if dims.sequence_parallel else 1
+    total = 0
+    for target in resolve_targets(list(lora.targets), arch):
+        k = len(target.projections)
+        fan_in = projection_shape(target.projections[0], arch)[0]
+        if target.linear in ("self_attention.linear_qkv", "mlp.linear_fc1"):
+            total += t * k * r * e + k * r * fan_in * e
+            if len(target.all_projections) > 1:
+                out = sum(projection_shape(p, arch)[1] for p in target.all_projections)
+                total += out // T * k * r * e
+        else:
+            total += t // sp * r * e + r * fan_in // T * e
     return total
 
 
@@ -180,21 +231,28 @@ def head_bytes(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs) -
 
 
 def activation_bytes(
-    arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs, pp_rank: int = 0
+    arch: GPTArchitecture,
+    dims: ParallelDims,
+    x: ActivationInputs,
+    pp_rank: int = 0,
+    lora: LoRAShape | None = None,
 ) -> Activations:
-    """Peak activation bytes of pipeline rank `pp_rank` during a training step."""
+    """Peak activation bytes of pipeline rank `pp_rank` during a training step (of LoRA
+    adapters when `lora` is given)."""
     h, f, *_ = _dims(arch)
     e, T = ACT_BYTES[dims.precision], dims.tp
     sp = T if dims.sequence_parallel else 1
     vpp = dims.vpp or 1
     first, last = pp_rank == 0, pp_rank == dims.pp - 1
-    layer = layer_bytes(arch, dims, x)
+    layer = layer_bytes(arch, dims, x, lora)
+    if lora is not None:
+        layer += lora_layer_bytes(arch, dims, x, lora)
     per_chunk, recomputed = _kept_per_chunk(arch, dims, x, layer)
     in_flight = _in_flight(dims, pp_rank, x.micro_batches)
     saved = in_flight * per_chunk
     if x.keep_pipeline_outputs and not (last and vpp == 1):
         saved += in_flight * x.tokens // sp * h * e
-    if first:
+    if first and lora is None:
         saved += min(in_flight, vpp) * 8 * x.tokens
     if dims.sequence_parallel:
         # megatron's global "mpu" buffer for the all-gathered sequence: allocated by the first
@@ -204,6 +262,8 @@ def activation_bytes(
     if last:
         head_saved, head_transient = head_bytes(arch, dims, x)
         saved += head_saved
+        if lora is not None:  # no gradient of the frozen output layer
+            head_transient -= arch.padded_vocab(T) // T * h * e
     largest_weight = max(
         (2 if arch.activation == "swiglu" else 1) * f * h // T,
         (arch.num_attention_heads + 2 * (arch.num_query_groups or arch.num_attention_heads))
@@ -213,7 +273,7 @@ def activation_bytes(
     )
     # A weight's gradient exists in the compute dtype before megatron adds it to the fp32
     # buffer (plus an fp32 copy of it for the addition when the dtypes differ).
-    weight_grad = largest_weight * (e + (4 if e != 4 else 0))
+    weight_grad = 0 if lora is not None else largest_weight * (e + (4 if e != 4 else 0))
     layer_transient = max(4 * f // T * x.tokens * e, 2 * f // T * x.tokens * e + weight_grad)
     transient = max(layer_transient + recomputed * layer, head_transient)
     return Activations(saved=saved, transient=transient, layer=layer, in_flight=in_flight)

@@ -31,6 +31,11 @@ NCCL and cuBLAS workspaces, allocator fragmentation: an assumption, not a measur
   (across nodes when TP·DP spans more than a node), half of it hidden behind the backward;
 * `cpu_swap` = 3 copies of this rank's weights over PCIe per step.
 
+**LoRA** (`lora`): the memory plan's LoRA terms (`model_state`, `activations`); the reference is
+`adapters_off` (no weights) or `precomputed`; the backward computes input gradients only
+(2 forward's FLOPs instead of 3 for forward+backward; the adapters' FLOPs are negligible), and
+the optimizer step and the DP gradient traffic move the adapters only.
+
 Bandwidths per GPU (datasheets; `GPU_TYPES`): HBM, NVLink (one direction) within a node and
 the network between nodes (one 400 Gb/s NIC per GPU). FLOP/s: `throughput.datasheet_peak_flops`.
 """
@@ -46,7 +51,7 @@ from megatron_kto.logging.throughput import architecture_flops, datasheet_peak_f
 from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.planning.activations import ACT_BYTES, ActivationInputs
 from megatron_kto.planning.memory import GiB, MemoryPlan, worst_rank
-from megatron_kto.planning.model_state import ParallelDims, model_state
+from megatron_kto.planning.model_state import LoRAShape, ParallelDims, model_state
 
 #: name -> (HBM bytes/s, intra-node link bytes/s per direction, device name for the FLOP/s table)
 GPU_TYPES: dict[str, tuple[float, float, str]] = {
@@ -62,6 +67,7 @@ USABLE_FRACTION, RESERVED = 0.92, int(1.5 * GiB)
 MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTE = (None, "selective", "full")
 REFERENCES = ("separate", "precomputed", "cpu_swap")
+LORA_REFERENCES = ("adapters_off", "precomputed")
 _DTYPE = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32}
 
 
@@ -108,13 +114,15 @@ def step_time(
     seq: int,
     reference: str,
     cluster: Cluster,
+    lora: LoRAShape | None = None,
 ) -> tuple[float, float]:
     """(seconds per KTO step, model FLOPs utilisation) by the roofline of the module docstring."""
     hbm, link, name = GPU_TYPES[cluster.gpu_type]
     peak = datasheet_peak_flops(name, _DTYPE[dims.precision], tf32=True) or 1e15
     flops = architecture_flops(arch, arch.padded_vocab(dims.tp))
     row = flops.rows(torch.tensor([seq]))
-    model_flops = global_batch * row * (2 + 1 + 3)
+    train = 2 if lora is not None else 3  # LoRA: no weight gradients of the frozen base
+    model_flops = global_batch * row * (2 + 1 + train)
     extra = 0.0
     if x.recompute == "full":
         extra = global_batch * row
@@ -123,9 +131,10 @@ def step_time(
     compute = (model_flops + extra) / cluster.gpus / (peak * ACHIEVABLE)
     e = ACT_BYTES[dims.precision]
     params_rank = sum_params(arch, dims)
-    passes = x.micro_batches * (2 + 1 + 3)  # ref (2 passes' rows), KL, train fwd+bwd (3x)
+    trained = sum_params(arch, dims, lora) - params_rank if lora is not None else params_rank
+    passes = x.micro_batches * (2 + 1 + train)  # ref (2 passes' rows), KL, train fwd+bwd
     weights_io = passes * params_rank * e / hbm
-    optim_io = 16 * params_rank / max(1, dims.dp if dims.distributed_optimizer else 1) / hbm
+    optim_io = 16 * trained / max(1, dims.dp if dims.distributed_optimizer else 1) / hbm
     memory = max(0.0, weights_io - compute) + optim_io
     layers = arch.num_layers // dims.pp
     t_bytes = x.tokens * arch.hidden_size * e
@@ -142,16 +151,16 @@ def step_time(
     if dims.dp > 1:
         across = dims.tp * dims.dp > cluster.gpus_per_node
         bw = INTER_NODE if across else link
-        dp_comm = 0.5 * (dims.dp - 1) / dims.dp * params_rank * (4 + e) / bw
+        dp_comm = 0.5 * (dims.dp - 1) / dims.dp * trained * (4 + e) / bw
     swap = 3 * params_rank * e / PCIE if reference == "cpu_swap" else 0.0
     total = compute + memory + tp_comm + pp_comm + bubble + dp_comm + swap
     mfu = global_batch * row * 6 / total / (cluster.gpus * peak)
     return total, mfu
 
 
-def sum_params(arch: GPTArchitecture, dims: ParallelDims) -> int:
-    """Parameters on the busiest pipeline rank."""
-    return max(model_state(arch, dims, pp).parameters for pp in range(dims.pp))
+def sum_params(arch: GPTArchitecture, dims: ParallelDims, lora: LoRAShape | None = None) -> int:
+    """Parameters on the busiest pipeline rank (adapters included under LoRA)."""
+    return max(model_state(arch, dims, pp, lora=lora).parameters for pp in range(dims.pp))
 
 
 def candidates(
@@ -160,13 +169,15 @@ def candidates(
     seq: int,
     global_batch: int,
     precision: str = "bf16",
+    lora: LoRAShape | None = None,
 ) -> list[Candidate]:
     """Every valid layout × micro-batch × recomputation × reference, fastest first (those that
-    fit before those that do not)."""
+    fit before those that do not); of a LoRA run when `lora` is given."""
     usable = int(USABLE_FRACTION * cluster.gpu_memory) - RESERVED
+    references = REFERENCES if lora is None else LORA_REFERENCES
     out = []
     for (tp, pp, dp), mbs, recompute, reference in itertools.product(
-        valid_parallel(arch, cluster), MICRO_BATCHES, RECOMPUTE, REFERENCES
+        valid_parallel(arch, cluster), MICRO_BATCHES, RECOMPUTE, references
     ):
         if global_batch % (mbs * dp):
             continue
@@ -188,16 +199,18 @@ def candidates(
             recompute_num_layers=1 if recompute == "full" else None,
             native_gqa=precision != "32",
         )
-        plan = worst_rank(arch, dims, x, reference)
-        seconds, mfu = step_time(arch, dims, x, global_batch, seq, reference, cluster)
+        plan = worst_rank(arch, dims, x, reference, lora=lora)
+        seconds, mfu = step_time(arch, dims, x, global_batch, seq, reference, cluster, lora)
         out.append(
             Candidate(dims, mbs, recompute, reference, plan, seconds, plan.peak <= usable, mfu)
         )
-    order = {r: i for i, r in enumerate(REFERENCES)}
+    order = {r: i for i, r in enumerate(references)}
     return sorted(out, key=lambda c: (not c.fits, c.step_time, order[c.reference], c.plan.peak))
 
 
-def format_candidates(found: list[Candidate], cluster: Cluster, top: int = 5) -> list[str]:
+def format_candidates(
+    found: list[Candidate], cluster: Cluster, top: int = 5, lora: LoRAShape | None = None
+) -> list[str]:
     """The recommendation and the next best, or why nothing fits."""
     usable = (int(USABLE_FRACTION * cluster.gpu_memory) - RESERVED) / GiB
     lines = [
@@ -221,7 +234,8 @@ def format_candidates(found: list[Candidate], cluster: Cluster, top: int = 5) ->
         best = min(found, key=lambda c: c.plan.peak) if found else None
         need = f"{best.plan.peak / GiB:.1f} GiB" if best else "no valid layout"
         lines.append(
-            f"does not fit: full fine-tuning needs at least {need} per GPU (the smallest above), "
+            f"does not fit: {'LoRA' if lora else 'full fine-tuning'} needs at least {need} per GPU "
+            "(the smallest above), "
             f"{usable:.1f} GiB usable"
         )
     else:

@@ -11,7 +11,7 @@ optimizer's gradient reduce-scatter stages one fp32 bucket there.)
 Reference strategies (`model.kto.reference_policy`, README "Reference policy"), P = this rank's
 parameter bytes (unpadded, param dtype): `cpu_swap` +2P host, 0 device; `separate` +P device (a
 second model, no DDP buffers); `precomputed` no weights, a host table of (1 + epochs) floats per
-example.
+example; `adapters_off` (LoRA) nothing: the reference is the policy with its adapters switched off.
 
 The plan is for the longest micro-batch the run can see (every row `max_length` tokens, all
 of them scored) unless the caller states the tokens. The ranks of a layout differ (the first
@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.peft.settings import reference_strategy, uses_lora
 from megatron_kto.planning.activations import (
     ActivationInputs,
     activation_bytes,
@@ -34,6 +35,7 @@ from megatron_kto.planning.activations import (
 from megatron_kto.planning.model_state import (
     FP32,
     PARAM_BYTES,
+    LoRAShape,
     ParallelDims,
     largest_bucket,
     model_state,
@@ -81,11 +83,12 @@ def plan_rank(
     pp_rank: int = 0,
     dp_rank: int = 0,
     torch_adam_steps: bool = False,
+    lora: LoRAShape | None = None,
 ) -> MemoryPlan:
-    """The plan of the rank at (`pp_rank`, `dp_rank`)."""
-    state = model_state(arch, dims, pp_rank, dp_rank, torch_adam_steps)
+    """The plan of the rank at (`pp_rank`, `dp_rank`) (a LoRA run's when `lora` is given)."""
+    state = model_state(arch, dims, pp_rank, dp_rank, torch_adam_steps, lora)
     param_bytes = state.parameters * PARAM_BYTES[dims.precision]
-    acts = activation_bytes(arch, dims, x, pp_rank)
+    acts = activation_bytes(arch, dims, x, pp_rank, lora)
     return MemoryPlan(
         pp_rank=pp_rank,
         dp_rank=dp_rank,
@@ -95,7 +98,7 @@ def plan_rank(
         reference=param_bytes if reference_policy == "separate" else 0,
         activations=acts.total,
         forward_only=forward_only_bytes(arch, dims, x),
-        collectives=FP32 * largest_bucket(arch, dims, pp_rank)
+        collectives=FP32 * largest_bucket(arch, dims, pp_rank, lora)
         if x.gloo and dims.distributed_optimizer and dims.dp > 1
         else 0,
         reference_host=2 * param_bytes if reference_policy == "cpu_swap" else 0,
@@ -110,12 +113,13 @@ def worst_rank(
     x: ActivationInputs,
     reference_policy: str,
     torch_adam_steps: bool = False,
+    lora: LoRAShape | None = None,
 ) -> MemoryPlan:
     """The rank with the largest predicted peak (DP ranks only differ under the distributed
     optimizer, so only then are they all evaluated)."""
     dp_ranks = range(dims.dp) if dims.distributed_optimizer else [0]
     plans = [
-        plan_rank(arch, dims, x, reference_policy, pp, dp, torch_adam_steps)
+        plan_rank(arch, dims, x, reference_policy, pp, dp, torch_adam_steps, lora)
         for pp in range(dims.pp)
         for dp in dp_ranks
     ]
@@ -125,9 +129,9 @@ def worst_rank(
 def run_inputs(
     cfg: Any, arch: GPTArchitecture, world_size: int, device_type: str, algorithm: str = "kto"
 ):
-    """(`ParallelDims`, `ActivationInputs`, reference policy) of a prepared run config, for its
-    longest possible micro-batch (a DPO micro-batch holds `micro_batch_size` pairs: twice the
-    rows)."""
+    """(`ParallelDims`, `ActivationInputs`, reference policy, `LoRAShape` or None) of a prepared
+    run config, for its longest possible micro-batch (a DPO micro-batch holds `micro_batch_size`
+    pairs: twice the rows)."""
     m = cfg.model
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     dp = max(1, world_size // (tp * pp))
@@ -164,7 +168,19 @@ def run_inputs(
         keep_pipeline_outputs=device_type != "cuda",
         gloo=device_type == "cpu",
     )
-    return dims, x, loss.reference_policy
+    return dims, x, reference_strategy(m, algorithm), run_lora(m)
+
+
+def run_lora(model_cfg: Any) -> LoRAShape | None:
+    """The `LoRAShape` of a run's `model` config (None without LoRA)."""
+    if not uses_lora(model_cfg):
+        return None
+    lt = model_cfg.peft.lora_tuning
+    return LoRAShape(
+        rank=int(lt.adapter_dim),
+        targets=tuple(str(t) for t in lt.target_modules),
+        layers=None if lt.layer_selection is None else tuple(int(n) for n in lt.layer_selection),
+    )
 
 
 def size(n: float) -> str:
@@ -185,6 +201,7 @@ def format_plan(
     device_bytes: int | None,
     device_name: str,
     reference_policy: str = "",
+    lora: LoRAShape | None = None,
 ) -> list[str]:
     """A few lines for the start-up console: the largest rank's plan against the device."""
     layout = f"TP={dims.tp} PP={dims.pp}" + (f" VPP={dims.vpp}" if dims.vpp else "")
@@ -198,7 +215,8 @@ def format_plan(
     lines = [
         f"memory plan per rank ({layout}, {_PRECISION[dims.precision]}, micro-batch of "
         f"{x.tokens} tokens{' packed' if x.packed else ''}, recompute {x.recompute or 'none'}; "
-        f"largest: PP rank {plan.pp_rank}, DP rank {plan.dp_rank}):",
+        f"largest: PP rank {plan.pp_rank}, DP rank {plan.dp_rank}"
+        f"{f'; LoRA rank {lora.rank}: gradients and optimizer state of the adapters' if lora else ''}):",
         f"  weights {size(plan.weights)} | gradients {size(plan.gradients)} | optimizer "
         f"{size(plan.optimizer)}{' (sharded over DP)' if dims.distributed_optimizer else ''} | "
         f"{reference}",
@@ -239,9 +257,9 @@ def startup_lines(
         from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER as torch_adam
     except ImportError:  # megatron-core moved it: the steps are a few bytes either way
         torch_adam = False
-    dims, x, strategy = run_inputs(cfg, arch, world_size, device.type, algorithm)
-    plan = worst_rank(arch, dims, x, strategy, torch_adam)
+    dims, x, strategy, lora = run_inputs(cfg, arch, world_size, device.type, algorithm)
+    plan = worst_rank(arch, dims, x, strategy, torch_adam, lora)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return format_plan(plan, dims, x, props.total_memory, props.name, strategy)
-    return format_plan(plan, dims, x, None, device.type.upper(), strategy)
+        return format_plan(plan, dims, x, props.total_memory, props.name, strategy, lora)
+    return format_plan(plan, dims, x, None, device.type.upper(), strategy, lora)

@@ -1,6 +1,6 @@
 """Weights, gradients and optimizer state of one rank, byte for byte as megatron-core lays them out.
 
-Pure arithmetic on the architecture and the layout (no torch, no process group), so it can run
+Pure arithmetic on the architecture and the layout (no tensors, no process group), so it can run
 before launch. What it reproduces (megatron-core 0.16.1, the way `models.training_setup` builds):
 
 * **Parameters per chunk** (`chunk_parameters`): the local/SDPA layer spec's parameters in
@@ -26,6 +26,13 @@ before launch. What it reproduces (megatron-core 0.16.1, the way `models.trainin
   main "copy" is a view of the parameter buffer (no bytes). torch's AdamW (what megatron-core
   falls back to without Transformer Engine or Apex, e.g. on CPU) also keeps a 4-byte `step`
   tensor per optimizer parameter; TE/Apex FusedAdam keep the step in the param group.
+* **LoRA** (`LoRAShape`): the adapters are parameters of the chunk's `lora` module (registered
+  after the model's own, so last in `named_parameters()`), one `lora_A` [r, in] and `lora_B`
+  [out, r] per adapted projection (`peft.lora`: column-parallel linears shard B's rows, row-parallel
+  ones A's columns; the other matrix is replicated). The base parameters are frozen before DDP
+  wraps the chunks, and megatron DDP and its optimizer skip parameters without `requires_grad`:
+  gradient buffers, optimizer state and the distributed optimizer's shards hold the adapters
+  only, and the frozen weights stay in their own tensors (outside the DDP param buffer).
 
 Everything is in bytes of real tensors: `tests/test_memory_plan.py` builds the model and optimizer
 through the trainer's own builders at TP/PP/VPP/DP × precision × optimizer and compares.
@@ -37,6 +44,7 @@ import math
 from dataclasses import dataclass
 
 from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.peft.targets import projection_shape, resolve_targets, selected_layers
 
 #: Bytes per element of each precision's parameters.
 PARAM_BYTES = {"32": 4, "bf16": 2, "16": 2}
@@ -71,6 +79,19 @@ class Param:
     name: str
     numel: int
     shared_embedding: bool = False
+    trainable: bool = True
+    """False: frozen (LoRA's base model) — no gradient buffer, no optimizer state."""
+
+
+@dataclass(frozen=True)
+class LoRAShape:
+    """The adapters of a LoRA run (`model.peft.lora_tuning.*`)."""
+
+    rank: int
+    targets: tuple[str, ...] = ("all",)
+    """NeMo or Hugging Face target names (`peft.targets`)."""
+    layers: tuple[int, ...] | None = None
+    """1-based layer selection (None: every layer)."""
 
 
 def _layer_params(arch: GPTArchitecture, tp: int, prefix: str) -> list[Param]:
@@ -112,10 +133,47 @@ def layers_per_chunk(arch: GPTArchitecture, dims: ParallelDims) -> int:
     return arch.num_layers // chunks
 
 
-def chunk_parameters(
-    arch: GPTArchitecture, dims: ParallelDims, pp_rank: int, vp_stage: int = 0
+def _layer_offset(arch: GPTArchitecture, dims: ParallelDims, pp_rank: int, vp_stage: int) -> int:
+    """Global index of the chunk's first layer (megatron's even split)."""
+    per_chunk = layers_per_chunk(arch, dims)
+    vpp = dims.vpp or 1
+    return vp_stage * per_chunk * dims.pp + pp_rank * per_chunk if vpp > 1 else pp_rank * per_chunk
+
+
+def lora_parameters(
+    arch: GPTArchitecture, dims: ParallelDims, lora: LoRAShape, layer_indices: range
 ) -> list[Param]:
-    """Parameters of one model chunk, in `named_parameters()` order (names without wrappers)."""
+    """The adapters of the given global layers, in `named_parameters()` order (`peft.wiring`)."""
+    targets = resolve_targets(list(lora.targets), arch)
+    selected = set(
+        selected_layers(None if lora.layers is None else list(lora.layers), arch.num_layers)
+    )
+    r, tp = lora.rank, dims.tp
+    out: list[Param] = []
+    for index in layer_indices:
+        if index not in selected:
+            continue
+        for t in targets:
+            column = t.linear in ("self_attention.linear_qkv", "mlp.linear_fc1")
+            key = t.linear.replace(".", "__")
+            for proj in t.projections:
+                fan_in, fan_out = projection_shape(proj, arch)
+                prefix = f"lora.layers.{index}.{key}.adapters.{proj}."
+                a = r * fan_in if column else r * fan_in // tp
+                b = fan_out // tp * r if column else fan_out * r
+                out += [Param(prefix + "lora_A", a), Param(prefix + "lora_B", b)]
+    return out
+
+
+def chunk_parameters(
+    arch: GPTArchitecture,
+    dims: ParallelDims,
+    pp_rank: int,
+    vp_stage: int = 0,
+    lora: LoRAShape | None = None,
+) -> list[Param]:
+    """Parameters of one model chunk, in `named_parameters()` order (names without wrappers);
+    under LoRA the base parameters are frozen and the adapters follow them."""
     vpp = dims.vpp or 1
     first = pp_rank == 0 and vp_stage == 0
     last = pp_rank == dims.pp - 1 and vp_stage == vpp - 1
@@ -135,7 +193,12 @@ def chunk_parameters(
             out.append(Param("decoder.final_layernorm.bias", h))
         if not tied or dims.pp > 1:
             out.append(Param("output_layer.weight", vocab * h, tied))
-    return out
+    if lora is None:
+        return out
+    offset = _layer_offset(arch, dims, pp_rank, vp_stage)
+    frozen = [Param(p.name, p.numel, p.shared_embedding, trainable=False) for p in out]
+    layers = range(offset, offset + layers_per_chunk(arch, dims))
+    return frozen + lora_parameters(arch, dims, lora, layers)
 
 
 @dataclass(frozen=True)
@@ -159,7 +222,8 @@ def _bucket_size(dims: ParallelDims, pp_rank: int, chunk_index: int) -> int | No
 
 
 def ddp_buffer(params: list[Param], dims: ParallelDims, pp_rank: int, chunk_index: int) -> Buffer:
-    """Lay out a chunk's parameters as megatron DDP's `_ParamAndGradBuffer` does."""
+    """Lay out a chunk's trainable parameters as megatron DDP's `_ParamAndGradBuffer` does."""
+    params = [p for p in params if p.trainable]
     dist = dims.distributed_optimizer
     bucket_size = _bucket_size(dims, pp_rank, chunk_index)
     divisor = math.lcm(dims.dp, 128)
@@ -221,9 +285,11 @@ class ModelState:
     """Adam moments + fp32 main weights (+ torch AdamW's step tensors)."""
 
 
-def rank_chunks(arch: GPTArchitecture, dims: ParallelDims, pp_rank: int) -> list[list[Param]]:
+def rank_chunks(
+    arch: GPTArchitecture, dims: ParallelDims, pp_rank: int, lora: LoRAShape | None = None
+) -> list[list[Param]]:
     """The parameter lists of every chunk of pipeline rank `pp_rank`."""
-    return [chunk_parameters(arch, dims, pp_rank, v) for v in range(dims.vpp or 1)]
+    return [chunk_parameters(arch, dims, pp_rank, v, lora) for v in range(dims.vpp or 1)]
 
 
 def model_state(
@@ -232,27 +298,29 @@ def model_state(
     pp_rank: int = 0,
     dp_rank: int = 0,
     torch_adam_steps: bool = False,
+    lora: LoRAShape | None = None,
 ) -> ModelState:
     """Weights, gradients and optimizer state of the rank at (`pp_rank`, `dp_rank`).
 
     Args:
         torch_adam_steps: count torch AdamW's per-parameter 4-byte `step` tensors (the optimizer
             megatron-core uses without Transformer Engine or Apex).
+        lora: the adapters of a LoRA run (None: full fine-tuning).
     """
     pbytes = PARAM_BYTES[dims.precision]
     half = dims.precision != "32"
     count = weights = grads = optim = 0
-    for i, params in enumerate(rank_chunks(arch, dims, pp_rank)):
+    for i, params in enumerate(rank_chunks(arch, dims, pp_rank, lora)):
         buffer = ddp_buffer(params, dims, pp_rank, i)
-        numel = sum(p.numel for p in params)
-        count += numel
+        count += sum(p.numel for p in params)
+        frozen = sum(p.numel for p in params if not p.trainable)
         grads += FP32 * buffer.numel
         if dims.distributed_optimizer:
-            weights += pbytes * buffer.numel
+            weights += pbytes * (buffer.numel + frozen)
             owned = [n for n in shard_elements(buffer, dims.dp, dp_rank) if n]
         else:
-            weights += pbytes * numel
-            owned = [p.numel for p in params]
+            weights += pbytes * sum(p.numel for p in params)
+            owned = [p.numel for p in params if p.trainable]
         elements = sum(owned)
         optim += 2 * FP32 * elements + (FP32 * elements if half else 0)
         if torch_adam_steps:
@@ -260,12 +328,17 @@ def model_state(
     return ModelState(parameters=count, weights=weights, gradients=grads, optimizer=optim)
 
 
-def largest_bucket(arch: GPTArchitecture, dims: ParallelDims, pp_rank: int) -> int:
+def largest_bucket(
+    arch: GPTArchitecture, dims: ParallelDims, pp_rank: int, lora: LoRAShape | None = None
+) -> int:
     """Elements of the largest DDP bucket of pipeline rank `pp_rank` (padding included)."""
     return max(
-        (b1 - b0)
-        for i, params in enumerate(rank_chunks(arch, dims, pp_rank))
-        for b0, b1 in ddp_buffer(params, dims, pp_rank, i).buckets
+        (
+            (b1 - b0)
+            for i, params in enumerate(rank_chunks(arch, dims, pp_rank, lora))
+            for b0, b1 in ddp_buffer(params, dims, pp_rank, i).buckets
+        ),
+        default=0,
     )
 
 
