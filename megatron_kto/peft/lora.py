@@ -274,20 +274,20 @@ class LoRALinear(torch.nn.Module):
             pairs = {n: self.adapters[n]() for n in self.names}
         a = torch.cat([pairs[n][0] for n in self.names])
         # The scaling goes on the r-wide u, not on the output: one [tokens, out] tensor per call.
-        u = torch.matmul(x, a.t()) * self.scaling
+        u = _mm(x, a) * self.scaling
         if self.kind == "row":
             u = (
                 reduce_scatter_to_sequence_parallel_region(u)
                 if self.sequence_parallel
                 else reduce_from_tensor_model_parallel_region(u)
             )
-            return torch.matmul(u, pairs[self.names[0]][1].t())
+            return _mm(u, pairs[self.names[0]][1])
         u = (
             gather_from_sequence_parallel_region(u)
             if self.sequence_parallel
             else copy_to_tensor_model_parallel_region(u)
         )
-        return torch.matmul(u, self._fused_b({n: pairs[n][1] for n in self.names}).t())
+        return _mm(u, self._fused_b({n: pairs[n][1] for n in self.names}))
 
     def _fused_b(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
         """This rank's B matrices as one [out_local, k·r] matrix laid out like the base output
@@ -313,6 +313,18 @@ class LoRALinear(torch.nn.Module):
         sizes = (lay.heads_per_group * lay.head_dim, lay.head_dim, lay.head_dim)
         pieces = [block(n, size, (groups,)) for n, size in zip(self.all_names, sizes, strict=True)]
         return torch.cat(pieces, dim=1).reshape(-1, k * rank)
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.t() over x's last dimension, as one 2-D matmul.
+
+    `torch.matmul` of a non-contiguous N-d input (megatron's [s, b, h] activations are often
+    a transposed view) picks its kernel by whether `w` requires grad, so the no-grad reference
+    pass (frozen copy) and the policy pass would round differently from the same numbers; one
+    2-D matmul on the flattened input is the same kernel in both (measured: 1e-7 apart before).
+    """
+    out = torch.matmul(x.reshape(-1, x.shape[-1]), w.t())
+    return out.view(*x.shape[:-1], w.shape[0])
 
 
 def attach(base: torch.nn.Module, adapter: LoRALinear) -> Callable[[], None]:
