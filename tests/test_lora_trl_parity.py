@@ -264,3 +264,16 @@ def test_resume_restores_the_frozen_starting_adapter(prepared, ours_start):
     resumed = _exported(root, "resumed")
     assert resumed.keys() == full_adapter.keys()
     assert all(torch.equal(resumed[k], full_adapter[k]) for k in resumed)
+
+
+def test_precomputed_reference_is_the_starting_policy(prepared, ours_start):
+    """`reference_policy=precomputed` computes its table with the frozen starting adapter too:
+    the same steps as the adapters-off reference (step 1 is the reference: rewards 0)."""
+    root, (full_metrics, _) = prepared, ours_start
+    _ours(root, root / "precomputed", root / "adapter0", ["model.kto.reference_policy=precomputed"])
+    metrics = read_metrics(root / "precomputed")
+    first = metrics[0]
+    print(f"\nprecomputed step 1: {first['loss']}, rewards {first['rewards/chosen']}")
+    assert abs(first["rewards/chosen"]) <= 1e-6 and abs(first["rewards/rejected"]) <= 1e-6
+    ours = [r["loss"] for r in metrics]
+    assert ours == pytest.approx([r["loss"] for r in full_metrics], rel=LOSS_RTOL)
