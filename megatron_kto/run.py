@@ -34,8 +34,13 @@ from megatron_kto.models.reference import (
 )
 from megatron_kto.models.training_setup import build_optimizer, build_scheduler, wrap_ddp
 from megatron_kto.peft.reference import AdaptersOffReference
-from megatron_kto.peft.settings import lora_settings, uses_lora
-from megatron_kto.peft.wiring import adapters_disabled, apply_lora, parameter_counts
+from megatron_kto.peft.settings import holds_starting_adapter, lora_settings, uses_lora
+from megatron_kto.peft.wiring import (
+    apply_lora,
+    hold_starting_adapter,
+    parameter_counts,
+    reference_adapters,
+)
 from megatron_kto.planning.memory import startup_lines
 from megatron_kto.runtime import init_runtime, teardown
 from megatron_kto.runtime.launcher_env import adopt_launcher_env
@@ -137,7 +142,7 @@ def _build_policy(cfg: Any, algorithm: str, arch, layout: ParallelLayout, runtim
         _say(
             runtime.is_rank0,
             f"LoRA: {trainable:,} trainable of {total:,} parameters "
-            f"({100 * trainable / total:.3f}%); reference = the base model (adapters off)",
+            f"({100 * trainable / total:.3f}%); reference = {_lora_reference_words(m)}",
         )
     settings = _loss_settings(cfg, algorithm, arch.vocab_size)
     model_cls = MegatronGPTKTOModel if algorithm == "kto" else MegatronGPTDPOModel
@@ -164,6 +169,16 @@ def _add_adapters(cfg: Any, arch, chunks: list[torch.nn.Module], runtime) -> Non
         except (ValueError, OSError) as e:
             raise ConfigError(str(e) if where in str(e) else f"{where}: {e}") from e
         _say(runtime.is_rank0, f"LoRA: starting adapter loaded from {path}")
+    if holds_starting_adapter(cfg.model):
+        # KTO/DPO's reference is the starting policy: keep the starting adapter, frozen.
+        hold_starting_adapter(chunks)
+
+
+def _lora_reference_words(model_cfg: Any) -> str:
+    """What a LoRA run's reference policy is, for the start-up log."""
+    if holds_starting_adapter(model_cfg):
+        return "the base model + a frozen copy of the starting adapter"
+    return "the base model (adapters off)"
 
 
 def _lora_base(cfg: Any, chunks: list[torch.nn.Module]) -> dict[str, Any] | None:
@@ -201,12 +216,17 @@ def _attach_precomputed_reference(
         "architecture": arch.to_dict(),
         "settings": repr(model.settings),
     }
+    if holds_starting_adapter(cfg.model):  # the reference includes the starting adapter
+        path = cfg.model.peft.restore_from_path
+        fingerprint["reference_adapter"] = (
+            content_hash(resolve_path(path)) if path else repr(cfg.model.peft.lora_tuning)
+        )
     resuming = cfg.exp_manager.resume_if_exists and (log_dir / "checkpoints" / "latest").exists()
     _say(
         runtime.is_rank0,
         "precomputing reference log-probs over the data (reference_policy=precomputed)",
     )
-    with adapters_disabled(model.chunks):  # LoRA: the reference is the base model
+    with reference_adapters(model.chunks):  # LoRA: base (+ the frozen starting adapter)
         table = load_or_compute(
             model,
             splits,

@@ -8,8 +8,9 @@ on every projection for 2 steps (lr 1e-2: every adapter is far from its initiali
   onto the original HF model; its logits equal our model's (base + the run's adapters, rebuilt
   from the adapter-only checkpoint) to 1e-5, and differ from the base model's by O(0.1);
 * `export --merge-lora` writes a plain HF model whose logits equal the PEFT model's;
-* a new run started from the exported adapter (`model.peft.restore_from_path`) sees it: its
-  step-1 rewards are non-zero (policy = base + adapter, reference = base); with lr 1e-30 its one
+* a new run started from the exported adapter (`model.peft.restore_from_path`) with
+  `model.peft.reference=base` sees it: its step-1 rewards are non-zero (policy = base +
+  adapter, reference = base); with lr 1e-30 its one
   step leaves the adapter bit-identical, and exporting it again reproduces the adapter files
   bit for bit (import -> export is the identity);
 * `tools/eval_kto_rewards.py --policy <LoRA run>` scores policy = base + adapters against
@@ -95,7 +96,11 @@ def exported(tmp_path_factory):
     _train(
         root,
         root / "again",
-        ["model.optim.lr=1e-30", f"model.peft.restore_from_path={root / 'adapter'}"],
+        [
+            "model.optim.lr=1e-30",
+            f"model.peft.restore_from_path={root / 'adapter'}",
+            "model.peft.reference=base",
+        ],
     )
     run_script(TOOL, ["export", "--ckpt", str(root / "again"), "--out", str(root / "adapter2")])
     ours = run_multirank(_ours_worker, 1, str(root / "run"), timeout=180)[0]

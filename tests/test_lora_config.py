@@ -1,6 +1,7 @@
 """`model.peft.*` is checked before any model exists: one line naming the key for every bad
 value, NeMo's and Hugging Face's target names resolve to the projections they stand for, and
-the reference policy defaults to the adapters-off model under LoRA."""
+the reference policy defaults to the adapters-off model under LoRA, holding a frozen copy of
+the starting adapter when that is not zero (`model.peft.reference=start`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ from omegaconf import OmegaConf
 
 from megatron_kto.config.errors import ConfigError
 from megatron_kto.config.schema import ModelConfig
-from megatron_kto.peft.settings import check_peft, lora_settings, reference_strategy
+from megatron_kto.peft.settings import (
+    check_peft,
+    holds_starting_adapter,
+    lora_settings,
+    reference_strategy,
+)
 from megatron_kto.peft.targets import resolve_targets, selected_layers
 
 
@@ -40,6 +46,7 @@ def _model(*overrides: str, activation: str = "swiglu"):
         ("peft.lora_tuning.row_init_method=ones", "model.peft.lora_tuning.row_init_method: must"),
         ("peft.peft_scheme=ptuning", "model.peft.peft_scheme: must be one of ['none', 'lora']"),
         ("kto.reference_policy=cpu_swap", "model.kto.reference_policy: with model.peft.peft_sch"),
+        ("peft.reference=initial", "model.peft.reference: must be one of ['start', 'base']"),
     ],
 )
 def test_bad_values_are_one_line_errors(override, message):
@@ -68,6 +75,20 @@ def test_reference_defaults():
     assert reference_strategy(_model(), "dpo") == "adapters_off"
     assert reference_strategy(OmegaConf.structured(ModelConfig), "kto") == "cpu_swap"
     assert reference_strategy(_model("kto.reference_policy=precomputed"), "kto") == "precomputed"
+
+
+def test_frozen_starting_adapter_only_when_the_start_is_not_the_base():
+    adapter = "peft.restore_from_path=/some/adapter"
+    assert holds_starting_adapter(_model(adapter))
+    assert not holds_starting_adapter(_model(adapter, "peft.reference=base"))
+    assert not holds_starting_adapter(_model())  # B = 0: the start is the base
+    both = [
+        "peft.lora_tuning.column_init_method=kaiming",
+        "peft.lora_tuning.row_init_method=normal",
+    ]
+    assert holds_starting_adapter(_model(*both))
+    assert not holds_starting_adapter(_model(*both, "peft.reference=base"))
+    assert not holds_starting_adapter(_model(*both, "peft.peft_scheme=none"))
 
 
 def test_target_names():

@@ -14,7 +14,9 @@ get a non-zero B, so they change the logits by O(1). Shown here:
 * merging (`merge_and_strip`, fused with the conversion key map's `fuse_qkv` / `fuse_fc1`) gives
   the adapter model's logits;
 * import -> export of an adapter directory is bit-exact;
-* the same with adapters on some projections of the fused linears only (q, v, up, o).
+* the same with adapters on some projections of the fused linears only (q, v, up, o);
+* at TP=2+SP a frozen copy of the imported adapter (`hold_starting_adapter`) stays the
+  reference (`reference_adapters`) after the trained adapter moves.
 """
 
 from __future__ import annotations
@@ -133,9 +135,14 @@ def _tp1_worker(rank: int, world_size: int, root: str) -> dict:
 def _tp2_worker(rank: int, world_size: int, root: str) -> dict:
     from megatron_kto.checkpointing.model_io import read_architecture
     from megatron_kto.checkpointing.pretrained import restore_pretrained
-    from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
+    from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks, unwrap
     from megatron_kto.peft import hf_peft
-    from megatron_kto.peft.wiring import apply_lora
+    from megatron_kto.peft.wiring import (
+        adapters_disabled,
+        apply_lora,
+        hold_starting_adapter,
+        reference_adapters,
+    )
     from megatron_kto.runtime import init_runtime, teardown
 
     out = {}
@@ -150,6 +157,24 @@ def _tp2_worker(rank: int, world_size: int, root: str) -> dict:
         _, tensors = hf_peft.read_adapter(base / "adapter")
         hf_peft.load_adapter(chunks, tensors, hf_peft.expected_keys(_settings(9), arch), "test")
         out[name] = _logits(chunks)
+        # Keep the imported adapter as the reference, then move the trained one: the reference
+        # context must still compute base + the imported adapter, the adapters-off one the base.
+        hold_starting_adapter(chunks)
+        out[name, "ref_keys"] = {
+            k: tuple(v.global_shape)
+            for k, v in unwrap(chunks[0]).lora.sharded_state_dict().items()
+            if ".ref_" in k or ".lora_" in k
+        }
+        gen = torch.Generator().manual_seed(11)  # same on both ranks: replicated stay equal
+        with torch.no_grad():
+            for p in unwrap(chunks[0]).lora.parameters():
+                p.add_(0.5 * torch.randn(p.shape, generator=gen))
+        out[name, "moved"] = _logits(chunks)
+        with reference_adapters(chunks):
+            out[name, "reference"] = _logits(chunks)
+        with adapters_disabled(chunks):
+            out[name, "off"] = _logits(chunks)
+        out[name, "after"] = _logits(chunks)
         partial = build_gpt_chunks(arch, layout, rt.device)
         restore_pretrained(base / "mcore", partial)
         apply_lora(partial, arch, _settings(9, PARTIAL))
@@ -231,6 +256,26 @@ def test_adapters_off_is_the_base_model(results, name):
     _, plain = _peft_logits(root, name)
     assert torch.equal(tp1[name]["off"], tp1[name]["plain"])
     assert (tp1[name]["off"] - plain).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_frozen_starting_adapter_is_the_reference_under_tp2_sp(results, name):
+    """After the trained adapter moved, `reference_adapters` computes base + the imported
+    adapter (peft's logits, and bit for bit our logits before the move); adapters off is still
+    the base; the frozen copy is checkpointed with the trained pair's global shapes."""
+    root, _, tp2 = results
+    adapted, plain = _peft_logits(root, name)
+    moved, reference = tp2[name, "moved"], tp2[name, "reference"]
+    print(f"{name}: moved adapter shifts logits by {(moved - adapted).abs().max():.3f}")
+    assert (moved - adapted).abs().max().item() > 0.1
+    assert torch.equal(reference, tp2[name])
+    assert (reference - adapted).abs().max().item() <= TOLERANCE
+    assert (tp2[name, "off"] - plain).abs().max().item() <= TOLERANCE
+    assert torch.equal(tp2[name, "after"], moved)  # the contexts restore the policy
+    keys = tp2[name, "ref_keys"]
+    trained = {k: v for k, v in keys.items() if ".lora_" in k}
+    assert trained and len(keys) == 2 * len(trained)
+    assert all(keys[k.replace(".lora_", ".ref_")] == v for k, v in trained.items())
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -1,29 +1,38 @@
-"""KTO with LoRA against TRL 1.16's `KTOTrainer` + `peft`: same steps, same adapters.
+"""KTO with LoRA against TRL 1.16's `KTOTrainer` + `peft`: same steps, same adapters, for both
+reference policies of a run that starts from an imported adapter.
 
 One tiny `transformers` Llama with grouped-query attention and its tokenizer (`hf_tiny`) is the
 base of both runs. A `peft` LoRA adapter (rank 4, alpha 8, every projection, dropout 0) is made
-on it with a non-zero B (so step 1 already has non-zero rewards and z₀) and saved; that
-directory is the starting adapter of both sides:
+on it with a non-zero B and saved; that directory is the starting adapter of both sides:
 
-* TRL: `KTOTrainer(model=base, peft_config=<the adapter's LoraConfig>)`, whose fresh adapter
-  is then overwritten with the starting adapter's weights (`set_peft_model_state_dict`) before
-  training; no `ref_model`, so TRL's reference is the model with the adapter disabled — the base,
-  as ours. (Handed an already wrapped `PeftModel`, TRL 1.16 instead makes the reference the base
-  plus a frozen copy of the starting adapter.) Batches are taken in data order (a
-  `SequentialSampler`, as our `model.data.shuffle=false`), each batch's rows in reverse order:
-  TRL 1.16's collator pairs prompt i with the completion of row i-1, ours with row i+1
-  (DESIGN §1), so reversed batches give both sides the same set of KL rows;
-* ours: `examples/train_gpt_kto.py` from the imported base with
-  `model.peft.restore_from_path=<adapter>`, then `tools/convert_checkpoint.py export` of the
-  run (a PEFT directory).
+* `model.peft.reference=start` (our default): the reference is the starting policy, base + a
+  frozen copy of the starting adapter. TRL 1.16 does that when handed an already wrapped
+  `PeftModel` (`PeftModel.from_pretrained(..., is_trainable=True)`, no `peft_config`, no
+  `ref_model`): it adds a "ref" adapter copied from "default" and computes the reference with it.
+  Step 1's policy is the reference, so its loss is 0.5 and its rewards and KL 0, exactly;
+* `model.peft.reference=base`: the reference is the base (adapters off). TRL:
+  `KTOTrainer(model=base, peft_config=<the adapter's LoraConfig>)`, whose fresh adapter is then
+  overwritten with the starting adapter's weights (`set_peft_model_state_dict`); no `ref_model`,
+  so TRL's reference is the model with the adapter disabled. Step 1's rewards are non-zero.
+
+Batches are taken in data order (a `SequentialSampler`, as our `model.data.shuffle=false`), each
+batch's rows in reverse order: TRL 1.16's collator pairs prompt i with the completion of row
+i-1, ours with row i+1 (DESIGN §1), so reversed batches give both sides the same set of KL rows.
+Ours is `examples/train_gpt_kto.py` from the imported base with
+`model.peft.restore_from_path=<adapter>`, then `tools/convert_checkpoint.py export` of the run.
 
 Same data (64 rows), β, λ_D/λ_U, constant lr 1e-3, Adam (β 0.9/0.999, ε 1e-5 — see
 `test_e2e_lora.py` for why ε above round-off), gradient clip 1.0 and batch of 8 for 4 steps.
 Step-by-step losses and the final adapter weights must agree to fp32 round-off.
+
+Resume (reference=start): 2 steps, then the starting adapter *file* is replaced by another one,
+then the run resumes to step 4. The frozen copy comes back from the checkpoint (not from the
+changed file), so the losses and the final adapter equal the uninterrupted run's bit for bit.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -60,9 +69,9 @@ def _initial_adapter(root: Path) -> Path:
     return root / "adapter0"
 
 
-def _trl(root: Path, adapter: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _trl(root: Path, adapter: Path, reference: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     from datasets import Dataset
-    from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
+    from peft import LoraConfig, PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
     from safetensors.torch import load_file
     from torch.utils.data import SequentialSampler
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -112,13 +121,21 @@ def _trl(root: Path, adapter: Path) -> tuple[list[float], dict[str, torch.Tensor
         disable_tqdm=True,
         dataloader_drop_last=True,
     )
-    lora = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=PROJECTIONS)
-    trainer = InOrder(
-        model=base, args=args, train_dataset=data, processing_class=tokenizer, peft_config=lora
-    )
+    if reference == "start":
+        # A wrapped PeftModel without peft_config / ref_model: TRL's reference is base + a
+        # frozen "ref" copy of the starting adapter.
+        model = PeftModel.from_pretrained(base, adapter, is_trainable=True)
+        trainer = InOrder(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        assert set(trainer.model.peft_config) == {"default", "ref"}
+    else:
+        lora = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=PROJECTIONS)
+        trainer = InOrder(
+            model=base, args=args, train_dataset=data, processing_class=tokenizer, peft_config=lora
+        )
+        weights = load_file(str(adapter / "adapter_model.safetensors"))
+        result = set_peft_model_state_dict(trainer.model, weights)
+        assert not result.unexpected_keys
     model = trainer.model
-    result = set_peft_model_state_dict(model, load_file(str(adapter / "adapter_model.safetensors")))
-    assert not result.unexpected_keys
     trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     state = {
@@ -128,13 +145,7 @@ def _trl(root: Path, adapter: Path) -> tuple[list[float], dict[str, torch.Tensor
     return losses, state
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora_trl")
-    make_hf_chat_model(root / "hf")
-    write_kto_rows(root / "train.jsonl", 0, ROWS)
-    adapter = _initial_adapter(root)
-    run_script(TOOL, ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "mcore")])
+def _ours(root: Path, log_dir: Path, adapter: Path, extra: list[str]) -> None:
     run_script(
         KTO_SCRIPT,
         [
@@ -145,7 +156,7 @@ def runs(tmp_path_factory):
             "model.data.shuffle=false",
             "model.data.max_length=128",
             "trainer.precision=32",
-            f"exp_manager.explicit_log_dir={root / 'ours'}",
+            f"exp_manager.explicit_log_dir={log_dir}",
             f"trainer.kto.max_steps={STEPS}",
             f"trainer.kto.gradient_clip_val={CLIP}",
             f"model.global_batch_size={BATCH}",
@@ -162,31 +173,107 @@ def runs(tmp_path_factory):
             f"model.peft.lora_tuning.alpha={ALPHA}",
             f"model.peft.lora_tuning.target_modules=[{','.join(PROJECTIONS)}]",
             f"model.peft.restore_from_path={adapter}",
+            *extra,
         ],
     )
-    run_script(TOOL, ["export", "--ckpt", str(root / "ours"), "--out", str(root / "exported")])
+
+
+def _exported(root: Path, run: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    ours = load_file(str(root / "exported" / "adapter_model.safetensors"))
-    trl_losses, trl_state = _trl(root, adapter)
+    out = root / f"{run}_exported"
+    run_script(TOOL, ["export", "--ckpt", str(root / run), "--out", str(out)])
+    return load_file(str(out / "adapter_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("lora_trl")
+    make_hf_chat_model(root / "hf")
+    write_kto_rows(root / "train.jsonl", 0, ROWS)
+    _initial_adapter(root)
+    run_script(TOOL, ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "mcore")])
+    return root
+
+
+@pytest.fixture(scope="module")
+def ours_start(prepared) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Our run with the default reference (start): metrics and exported adapter."""
+    _ours(prepared, prepared / "ours_start", prepared / "adapter0", [])
+    return read_metrics(prepared / "ours_start"), _exported(prepared, "ours_start")
+
+
+@pytest.fixture(scope="module", params=["start", "base"])
+def runs(request, prepared):
+    from safetensors.torch import load_file
+
+    root, reference = prepared, request.param
+    adapter = root / "adapter0"
+    if reference == "start":
+        metrics, ours = request.getfixturevalue("ours_start")
+    else:
+        _ours(root, root / "ours_base", adapter, ["model.peft.reference=base"])
+        metrics, ours = read_metrics(root / "ours_base"), _exported(root, "ours_base")
+    trl_losses, trl_state = _trl(root, adapter, reference)
     start = load_file(str(adapter / "adapter_model.safetensors"))
-    return read_metrics(root / "ours"), ours, trl_losses, trl_state, start
+    return reference, metrics, ours, trl_losses, trl_state, start
 
 
 def test_step_losses_equal_trl(runs):
-    metrics, _, trl_losses, _, _ = runs
+    reference, metrics, _, trl_losses, _, _ = runs
     ours = [r["loss"] for r in metrics]
-    print(f"\nours {ours}\ntrl  {trl_losses}\nkl {[r['kl'] for r in metrics]}")
+    print(f"\n{reference}: ours {ours}\ntrl  {trl_losses}\nkl {[r['kl'] for r in metrics]}")
     assert len(ours) == len(trl_losses) == STEPS
-    assert metrics[0]["rewards/chosen"] != 0.0  # the starting adapter is not the base
+    first = metrics[0]
+    if reference == "start":  # step 1's policy is the reference
+        assert (first["loss"], first["kl"]) == (0.5, 0.0)
+        assert first["rewards/chosen"] == 0.0 and first["rewards/rejected"] == 0.0
+        assert metrics[-1]["rewards/chosen"] != 0.0
+    else:  # the starting adapter is not the base
+        assert first["rewards/chosen"] != 0.0 and first["loss"] != 0.5
     assert ours == pytest.approx(trl_losses, rel=LOSS_RTOL)
 
 
 def test_final_adapters_equal_trl(runs):
-    _, ours, _, theirs, start = runs
+    reference, _, ours, _, theirs, start = runs
     assert ours.keys() == theirs.keys()
     worst = max(float((ours[k] - theirs[k]).abs().max() / theirs[k].abs().max()) for k in theirs)
     moved = min(float((theirs[k] - start[k]).abs().max() / start[k].abs().max()) for k in theirs)
-    print(f"\nadapters: max rel diff vs TRL {worst:.1e}; smallest relative move {moved:.1e}")
+    print(f"\n{reference}: adapters max rel diff vs TRL {worst:.1e}; smallest move {moved:.1e}")
     assert moved > 10 * WEIGHT_RTOL
     assert worst <= WEIGHT_RTOL
+
+
+def test_resume_restores_the_frozen_starting_adapter(prepared, ours_start):
+    from safetensors.torch import load_file, save_file
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root, (full_metrics, full_adapter) = prepared, ours_start
+    adapter = root / "adapter_resume"
+    shutil.copytree(root / "adapter0", adapter)
+    _ours(root, root / "resumed", adapter, [f"trainer.kto.max_steps={STEPS // 2}"])
+    ckpt = root / "resumed" / "checkpoints" / f"step_{STEPS // 2}"
+    keys = list(FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    assert any(k.endswith(".ref_B") for k in keys) and any(k.endswith(".ref_A") for k in keys)
+    # Another starting adapter in the file: only the checkpoint can give back the first one.
+    weights = load_file(str(adapter / "adapter_model.safetensors"))
+    save_file({k: 2 * v for k, v in weights.items()}, str(adapter / "adapter_model.safetensors"))
+    _ours(root, root / "resumed", adapter, [])
+    losses = [r["loss"] for r in read_metrics(root / "resumed")]
+    assert len(losses) == STEPS and losses == [r["loss"] for r in full_metrics]
+    resumed = _exported(root, "resumed")
+    assert resumed.keys() == full_adapter.keys()
+    assert all(torch.equal(resumed[k], full_adapter[k]) for k in resumed)
+
+
+def test_precomputed_reference_is_the_starting_policy(prepared, ours_start):
+    """`reference_policy=precomputed` computes its table with the frozen starting adapter too:
+    the same steps as the adapters-off reference (step 1 is the reference: rewards 0)."""
+    root, (full_metrics, _) = prepared, ours_start
+    _ours(root, root / "precomputed", root / "adapter0", ["model.kto.reference_policy=precomputed"])
+    metrics = read_metrics(root / "precomputed")
+    first = metrics[0]
+    print(f"\nprecomputed step 1: {first['loss']}, rewards {first['rewards/chosen']}")
+    assert abs(first["rewards/chosen"]) <= 1e-6 and abs(first["rewards/rejected"]) <= 1e-6
+    ours = [r["loss"] for r in metrics]
+    assert ours == pytest.approx([r["loss"] for r in full_metrics], rel=LOSS_RTOL)

@@ -134,8 +134,9 @@ class KTOLossConfig:
     reference_policy: str | None = None
     """'cpu_swap' (host copy swapped in), 'separate' (second model on the device),
     'precomputed' (the run's reference passes done before training; same KL partners as
-    cpu_swap) or 'adapters_off' (LoRA: the same model with its adapters disabled); None means
-    'adapters_off' with LoRA (model.peft), else 'cpu_swap'."""
+    cpu_swap) or 'adapters_off' (LoRA: the same model with its adapters disabled, or switched to
+    the frozen starting adapter — model.peft.reference); None means 'adapters_off' with LoRA
+    (model.peft), else 'cpu_swap'."""
     log_prob_forward_micro_batch_size: int | None = None
     """Rows per micro-batch in forward-only passes; None means model.micro_batch_size."""
 
@@ -199,6 +200,8 @@ class PEFTConfig:
     restore_from_path: str | None = None
     """Starting adapter: a Hugging Face PEFT adapter directory (adapter_config.json +
     adapter_model.safetensors); None starts from the configured init."""
+    reference: str = "start"
+    """LoRA reference policy: 'start' (base + a frozen copy of the starting adapter) or 'base'."""
     lora_tuning: LoRATuningConfig = field(default_factory=LoRATuningConfig)
     """LoRA settings (peft_scheme=lora)."""
 

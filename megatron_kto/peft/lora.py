@@ -24,6 +24,11 @@ Tensor parallelism (the TP/SP facts are read from the wrapped layer):
 
 Initialisation is deterministic per (seed, global layer, projection) and done on the full
 (unsharded) tensor before slicing, so every TP/PP layout starts from the same adapter.
+
+A run that starts from an imported adapter keeps a frozen copy of it (`hold_reference`): the
+buffers `ref_A` / `ref_B` beside each pair, sharded like the trained pair, checkpointed with it,
+never seen by the optimizer. `use_reference` makes the adapter compute with that copy instead,
+so the reference policy (base + starting adapter) runs through the same forward as the policy.
 """
 
 from __future__ import annotations
@@ -92,7 +97,8 @@ def _init_full(method: str, shape: tuple[int, int], generator: torch.Generator) 
 
 
 class LoRAPair(torch.nn.Module):
-    """One projection's `lora_A` [r, in] and `lora_B` [out, r] (set by `LoRALinear`)."""
+    """One projection's `lora_A` [r, in] and `lora_B` [out, r] (set by `LoRALinear`), and
+    optionally their frozen starting values `ref_A` / `ref_B` (buffers)."""
 
     lora_A: torch.nn.Parameter
     lora_B: torch.nn.Parameter
@@ -100,6 +106,20 @@ class LoRAPair(torch.nn.Module):
     def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(A, B)."""
         return self.lora_A, self.lora_B
+
+    def hold_reference(self) -> None:
+        """Keep a frozen copy of the current (A, B) as `ref_A` / `ref_B` (persistent buffers:
+        checkpointed, untouched by the optimizer)."""
+        self.register_buffer("ref_A", self.lora_A.detach().clone())
+        self.register_buffer("ref_B", self.lora_B.detach().clone())
+
+    def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frozen copy (ref_A, ref_B)."""
+        return self.ref_A, self.ref_B
+
+    def holds_reference(self) -> bool:
+        """Whether `hold_reference` was called."""
+        return hasattr(self, "ref_A")
 
 
 def _layer_kind(base: torch.nn.Module) -> str:
@@ -173,6 +193,16 @@ class LoRALinear(torch.nn.Module):
             )
             self.adapters[p.name] = pair
         self.enabled = True
+        self.use_reference = False
+
+    def hold_reference(self) -> None:
+        """Keep a frozen copy of the current adapter: `use_reference` computes with it."""
+        for pair in self.adapters.values():
+            pair.hold_reference()
+
+    def holds_reference(self) -> bool:
+        """Whether the adapter holds a frozen copy (`hold_reference`)."""
+        return all(pair.holds_reference() for pair in self.adapters.values())
 
     def _param(self, full: torch.Tensor, shard_dim: int | None, w: torch.Tensor):
         if shard_dim is not None:
@@ -199,6 +229,9 @@ class LoRALinear(torch.nn.Module):
         for name in self.names:
             out[f"adapters.{name}.lora_A"] = a
             out[f"adapters.{name}.lora_B"] = b
+            if self.adapters[name].holds_reference():
+                out[f"adapters.{name}.ref_A"] = a
+                out[f"adapters.{name}.ref_B"] = b
         return out
 
     def _normalised(self, x: torch.Tensor) -> torch.Tensor:
@@ -226,30 +259,35 @@ class LoRALinear(torch.nn.Module):
         return self.dropout(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The adapters' contribution to the base linear's output for its input `x`."""
+        """The adapters' contribution to the base linear's output for its input `x` (with the
+        frozen copy, and no dropout, while `use_reference`)."""
         if self.norm_weight is not None:
             x = self._normalised(x)
-        x = self._dropped(x)
-        # Calling each pair (rather than reading its attributes) runs the forward pre-hooks
-        # megatron DDP puts on parameter-owning modules: with the distributed optimizer's
-        # overlapped parameter all-gather, that is where a rank waits for updated shards.
-        pairs = {n: self.adapters[n]() for n in self.names}
+        if self.use_reference:
+            # The reference is a fixed function: no dropout; buffers need no DDP pre-hook.
+            pairs = {n: self.adapters[n].reference() for n in self.names}
+        else:
+            x = self._dropped(x)
+            # Calling each pair (rather than reading its attributes) runs the forward pre-hooks
+            # megatron DDP puts on parameter-owning modules: with the distributed optimizer's
+            # overlapped parameter all-gather, that is where a rank waits for updated shards.
+            pairs = {n: self.adapters[n]() for n in self.names}
         a = torch.cat([pairs[n][0] for n in self.names])
         # The scaling goes on the r-wide u, not on the output: one [tokens, out] tensor per call.
-        u = torch.matmul(x, a.t()) * self.scaling
+        u = _mm(x, a) * self.scaling
         if self.kind == "row":
             u = (
                 reduce_scatter_to_sequence_parallel_region(u)
                 if self.sequence_parallel
                 else reduce_from_tensor_model_parallel_region(u)
             )
-            return torch.matmul(u, pairs[self.names[0]][1].t())
+            return _mm(u, pairs[self.names[0]][1])
         u = (
             gather_from_sequence_parallel_region(u)
             if self.sequence_parallel
             else copy_to_tensor_model_parallel_region(u)
         )
-        return torch.matmul(u, self._fused_b({n: pairs[n][1] for n in self.names}).t())
+        return _mm(u, self._fused_b({n: pairs[n][1] for n in self.names}))
 
     def _fused_b(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
         """This rank's B matrices as one [out_local, k·r] matrix laid out like the base output
@@ -275,6 +313,18 @@ class LoRALinear(torch.nn.Module):
         sizes = (lay.heads_per_group * lay.head_dim, lay.head_dim, lay.head_dim)
         pieces = [block(n, size, (groups,)) for n, size in zip(self.all_names, sizes, strict=True)]
         return torch.cat(pieces, dim=1).reshape(-1, k * rank)
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.t() over x's last dimension, as one 2-D matmul.
+
+    `torch.matmul` of a non-contiguous N-d input (megatron's [s, b, h] activations are often
+    a transposed view) picks its kernel by whether `w` requires grad, so the no-grad reference
+    pass (frozen copy) and the policy pass would round differently from the same numbers; one
+    2-D matmul on the flattened input is the same kernel in both (measured: 1e-7 apart before).
+    """
+    out = torch.matmul(x.reshape(-1, x.shape[-1]), w.t())
+    return out.view(*x.shape[:-1], w.shape[0])
 
 
 def attach(base: torch.nn.Module, adapter: LoRALinear) -> Callable[[], None]:

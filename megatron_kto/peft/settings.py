@@ -12,6 +12,8 @@ from megatron_kto.config.errors import ConfigError
 from megatron_kto.peft.targets import resolve_targets, selected_layers
 
 SCHEMES = ("none", "lora")
+#: `model.peft.reference`: the starting policy (base + starting adapter) or the base model.
+REFERENCES = ("start", "base")
 INIT_METHODS = ("xavier", "normal", "kaiming", "zero")
 #: Reference strategies and whether they fit a LoRA run.
 LORA_REFERENCES = ("adapters_off", "precomputed")
@@ -59,6 +61,11 @@ def check_peft(model_cfg: Any, algorithm: str, arch: Any) -> None:
             f"{ref_key}: with model.peft.peft_scheme=lora the reference is the base model with "
             f"the adapters off: use one of {list(LORA_REFERENCES)}, got {ref!r}"
         )
+    if model_cfg.peft.reference not in REFERENCES:
+        raise ConfigError(
+            f"model.peft.reference: must be one of {list(REFERENCES)}, "
+            f"got {model_cfg.peft.reference!r}"
+        )
     lt = model_cfg.peft.lora_tuning
     if lt.weight_tying:
         raise ConfigError(f"{_KEY}.weight_tying: not implemented (adapters are per layer)")
@@ -92,6 +99,18 @@ def check_peft(model_cfg: Any, algorithm: str, arch: Any) -> None:
             f"{_KEY}.target_modules: adapters on mixture-of-experts MLPs are not implemented; "
             "target the attention only"
         )
+
+
+def holds_starting_adapter(model_cfg: Any) -> bool:
+    """Whether a LoRA run keeps a frozen copy of its starting adapter as the reference:
+    `model.peft.reference=start` and a starting adapter that is not zero — an imported one
+    (`model.peft.restore_from_path`) or an init with neither A nor B zero. A zero starting
+    adapter is the base model, which the adapters-off reference already is."""
+    if not uses_lora(model_cfg) or model_cfg.peft.reference != "start":
+        return False
+    lt = model_cfg.peft.lora_tuning
+    nonzero_init = "zero" not in (lt.column_init_method, lt.row_init_method)
+    return bool(model_cfg.peft.restore_from_path) or nonzero_init
 
 
 def lora_settings(model_cfg: Any) -> Any:

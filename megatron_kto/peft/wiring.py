@@ -191,6 +191,35 @@ def adapters_disabled(chunks: list[torch.nn.Module]) -> Iterator[list[torch.nn.M
             a.enabled = was
 
 
+def hold_starting_adapter(chunks: list[torch.nn.Module]) -> None:
+    """Keep a frozen copy of every adapter's current values (call once the starting adapter is
+    loaded): `reference_adapters` then makes the model base + that copy."""
+    for adapter in adapters_of(chunks):
+        adapter.hold_reference()
+
+
+def holds_starting_adapter(chunks: list[torch.nn.Module]) -> bool:
+    """Whether the chunks' adapters hold a frozen copy of the starting adapter."""
+    adapters = adapters_of(chunks)
+    return bool(adapters) and all(a.holds_reference() for a in adapters)
+
+
+@contextlib.contextmanager
+def reference_adapters(chunks: list[torch.nn.Module]) -> Iterator[list[torch.nn.Module]]:
+    """The reference policy inside the scope: base + the frozen starting adapter where the
+    adapters hold one (`hold_starting_adapter`), else the base (adapters off)."""
+    adapters = adapters_of(chunks)
+    previous = [(a.enabled, a.use_reference) for a in adapters]
+    for a in adapters:
+        held = a.holds_reference()
+        a.enabled, a.use_reference = held, held
+    try:
+        yield chunks
+    finally:
+        for a, (enabled, use_reference) in zip(adapters, previous, strict=True):
+            a.enabled, a.use_reference = enabled, use_reference
+
+
 def parameter_counts(chunks: list[torch.nn.Module]) -> tuple[int, int]:
     """(trainable, total) parameters of the whole model, summed over TP and PP ranks
     (a collective over the model-parallel group; TP-replicated tensors counted once)."""
