@@ -3,7 +3,8 @@
 Handles the pipeline split (pre/post-process per stage, virtual pipeline chunks), the layer spec
 (`model.attention_backend`, see `layer_specs.py`: Transformer Engine when importable *and* CUDA
 is present, megatron-core's local spec with SDPA attention otherwise) and the Llama-family
-options (RMSNorm, SwiGLU, RoPE with optional Llama-3 scaling, GQA, QKV bias).
+options (RMSNorm, SwiGLU, RoPE with optional Llama-3 scaling, GQA, QKV bias, Q/K norms) and
+mixture-of-experts layers (`layer_options.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.models.layer_options import moe_transformer_config
 from megatron_kto.models.layer_specs import decoder_block_spec, resolve_attention_backend
 from megatron_kto.runtime.gpu_settings import Accelerator, fusion_settings
 
@@ -31,6 +33,8 @@ class ParallelLayout:
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    """Ranks the routed experts of each MoE layer are spread over (within DP x CP)."""
     virtual_pipeline_model_parallel_size: int | None = None
     sequence_parallel: bool = False
     precision: str = "32"
@@ -83,6 +87,7 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         normalization=arch.normalization,
         add_bias_linear=arch.add_bias_linear,
         add_qkv_bias=arch.add_qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
         gated_linear_unit=arch.activation == "swiglu",
         activation_func=_ACTIVATIONS[arch.activation],
         init_method_std=arch.init_method_std,
@@ -120,6 +125,7 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         batch_p2p_comm=layout.virtual_pipeline_model_parallel_size is None,
         # No CUDA graphs; megatron's default scope "full" only triggers a deprecation warning.
         cuda_graph_scope=[],
+        **moe_transformer_config(arch, layout.expert_model_parallel_size),
     )
 
 
