@@ -1,0 +1,128 @@
+"""KTO on a converted Qwen3-MoE: expert parallelism changes where experts live, not the numbers.
+
+A tiny random `transformers` Qwen3-MoE (4 experts, 2 routed per token, decisive routers) with the
+bundled tokenizer's vocabulary is imported with `tools/convert_checkpoint.py`; `examples/
+train_gpt_kto.py` then trains 3 steps from it on 2 ranks (DP=2) with EP=1 and with EP=2, and on
+4 ranks with PP=2 x EP=2 (DP=2: the same global batch). Every logged training metric and every
+exported weight of the EP runs equals the EP=1 run's to fp32 round-off (the data-parallel
+reduction order differs, nothing else). A launch with an expert count EP does not divide fails
+with one `error:` line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from e2e_cli import KTO_SCRIPT, QUIET, REPO, TOKENIZER, TRAIN_DATA, launch, read_metrics, run_script
+
+pytestmark = pytest.mark.e2e
+
+TOOL = REPO / "tools" / "convert_checkpoint.py"
+#: name -> (ranks, extra overrides); EP=1 on the same 2 ranks is the reference.
+RUNS = {
+    "ep1": (2, ["model.expert_model_parallel_size=1"]),
+    "ep2": (2, ["model.expert_model_parallel_size=2"]),
+    "ep2pp2": (4, ["model.expert_model_parallel_size=2", "model.pipeline_model_parallel_size=2"]),
+}
+#: fp32 round-off: summed completion log-probs of ~60 tokens differ in their last bits (~1e-6)
+#: because the data-parallel gradient reduction order differs, so rewards differ by ~1e-7.
+METRIC_RTOL, METRIC_ATOL, WEIGHT_ATOL = 1e-5, 1e-6, 1e-6
+COMPARED = ("rewards/", "logps/", "logits/", "loss", "kl", "lr", "grad_norm")
+
+
+def _args(root, log_dir) -> list[str]:
+    return [
+        *QUIET,
+        f"pretrained_checkpoint.restore_from_path={root / 'mcore'}",
+        f"model.data.data_prefix.train=[{TRAIN_DATA}]",
+        "model.tokenizer.library=sentencepiece",
+        f"model.tokenizer.model={TOKENIZER}",
+        "trainer.precision=32",
+        f"exp_manager.explicit_log_dir={log_dir}",
+        "trainer.kto.max_steps=3",
+        "model.global_batch_size=8",
+        "model.micro_batch_size=2",
+        "model.data.shuffle=false",
+        "model.data.max_length=64",
+        "model.data.data_prefix.validation=[]",
+        "model.optim.sched.warmup_steps=0",
+    ]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from megatron_kto.data.tokenizers import load_tokenizer
+
+    root = tmp_path_factory.mktemp("moe")
+    vocab = load_tokenizer("sentencepiece", str(TOKENIZER)).vocab_size
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=vocab,
+        max_position_embeddings=128,
+        initializer_range=0.1,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.normal_(0.0, 1.0)
+    model.save_pretrained(root / "hf")
+    run_script(TOOL, ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "mcore")])
+    out = {}
+    for name, (nproc, extra) in RUNS.items():
+        log_dir = root / name
+        run_script(KTO_SCRIPT, [*_args(root, log_dir), *extra], nproc=nproc, timeout=600)
+        run_script(TOOL, ["export", "--ckpt", str(log_dir), "--out", str(root / f"{name}_hf")])
+        out[name] = read_metrics(log_dir)
+    return root, out
+
+
+def _weights(directory):
+    from safetensors.torch import load_file
+
+    return load_file(directory / "model.safetensors")
+
+
+@pytest.mark.parametrize("name", ["ep2", "ep2pp2"])
+def test_expert_parallel_training_equals_ep1(runs, name):
+    root, metrics = runs
+    reference, got = metrics["ep1"], metrics[name]
+    assert len(got) == len(reference) == 3
+    for ref_row, row in zip(reference, got, strict=True):
+        # The numbers of the step (not timings, throughput or memory, which depend on layout).
+        numeric = {k for k in ref_row if k.startswith(COMPARED)}
+        assert {"loss", "grad_norm", "kl", "logps/chosen"} <= numeric
+        for key in sorted(numeric):
+            assert row[key] == pytest.approx(ref_row[key], rel=METRIC_RTOL, abs=METRIC_ATOL), key
+    start, ref_w, got_w = (
+        _weights(root / "hf"),
+        _weights(root / "ep1_hf"),
+        _weights(root / f"{name}_hf"),
+    )
+    assert ref_w.keys() == got_w.keys() == start.keys()
+    for key in ref_w:
+        diff = (ref_w[key] - got_w[key]).abs().max().item()
+        assert diff <= WEIGHT_ATOL, (key, diff)
+    experts = [k for k in ref_w if ".experts." in k]
+    assert experts and all(not torch.equal(ref_w[k], start[k]) for k in experts)  # all trained
+
+
+def test_ep_not_dividing_the_experts_is_one_error_line(runs, tmp_path):
+    root, _ = runs
+    args = [str(KTO_SCRIPT), *_args(root, tmp_path / "bad"), "model.expert_model_parallel_size=3"]
+    proc, _ = launch(args, nproc=1, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert lines[-1].startswith("error: model.expert_model_parallel_size: 3 does not divide")
