@@ -126,3 +126,21 @@ def test_ep_not_dividing_the_experts_is_one_error_line(runs, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert lines[-1].startswith("error: model.expert_model_parallel_size: 3 does not divide")
+
+
+def test_eval_tool_at_ep2_equals_ep1(runs, tmp_path):
+    import json
+
+    from e2e_cli import EVAL_TOOL, VALIDATION_DATA
+
+    root, _ = runs
+    reports = {}
+    for ep in (1, 2):
+        out = tmp_path / f"eval{ep}.json"
+        args = ["--policy", str(root / "ep2"), "--data", str(VALIDATION_DATA), "--json", str(out)]
+        run_script(EVAL_TOOL, [*args, "--expert-model-parallel-size", str(ep)], nproc=2)
+        reports[ep] = json.loads(out.read_text())
+    numbers = {k for k, v in reports[1].items() if isinstance(v, float)}
+    assert {"auc", "accuracy", "margin", "mean_reward_desirable"} <= numbers, reports[1]
+    for key in numbers:
+        assert reports[2][key] == pytest.approx(reports[1][key], rel=1e-5, abs=1e-6), key

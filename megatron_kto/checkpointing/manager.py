@@ -63,6 +63,7 @@ def current_layout() -> dict[str, int | None]:
             parallel_state.get_virtual_pipeline_model_parallel_world_size()
         ),
         "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+        "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
     }
 
 
@@ -72,6 +73,11 @@ def _describe(layout: dict[str, Any], kind: str | None) -> str:
         f"TP={layout.get('tensor_model_parallel_size')} PP={layout.get('pipeline_model_parallel_size')}"
         + (f" VPP={vpp}" if vpp else "")
         + f" DP={layout.get('data_parallel_size')}"
+        + (
+            f" EP={layout['expert_model_parallel_size']}"
+            if layout.get("expert_model_parallel_size", 1) > 1
+            else ""
+        )
     )
     return f"{text}, {kind or 'no'} optimizer"
 

@@ -192,6 +192,7 @@ def implicit_rewards(
         tensor_model_parallel_size=runtime.tensor_parallel_size,
         pipeline_model_parallel_size=runtime.pipeline_parallel_size,
         virtual_pipeline_model_parallel_size=runtime.virtual_pipeline_parallel_size,
+        expert_model_parallel_size=runtime.expert_parallel_size,
     )
     chunks = build_gpt_chunks(arch, layout, runtime.device)
     tables = []

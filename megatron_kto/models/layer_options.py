@@ -29,8 +29,10 @@ def moe_transformer_config(arch: GPTArchitecture, expert_parallel_size: int) -> 
     Routing is dropless (no capacity factor, no token dropping) through the all-to-all token
     dispatcher, as Hugging Face's MoE blocks compute every routed token. The load-balancing loss
     is not wired through megatron's auxiliary-loss path (`moe_router_load_balancing_type='none'`):
-    megatron's per-layer formula differs from Hugging Face's (see `losses/router_aux.py` once it
-    exists); the router stays deterministic (no jitter, no expert bias).
+    megatron's formula is per layer and divides by top-k, while Hugging Face's
+    `load_balancing_loss_func` averages token fractions and router probabilities over all layers'
+    tokens jointly, so it cannot be reproduced from megatron's per-layer losses. It is not applied
+    yet (a launch note says so); the router is deterministic (no jitter, no expert bias).
     """
     if not arch.num_moe_experts:
         if expert_parallel_size != 1:

@@ -36,6 +36,7 @@ class Runtime:
     data_parallel_rank: int
     pipeline_parallel_rank: int
     tensor_parallel_rank: int
+    expert_parallel_size: int = 1
 
     @property
     def is_rank0(self) -> bool:
@@ -174,6 +175,7 @@ def init_runtime(
         data_parallel_rank=parallel_state.get_data_parallel_rank(),
         pipeline_parallel_rank=parallel_state.get_pipeline_model_parallel_rank(),
         tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
+        expert_parallel_size=expert_parallel_size,
     )
 
 
