@@ -18,16 +18,28 @@ from e2e_cli import KTO_SCRIPT, QUIET, REPO, TOKENIZER, TRAIN_DATA, launch, read
 pytestmark = pytest.mark.e2e
 
 TOOL = REPO / "tools" / "convert_checkpoint.py"
-#: name -> (ranks, extra overrides); EP=1 on the same 2 ranks is the reference.
+NO_AUX = "model.moe_aux_loss_coeff=0"
+#: name -> (ranks, extra overrides); EP=1 on the same 2 ranks is the reference. The router
+#: load-balancing loss (HF's router_aux_loss_coef) is on, except under PP, which refuses it.
 RUNS = {
     "ep1": (2, ["model.expert_model_parallel_size=1"]),
     "ep2": (2, ["model.expert_model_parallel_size=2"]),
-    "ep2pp2": (4, ["model.expert_model_parallel_size=2", "model.pipeline_model_parallel_size=2"]),
+    "ep1_noaux": (2, ["model.expert_model_parallel_size=1", NO_AUX]),
+    "ep2pp2": (
+        4,
+        ["model.expert_model_parallel_size=2", "model.pipeline_model_parallel_size=2", NO_AUX],
+    ),
+    # One micro-batch of the whole global batch, padded and packed, for the aux-loss value.
+    "aux_padded": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=false"]),
+    "aux_packed": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=true"]),
 }
-#: fp32 round-off: summed completion log-probs of ~60 tokens differ in their last bits (~1e-6)
-#: because the data-parallel gradient reduction order differs, so rewards differ by ~1e-7.
-METRIC_RTOL, METRIC_ATOL, WEIGHT_ATOL = 1e-5, 1e-6, 1e-6
-COMPARED = ("rewards/", "logps/", "logits/", "loss", "kl", "lr", "grad_norm")
+REFERENCE = {"ep2": "ep1", "ep2pp2": "ep1_noaux"}
+AUX_COEF = 0.01
+#: fp32 round-off: the data-parallel gradient reduction order differs, so weights differ in their
+#: last bits and summed completion log-probs (~60, fp32 ulp ~4e-6) by an ulp or two; rewards and
+#: kl are differences of such sums (x beta), so they get an absolute tolerance of that size.
+METRIC_RTOL, METRIC_ATOL, WEIGHT_ATOL = 1e-5, 5e-6, 1e-6
+COMPARED = ("rewards/", "logps/", "logits/", "loss", "kl", "lr", "grad_norm", "aux_loss")
 
 
 def _args(root, log_dir) -> list[str]:
@@ -72,6 +84,7 @@ def runs(tmp_path_factory):
         vocab_size=vocab,
         max_position_embeddings=128,
         initializer_range=0.1,
+        router_aux_loss_coef=AUX_COEF,
     )
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -84,7 +97,8 @@ def runs(tmp_path_factory):
     for name, (nproc, extra) in RUNS.items():
         log_dir = root / name
         run_script(KTO_SCRIPT, [*_args(root, log_dir), *extra], nproc=nproc, timeout=600)
-        run_script(TOOL, ["export", "--ckpt", str(log_dir), "--out", str(root / f"{name}_hf")])
+        if not name.startswith("aux"):
+            run_script(TOOL, ["export", "--ckpt", str(log_dir), "--out", str(root / f"{name}_hf")])
         out[name] = read_metrics(log_dir)
     return root, out
 
@@ -95,20 +109,62 @@ def _weights(directory):
     return load_file(directory / "model.safetensors")
 
 
+def _hf_aux_losses(root) -> tuple[float, float]:
+    """Hugging Face's `aux_loss` on the first global batch's rows: (on the inputs our model runs —
+    each sequence without its final token —, on the whole sequences as TRL feeds them)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_kto.data.dataset import build_kto_dataset
+    from megatron_kto.data.tokenizers import load_tokenizer
+
+    tok = load_tokenizer("sentencepiece", str(TOKENIZER))
+    dataset, _ = build_kto_dataset([TRAIN_DATA], tok, 64, use_cache=False)
+    model = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
+    out = []
+    for drop in (1, 0):
+        rows = [
+            list(dataset[i]["prompt_ids"]) + list(dataset[i]["completion_ids"]) for i in range(8)
+        ]
+        rows = [r[: len(r) - drop] for r in rows]
+        ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+        with torch.no_grad():
+            result = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+        out.append(result.aux_loss.item())
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("name", ["aux_padded", "aux_packed"])
+def test_aux_loss_and_loss_equal_transformers(runs, name):
+    root, metrics = runs
+    ours, trl_full = _hf_aux_losses(root)
+    first = metrics[name][0]
+    print(
+        f"{name}: aux {first['aux_loss']:.7f}, HF on our inputs {ours:.7f}, whole rows {trl_full:.7f}"
+    )
+    assert first["aux_loss"] == pytest.approx(ours, rel=1e-5)
+    # Step 1: policy == reference and z0 = 0, so every KTO row loss is 1 - sigmoid(0) = 0.5;
+    # the logged loss (as TRL's) adds the coefficient times the aux loss.
+    assert first["loss"] == pytest.approx(0.5 + AUX_COEF * ours, rel=1e-6)
+
+
 @pytest.mark.parametrize("name", ["ep2", "ep2pp2"])
 def test_expert_parallel_training_equals_ep1(runs, name):
     root, metrics = runs
-    reference, got = metrics["ep1"], metrics[name]
+    reference, got = metrics[REFERENCE[name]], metrics[name]
     assert len(got) == len(reference) == 3
     for ref_row, row in zip(reference, got, strict=True):
         # The numbers of the step (not timings, throughput or memory, which depend on layout).
         numeric = {k for k in ref_row if k.startswith(COMPARED)}
         assert {"loss", "grad_norm", "kl", "logps/chosen"} <= numeric
+        assert ("aux_loss" in numeric) == (name == "ep2")
         for key in sorted(numeric):
             assert row[key] == pytest.approx(ref_row[key], rel=METRIC_RTOL, abs=METRIC_ATOL), key
     start, ref_w, got_w = (
         _weights(root / "hf"),
-        _weights(root / "ep1_hf"),
+        _weights(root / f"{REFERENCE[name]}_hf"),
         _weights(root / f"{name}_hf"),
     )
     assert ref_w.keys() == got_w.keys() == start.keys()

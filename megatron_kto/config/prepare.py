@@ -43,7 +43,7 @@ REQUIRED_WITHOUT_CHECKPOINT = (
     "encoder_seq_length",
 )
 #: Training choices a config may set on top of a checkpoint's shape.
-RUN_CHOICES = ("hidden_dropout", "attention_dropout")
+RUN_CHOICES = ("hidden_dropout", "attention_dropout", "moe_aux_loss_coeff")
 #: Initialisation only: loaded weights make it moot, so it is neither compared nor used.
 INIT_ONLY = ("init_method_std",)
 #: min_lr when unset is lr / this (NeMo-Aligner's gpt_kto.yaml: 9e-7 for lr 9e-6). A division,
@@ -287,11 +287,10 @@ def prepare_run_config(
             f"trainer.precision={t.precision} on a CPU: half-precision matmuls run about 10x "
             "slower than fp32 there; trainer.precision=32 is the CPU setting"
         )
-    if arch.num_moe_experts and arch.moe_aux_loss_coeff:
+    if algorithm == "dpo" and arch.num_moe_experts and arch.moe_aux_loss_coeff:
         notes.append(
-            f"the router load-balancing loss is not part of the training loss yet: "
-            f"moe_aux_loss_coeff={arch.moe_aux_loss_coeff} ({arch_file or 'model'}) is recorded "
-            "for export only"
+            f"DPO does not add the router load-balancing loss (model.moe_aux_loss_coeff="
+            f"{arch.moe_aux_loss_coeff} applies to KTO only)"
         )
     return PreparedRun(cfg, arch, arch_file, ckpt_dir, notes)
 

@@ -311,6 +311,19 @@ def validate(
     _check_architecture(m)
     check_layout(m, tp, pp, vpp, architecture_file=architecture_file)
     check_expert_layout(m, m.expert_model_parallel_size, dp, architecture_file=architecture_file)
+    if m.num_moe_experts and m.moe_aux_loss_coeff:
+        _need(m.moe_aux_loss_coeff > 0, "model.moe_aux_loss_coeff", "must be >= 0")
+        # The balance statistics span every layer's router and every token of a micro-batch.
+        for ok, why in (
+            (pp == 1, "pipeline_model_parallel_size > 1 (layers on several stages)"),
+            (not m.sequence_parallel, "sequence_parallel (tokens split over TP)"),
+        ):
+            _need(
+                ok,
+                "model.moe_aux_loss_coeff",
+                f"{m.moe_aux_loss_coeff}: the router load-balancing loss is not supported with "
+                f"{why}; set model.moe_aux_loss_coeff=0 to train without it",
+            )
     _need(
         not m.sequence_parallel or tp > 1,
         "model.sequence_parallel",

@@ -1,0 +1,100 @@
+"""Collects the router statistics of one micro-batch's forward pass for the load-balancing loss.
+
+`RouterStatistics(chunks)` hooks every megatron MoE router (`TopKRouter`) of the model chunks.
+For each micro-batch the forward step (`announce_micro_batches`) calls `begin(token_mask(batch))`
+with the tokens that count (in the router's token order); each router then adds its `losses.router_aux.layer_sums` — recomputing
+its logits from its input, so the gradient reaches the router weights and the hidden states as
+in Hugging Face — and the loss function reads `loss()` (which also resets). Outside a
+`begin` ... `loss` window, and whenever autograd is off (reference and KL passes, validation),
+the hooks do nothing: forward-only passes add nothing and cost nothing.
+
+The statistics span all layers of the micro-batch, so the model must not be pipelined
+(`config.validate` refuses a non-zero coefficient with PP > 1); with sequence parallelism each
+TP rank would see only its share of the tokens, which is refused too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron_kto.losses.router_aux import balance_loss, layer_sums
+from megatron_kto.models.packing import PACKED, kept_lengths
+
+
+def token_mask(batch: dict) -> Tensor:
+    """[S·B] float mask of the micro-batch's input tokens, in megatron's [S, B] (sequence-major)
+    token order: each row's positions up to its last scored one (`packing.kept_lengths`), not
+    padding — packed or not, the same tokens.
+
+    A row's input is its sequence without the final token (`data.collate`: nothing is predicted
+    from it), so these are Hugging Face's attention-mask tokens of that input. TRL runs the whole
+    sequence, so its statistics also count each row's final token (see `losses.router_aux`).
+    """
+    packed = batch.get(PACKED)
+    tokens = batch["tokens"]
+    if packed is not None:
+        return (packed.row_ids < packed.num_rows).to(torch.float32).reshape(-1)
+    b, s = tokens.shape
+    kept = kept_lengths(batch["labels"])
+    real = torch.arange(s, device=tokens.device)[None, :] < kept[:, None]  # [B, S]
+    return real.t().reshape(-1).to(torch.float32)
+
+
+def announce_micro_batches(forward_step: Callable, stats: RouterStatistics) -> Callable:
+    """`forward_step` that first tells `stats` which tokens of each micro-batch count."""
+
+    class _Announcing:
+        def __init__(self, iterator: Iterator[dict]):
+            self.iterator = iterator
+
+        def __iter__(self) -> _Announcing:
+            return self
+
+        def __next__(self) -> dict:
+            batch = next(self.iterator)
+            stats.begin(token_mask(batch))
+            return batch
+
+    def step(data_iterator, model):
+        return forward_step(_Announcing(data_iterator), model)
+
+    return step
+
+
+class RouterStatistics:
+    """Forward hooks on the routers of `chunks` accumulating one micro-batch's statistics."""
+
+    def __init__(self, chunks: list[torch.nn.Module]):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self._mask: Tensor | None = None
+        self._sums: list[Tensor] | None = None
+        self.routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
+        self._handles = [r.register_forward_hook(self._hook) for r in self.routers]
+
+    def begin(self, mask: Tensor) -> None:
+        """Start a micro-batch whose counted tokens are `mask` ([S·B], router order)."""
+        self._mask, self._sums = mask, None
+
+    def _hook(self, router: torch.nn.Module, args: tuple, output: tuple) -> None:
+        if self._mask is None or not torch.is_grad_enabled():
+            return
+        hidden = args[0]
+        logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), router.weight)
+        _, routing_map = output
+        sums = layer_sums(logits, routing_map.reshape(logits.shape), self._mask)
+        self._sums = list(sums) if self._sums is None else [a + b for a, b in zip(self._sums, sums)]
+
+    def loss(self) -> Tensor | None:
+        """This micro-batch's balance loss (None if no router ran with autograd); resets."""
+        sums, self._mask, self._sums = self._sums, None, None
+        return None if sums is None else balance_loss(*sums)
+
+    def remove(self) -> None:
+        """Detach the hooks."""
+        for handle in self._handles:
+            handle.remove()
