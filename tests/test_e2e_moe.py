@@ -200,3 +200,43 @@ def test_eval_tool_at_ep2_equals_ep1(runs, tmp_path):
     assert {"auc", "accuracy", "margin", "mean_reward_desirable"} <= numbers, reports[1]
     for key in numbers:
         assert reports[2][key] == pytest.approx(reports[1][key], rel=1e-5, abs=1e-6), key
+
+
+def test_resume_under_ep2_is_bitwise_and_another_ep_is_one_error_line(runs, tmp_path):
+    """EP=2 with the distributed optimizer, 4 steps saving every 2; a copy holding only the
+    step-2 checkpoint resumes to step 4 with bitwise-equal metrics and weights; resuming it at
+    EP=1 is refused in one line (optimizer state does not convert between EP sizes)."""
+    import shutil
+
+    root, _ = runs
+    args = [
+        *_args(root, tmp_path / "straight"),
+        "trainer.kto.max_steps=4",
+        "trainer.kto.save_interval=2",
+        "exp_manager.checkpoint_callback_params.save_top_k=-1",
+        "model.optim.name=distributed_fused_adam",
+    ]
+    ep2 = "model.expert_model_parallel_size=2"
+    run_script(KTO_SCRIPT, [*args, ep2], nproc=2, timeout=600)
+    straight = tmp_path / "straight"
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
+    (resumed / "checkpoints" / "latest").write_text("step_2\n")
+    redirected = [a.replace(str(straight), str(resumed)) for a in args]
+    refused, _ = launch([str(KTO_SCRIPT), *redirected, "model.expert_model_parallel_size=1"], 2)
+    assert refused.returncode != 0
+    assert "cannot convert optimizer state between expert-parallel sizes" in refused.stderr
+    run_script(KTO_SCRIPT, [*redirected, ep2], nproc=2, timeout=600)
+    want = {r["step"]: r for r in read_metrics(straight)}
+    got = read_metrics(resumed)
+    assert [r["step"] for r in got] == [3, 4]
+    for row in got:
+        for key in ("loss", "aux_loss", "grad_norm", "kl", "logps/chosen", "rewards/rejected"):
+            assert row[key] == want[row["step"]][key], key
+    from megatron_kto.conversion.convert import export_hf
+
+    for name in ("straight", "resumed"):
+        export_hf(tmp_path / name, tmp_path / f"{name}_hf")
+    a, b = _weights(tmp_path / "straight_hf"), _weights(tmp_path / "resumed_hf")
+    assert all(torch.equal(a[k], b[k]) for k in a)

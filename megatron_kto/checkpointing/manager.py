@@ -392,7 +392,22 @@ class CheckpointManager:
                 "model.optim.name, or start a new run from these weights with "
                 f"pretrained_checkpoint.restore_from_path={path}"
             )
-        same_layout = all(saved_layout.get(k) == v for k, v in layout.items())
+        saved_ep = saved_layout.get("expert_model_parallel_size", 1)  # absent before EP existed
+        if optimizer is not None and saved_ep != layout["expert_model_parallel_size"]:
+            # Measured: expert parameters sit in other optimizer groups (expert-data-parallel)
+            # at another EP, and loading fails inside megatron-core (KeyError 'pre_wd_mult' /
+            # 'optimizer'); the weights themselves reshard.
+            raise _Incompatible(
+                f"{path}: saved with {_describe(saved_layout, saved_kind)}; this run has "
+                f"{_describe(layout, kind)}. megatron-core 0.16.1 cannot convert optimizer state "
+                "between expert-parallel sizes: resume with model.expert_model_parallel_size="
+                f"{saved_ep}, or start a new run from these weights with "
+                f"pretrained_checkpoint.restore_from_path={path}"
+            )
+        same_layout = all(
+            saved_layout.get(k, 1 if k == "expert_model_parallel_size" else None) == v
+            for k, v in layout.items()
+        )
         return {
             "meta": meta,
             "layout": layout,
