@@ -1,7 +1,8 @@
-"""Qwen3 (dense, tied and untied), Qwen3-MoE and Mixtral conversion, checked against `transformers`.
+"""Qwen3 (dense, tied and untied), Qwen3-MoE, Mixtral and Qwen2-MoE conversion, against `transformers`.
 
 Tiny random `transformers` models built from a config (head dim 32 != hidden / heads, GQA,
-vocabulary 100 so the embedding is padded; MoE: 4 experts, 2 routed per token, Qwen3-MoE with
+vocabulary 100 so the embedding is padded; MoE: 4 experts, 2 routed per token; Qwen2-MoE with its
+gated shared expert and qkv biases; Qwen3-MoE with
 `norm_topk_prob=False` — softmax before top-k, no renormalisation — and Mixtral renormalised).
 Norms are moved away from 1 and routers get large weights, so every tensor and every routing
 decision matters. Shown here:
@@ -26,14 +27,14 @@ from multirank import run_multirank
 
 VOCAB, SEQ, BATCH = 100, 24, 4
 TOLERANCE = 1e-4
-MODELS = ("qwen3", "qwen3_tied", "qwen3_moe", "mixtral")
-MOE = ("qwen3_moe", "mixtral")
+MODELS = ("qwen3", "qwen3_tied", "qwen3_moe", "mixtral", "qwen2_moe")
+MOE = ("qwen3_moe", "mixtral", "qwen2_moe")
 #: layout name -> (TP, PP, EP), on 2 ranks
 LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "ep2": (1, 1, 2)}
 
 
 def _hf_configs() -> dict[str, object]:
-    from transformers import MixtralConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         hidden_size=64,
@@ -59,6 +60,15 @@ def _hf_configs() -> dict[str, object]:
             norm_topk_prob=False,
             head_dim=32,
             tie_word_embeddings=False,
+            **common,
+        ),
+        "qwen2_moe": Qwen2MoeConfig(
+            intermediate_size=96,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
             **common,
         ),
         "mixtral": MixtralConfig(
@@ -184,7 +194,7 @@ def converted(tmp_path_factory):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with torch.no_grad():
             for pname, p in model.named_parameters():
-                if "norm" in pname:  # norms away from 1: a swapped or dropped norm shows
+                if "norm" in pname or pname.endswith("bias"):  # away from 1 / 0: every one shows
                     p.add_(0.1 * torch.randn_like(p))
                 elif pname.endswith("gate.weight"):  # routers: decisive, far from ties
                     p.normal_(0.0, 1.0)

@@ -62,6 +62,24 @@ def expert_mappings(
     return tuple(entries)
 
 
+def shared_expert_mappings(hf_prefix: str, hf_gate: str) -> tuple[Mapping, ...]:
+    """A gated shared expert (megatron's `SharedExpertMLP` with `moe_shared_expert_gate`): its
+    SwiGLU MLP under `hf_prefix` (`gate_proj`/`up_proj`/`down_proj`) and the [1, hidden] gate
+    `hf_gate`; output = sigmoid(x · gate) · mlp(x) on both sides."""
+    return (
+        Mapping(
+            "mlp.shared_experts.linear_fc1.weight",
+            (f"{hf_prefix}.gate_proj.weight", f"{hf_prefix}.up_proj.weight"),
+            "gated_mlp",
+            COLUMN,
+        ),
+        Mapping(
+            "mlp.shared_experts.linear_fc2.weight", (f"{hf_prefix}.down_proj.weight",), tp_axis=ROW
+        ),
+        Mapping("mlp.shared_experts.gate_weight", (hf_gate,)),
+    )
+
+
 def routing_fields(
     config: dict[str, Any], where: str, experts_key: str, renormalise: bool, ffn_key: str
 ) -> dict[str, Any]:

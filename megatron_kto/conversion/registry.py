@@ -18,7 +18,7 @@ from megatron_kto.conversion.mappings import Mapping
 from megatron_kto.models.architecture import GPTArchitecture
 
 #: Family modules, each defining `FAMILIES: tuple[Family, ...]`.
-_MODULES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+_MODULES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
 
 
 @dataclass(frozen=True)

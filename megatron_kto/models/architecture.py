@@ -75,6 +75,10 @@ class GPTArchitecture:
     moe_router_pre_softmax: bool = False
     """Softmax over all experts before the top-k (weights not renormalised); False means the
     softmax over the k selected logits (= softmax, top-k, renormalise)."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Inner width of the shared expert every token also goes through (Qwen2-MoE); None: none."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x · w) with a learned [1, hidden] w."""
     moe_aux_loss_coeff: float = 0.0
     """Weight of the router load-balancing loss in the training loss (HF `router_aux_loss_coef`)."""
 

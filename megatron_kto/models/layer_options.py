@@ -54,6 +54,8 @@ def moe_transformer_config(arch: GPTArchitecture, expert_parallel_size: int) -> 
         moe_grouped_gemm=False,
         moe_permute_fusion=False,
         moe_router_fusion=False,
+        moe_shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=arch.moe_shared_expert_gate,
         expert_model_parallel_size=expert_parallel_size,
     )
 
