@@ -85,12 +85,12 @@ def _loss_settings(cfg: Any, algorithm: str, vocab_size: int):
         "average_log_probs": loss_cfg.preference_average_log_probs,
         "logprob_chunk_size": m.logprob_chunk_size,
         "pack_sequences": m.data.pack_sequences,
+        "router_aux_loss_coeff": float(m.moe_aux_loss_coeff or 0.0) if m.num_moe_experts else 0.0,
     }
     if algorithm == "kto":
         return KTOSettings(
             desirable_weight=m.kto.desirable_loss_weight,
             undesirable_weight=m.kto.undesirable_loss_weight,
-            router_aux_loss_coeff=float(m.moe_aux_loss_coeff or 0.0) if m.num_moe_experts else 0.0,
             **common,
         )
     return DPOSettings(label_smoothing=m.dpo.label_smoothing, **common)

@@ -240,3 +240,53 @@ def test_resume_under_ep2_is_bitwise_and_another_ep_is_one_error_line(runs, tmp_
         export_hf(tmp_path / name, tmp_path / f"{name}_hf")
     a, b = _weights(tmp_path / "straight_hf"), _weights(tmp_path / "resumed_hf")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dpo_aux_loss_equals_transformers(runs, tmp_path):
+    """DPO: each micro-batch (its pairs' chosen and rejected rows in one forward, as TRL's
+    concatenated pass) adds coef x HF's aux loss; the step's aux_loss is the mean over the two
+    micro-batches, and the step-1 loss is ln 2 + coef x aux_loss."""
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from megatron_kto.data.dataset import build_dpo_dataset
+    from megatron_kto.data.tokenizers import load_tokenizer
+
+    root, _ = runs
+    data = REPO / "examples" / "data" / "tiny_dpo" / "train.jsonl"
+    args = [a for a in _args(root, tmp_path / "dpo") if not a.startswith("trainer.kto")]
+    args = [
+        a
+        if not a.startswith("model.data.data_prefix.train")
+        else f"model.data.data_prefix.train=[{data}]"
+        for a in args
+    ]
+    script = REPO / "examples" / "train_gpt_dpo.py"
+    run_script(script, [*args, "trainer.dpo.max_steps=1", "model.micro_batch_size=4"], timeout=600)
+    first = read_metrics(tmp_path / "dpo")[0]
+
+    dataset, _ = build_dpo_dataset(
+        [data], load_tokenizer("sentencepiece", str(TOKENIZER)), 64, use_cache=False
+    )
+    model = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
+    values = []
+    for start in (0, 4):
+        items = [dataset[i] for i in range(start, start + 4)]
+        rows = [
+            list(it["prompt_ids"]) + list(it[k])
+            for k in ("chosen_ids", "rejected_ids")
+            for it in items
+        ]
+        rows = [r[:-1] for r in rows]  # the inputs our model runs
+        ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+        with torch.no_grad():
+            values.append(
+                model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss.item()
+            )
+    expected = sum(values) / 2
+    assert first["aux_loss"] == pytest.approx(expected, rel=1e-5)
+    assert first["loss"] == pytest.approx(math.log(2) + AUX_COEF * expected, rel=1e-6)

@@ -287,11 +287,6 @@ def prepare_run_config(
             f"trainer.precision={t.precision} on a CPU: half-precision matmuls run about 10x "
             "slower than fp32 there; trainer.precision=32 is the CPU setting"
         )
-    if algorithm == "dpo" and arch.num_moe_experts and arch.moe_aux_loss_coeff:
-        notes.append(
-            f"DPO does not add the router load-balancing loss (model.moe_aux_loss_coeff="
-            f"{arch.moe_aux_loss_coeff} applies to KTO only)"
-        )
     return PreparedRun(cfg, arch, arch_file, ckpt_dir, notes)
 
 

@@ -37,7 +37,13 @@ from megatron_kto.models.forward import (
 from megatron_kto.models.output_head import DEFAULT_LOGPROB_CHUNK_SIZE
 from megatron_kto.models.packing import DEFAULT_PACK_SEQUENCES
 from megatron_kto.models.reference import ReferencePolicy
-from megatron_kto.models.router_stats import RouterStatistics, announce_micro_batches
+from megatron_kto.models.router_stats import (
+    RouterStatistics,
+    add_aux_metrics,
+    announce_micro_batches,
+    aux_scalars,
+    with_aux_loss,
+)
 from megatron_kto.models.schedule import (
     Batch,
     broadcast_from_last_stage,
@@ -202,10 +208,7 @@ class MegatronGPTKTOModel:
             num_tokens,
             out.per_example,
         )
-        aux = self.router_stats.loss() if self.router_stats is not None else None
-        if aux is None:
-            return out.loss, {"sums": sums}
-        return out.loss + s.router_aux_loss_coeff * aux, {"sums": sums, "aux": aux.detach()}
+        return with_aux_loss(self.router_stats, s.router_aux_loss_coeff, out.loss, {"sums": sums})
 
     def get_loss_and_metric_sums(
         self, batch: Batch, forward_only: bool
@@ -253,28 +256,15 @@ class MegatronGPTKTOModel:
         data_parallel_all_reduce(sums)
         scalars = {"kl": z0}
         if self.router_stats is not None and not forward_only:
-            # Mean over this step's micro-batches on every DP rank (PP = 1 here, see validate).
-            aux = torch.stack([r["aux"] for r in reported]).to(torch.float64)
-            totals = torch.stack(
-                [
-                    aux.sum(),
-                    torch.tensor(float(aux.numel()), device=aux.device, dtype=torch.float64),
-                ]
-            )
-            data_parallel_all_reduce(totals)
-            scalars["aux_loss"] = totals[0] / totals[1]
-            scalars["aux_loss_term"] = s.router_aux_loss_coeff * scalars["aux_loss"]
+            # PP = 1 whenever the loss is on (config.validate), so `reported` is this rank's.
+            scalars.update(aux_scalars(reported, s.router_aux_loss_coeff))
         return sums, scalars
 
     @staticmethod
     def finalize_metrics(sums: torch.Tensor, scalars: dict[str, torch.Tensor]) -> dict[str, float]:
         """Metrics (TRL names) from (possibly accumulated) sums; `scalars["kl"]` is the z₀ used
         (its mean over the batches when accumulated). The step's one device->host read."""
-        metrics = finalize_kto_metrics(sums, scalars["kl"])
-        if "aux_loss" in scalars:  # TRL logs the aux loss and a loss that includes its term
-            metrics["aux_loss"] = float(scalars["aux_loss"])
-            metrics["loss"] += float(scalars["aux_loss_term"])
-        return metrics
+        return add_aux_metrics(finalize_kto_metrics(sums, scalars["kl"]), scalars)
 
     def get_loss_and_metrics(
         self, batch: Batch, forward_only: bool

@@ -98,3 +98,37 @@ class RouterStatistics:
         """Detach the hooks."""
         for handle in self._handles:
             handle.remove()
+
+
+def with_aux_loss(
+    stats: RouterStatistics | None, coeff: float, loss: Tensor, reported: dict[str, Tensor]
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """A training micro-batch's loss plus `coeff` x its balance loss (the aux value reported
+    under "aux"); unchanged when `stats` is None or no router ran with autograd."""
+    aux = stats.loss() if stats is not None else None
+    if aux is None:
+        return loss, reported
+    return loss + coeff * aux, {**reported, "aux": aux.detach()}
+
+
+def aux_scalars(reported: list[dict[str, Tensor]], coeff: float) -> dict[str, Tensor]:
+    """Per-step scalars `aux_loss` (mean over every micro-batch of every data-parallel rank, as
+    TRL's gathered mean) and `aux_loss_term` (x `coeff`); empty without aux values."""
+    from megatron_kto.models.forward import data_parallel_all_reduce
+
+    values = [r["aux"] for r in reported if "aux" in r]
+    if not values:
+        return {}
+    aux = torch.stack(values).to(torch.float64)
+    totals = torch.stack([aux.sum(), torch.full_like(aux.sum(), float(aux.numel()))])
+    data_parallel_all_reduce(totals)
+    mean = totals[0] / totals[1]
+    return {"aux_loss": mean, "aux_loss_term": coeff * mean}
+
+
+def add_aux_metrics(metrics: dict[str, float], scalars: dict[str, Tensor]) -> dict[str, float]:
+    """TRL's logging: `aux_loss`, and a `loss` that includes the coefficient-weighted term."""
+    if "aux_loss" in scalars:
+        metrics["aux_loss"] = float(scalars["aux_loss"])
+        metrics["loss"] += float(scalars["aux_loss_term"])
+    return metrics
