@@ -258,3 +258,78 @@ def test_router_settings_follow_the_config(converted):
         _hf_configs()["mixtral"].router_aux_loss_coef
     )
     assert results["arch", "qwen3"]["kv_channels"] == 32
+
+
+def _aux_gradient_worker(rank: int, world_size: int, root: str, name: str) -> dict:
+    """Our model's load-balancing loss (router hooks) on padded rows, and its gradients."""
+    from megatron_kto.checkpointing.model_io import read_architecture
+    from megatron_kto.checkpointing.pretrained import restore_pretrained
+    from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
+    from megatron_kto.models.forward import model_call
+    from megatron_kto.models.router_stats import RouterStatistics, token_mask
+    from megatron_kto.runtime import init_runtime, teardown
+
+    ckpt = Path(root) / name / "mcore"
+    arch = read_architecture(ckpt)
+    rt = init_runtime(1, 1, seed=9)
+    (chunk,) = build_gpt_chunks(arch, ParallelLayout(), rt.device)
+    restore_pretrained(ckpt, [chunk])
+    tokens, lengths = _aux_rows()
+    labels = torch.full_like(tokens, -100)
+    for i, n in enumerate(lengths):
+        # Inputs are sequences without their final token, so the last input position is scored.
+        labels[i, : n - 1] = tokens[i, 1:n]
+        labels[i, n - 1] = 1
+    batch = {
+        "tokens": tokens,
+        "labels": labels,
+        "position_ids": torch.arange(SEQ).expand(BATCH, SEQ),
+    }
+    stats = RouterStatistics([chunk])
+    stats.begin(token_mask(batch))
+    model_call(chunk, batch)
+    loss = stats.loss()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in chunk.named_parameters() if n.endswith("router.weight")}
+    grads["embedding"] = chunk.embedding.word_embeddings.weight.grad[:VOCAB].clone()
+    teardown()
+    return {"loss": loss.item(), "grads": grads}
+
+
+def _aux_rows() -> tuple[torch.Tensor, list[int]]:
+    """Padded rows of different lengths (the padding must not count)."""
+    lengths = [SEQ, SEQ - 5, SEQ - 11, SEQ - 2]
+    tokens = _tokens().clone()
+    for i, n in enumerate(lengths):
+        tokens[i, n:] = 0
+    return tokens, lengths
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_load_balancing_loss_and_gradients_equal_transformers(converted, name):
+    """The router statistics hooked in our model give HF's `aux_loss` (attention-mask tokens,
+    all layers jointly) and the same gradients for the routers and the embedding (so the
+    gradient reaches the hidden states as in HF)."""
+    from transformers import AutoModelForCausalLM
+
+    root = converted[0]
+    ours = run_multirank(_aux_gradient_worker, 1, str(root), name, timeout=300)[0]
+    model = AutoModelForCausalLM.from_pretrained(root / name / "hf", dtype=torch.float32)
+    tokens, lengths = _aux_rows()
+    mask = (torch.arange(SEQ)[None, :] < torch.tensor(lengths)[:, None]).long()
+    out = model(input_ids=tokens, attention_mask=mask, output_router_logits=True)
+    out.aux_loss.backward()
+    assert ours["loss"] == pytest.approx(out.aux_loss.item(), rel=1e-5)
+    routers = [
+        p for n, p in model.named_parameters() if n.endswith(".gate.weight") and "shared" not in n
+    ]
+    for i, p in enumerate(routers):
+        torch.testing.assert_close(
+            ours["grads"][f"decoder.layers.{i}.mlp.router.weight"], p.grad, rtol=1e-4, atol=1e-7
+        )
+    hf_embedding = model.get_input_embeddings().weight.grad
+    assert hf_embedding.abs().max() > 0
+    scale = hf_embedding.abs().max().item()  # fp32 round-off relative to the largest entry
+    torch.testing.assert_close(
+        ours["grads"]["embedding"], hf_embedding, rtol=1e-4, atol=1e-5 * scale
+    )
