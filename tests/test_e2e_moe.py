@@ -3,10 +3,12 @@
 A tiny random `transformers` Qwen3-MoE (4 experts, 2 routed per token, decisive routers) with the
 bundled tokenizer's vocabulary is imported with `tools/convert_checkpoint.py`; `examples/
 train_gpt_kto.py` then trains 3 steps from it on 2 ranks (DP=2) with EP=1 and with EP=2, and on
-4 ranks with PP=2 x EP=2 (DP=2: the same global batch). Every logged training metric and every
-exported weight of the EP runs equals the EP=1 run's to fp32 round-off (the data-parallel
-reduction order differs, nothing else). A launch with an expert count EP does not divide fails
-with one `error:` line.
+4 ranks with TP=2 x EP=2 (sequence parallel) and PP=2 x EP=2 (DP=2: the same global batch); the router
+load-balancing loss is on except under PP (which refuses it; compared with EP=1 without it).
+Every logged training metric and every exported weight of the EP runs equals the EP=1 run's to
+fp32 round-off (the reduction order differs, nothing else). The aux loss itself equals
+`transformers`' on the same rows (KTO and DPO), a resume under EP is bitwise, and a launch
+with an expert count EP does not divide fails with one `error:` line.
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ NO_AUX = "model.moe_aux_loss_coeff=0"
 RUNS = {
     "ep1": (2, ["model.expert_model_parallel_size=1"]),
     "ep2": (2, ["model.expert_model_parallel_size=2"]),
+    "ep2tp2": (
+        4,
+        [
+            "model.expert_model_parallel_size=2",
+            "model.tensor_model_parallel_size=2",
+            "model.sequence_parallel=true",  # megatron-core trains MoE x TP only with SP
+        ],
+    ),
     "ep1_noaux": (2, ["model.expert_model_parallel_size=1", NO_AUX]),
     "ep2pp2": (
         4,
@@ -33,7 +43,7 @@ RUNS = {
     "aux_padded": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=false"]),
     "aux_packed": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=true"]),
 }
-REFERENCE = {"ep2": "ep1", "ep2pp2": "ep1_noaux"}
+REFERENCE = {"ep2": "ep1", "ep2tp2": "ep1", "ep2pp2": "ep1_noaux"}
 AUX_COEF = 0.01
 #: fp32 round-off: the data-parallel gradient reduction order differs, so weights differ in their
 #: last bits and summed completion log-probs (~60, fp32 ulp ~4e-6) by an ulp or two; rewards and
@@ -150,7 +160,7 @@ def test_aux_loss_and_loss_equal_transformers(runs, name):
     assert first["loss"] == pytest.approx(0.5 + AUX_COEF * ours, rel=1e-6)
 
 
-@pytest.mark.parametrize("name", ["ep2", "ep2pp2"])
+@pytest.mark.parametrize("name", ["ep2", "ep2tp2", "ep2pp2"])
 def test_expert_parallel_training_equals_ep1(runs, name):
     root, metrics = runs
     reference, got = metrics[REFERENCE[name]], metrics[name]
@@ -159,7 +169,7 @@ def test_expert_parallel_training_equals_ep1(runs, name):
         # The numbers of the step (not timings, throughput or memory, which depend on layout).
         numeric = {k for k in ref_row if k.startswith(COMPARED)}
         assert {"loss", "grad_norm", "kl", "logps/chosen"} <= numeric
-        assert ("aux_loss" in numeric) == (name == "ep2")
+        assert ("aux_loss" in numeric) == (name != "ep2pp2")
         for key in sorted(numeric):
             assert row[key] == pytest.approx(ref_row[key], rel=METRIC_RTOL, abs=METRIC_ATOL), key
     start, ref_w, got_w = (

@@ -313,17 +313,20 @@ def validate(
     check_expert_layout(m, m.expert_model_parallel_size, dp, architecture_file=architecture_file)
     if m.num_moe_experts and m.moe_aux_loss_coeff:
         _need(m.moe_aux_loss_coeff > 0, "model.moe_aux_loss_coeff", "must be >= 0")
-        # The balance statistics span every layer's router and every token of a micro-batch.
-        for ok, why in (
-            (pp == 1, "pipeline_model_parallel_size > 1 (layers on several stages)"),
-            (not m.sequence_parallel, "sequence_parallel (tokens split over TP)"),
-        ):
-            _need(
-                ok,
-                "model.moe_aux_loss_coeff",
-                f"{m.moe_aux_loss_coeff}: the router load-balancing loss is not supported with "
-                f"{why}; set model.moe_aux_loss_coeff=0 to train without it",
-            )
+        # The balance statistics span every layer's router of a micro-batch.
+        _need(
+            pp == 1,
+            "model.moe_aux_loss_coeff",
+            f"{m.moe_aux_loss_coeff}: the router load-balancing loss is not supported with "
+            "pipeline_model_parallel_size > 1 (layers on several stages); set "
+            "model.moe_aux_loss_coeff=0 to train without it",
+        )
+    _need(
+        not (m.num_moe_experts and tp > 1) or m.sequence_parallel,
+        "model.sequence_parallel",
+        "a mixture-of-experts model with tensor_model_parallel_size > 1 trains with sequence "
+        "parallelism (megatron-core requires it): set model.sequence_parallel=true",
+    )
     _need(
         not m.sequence_parallel or tp > 1,
         "model.sequence_parallel",

@@ -9,8 +9,9 @@ in Hugging Face — and the loss function reads `loss()` (which also resets). Ou
 the hooks do nothing: forward-only passes add nothing and cost nothing.
 
 The statistics span all layers of the micro-batch, so the model must not be pipelined
-(`config.validate` refuses a non-zero coefficient with PP > 1); with sequence parallelism each
-TP rank would see only its share of the tokens, which is refused too.
+(`config.validate` refuses a non-zero coefficient with PP > 1). With sequence parallelism (which
+megatron requires for MoE training with TP > 1) each TP rank routes a slice of the sequence; the
+statistics are then summed over the TP group.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from megatron_kto.models.packing import PACKED, kept_lengths
 
 
 def token_mask(batch: dict) -> Tensor:
-    """[S·B] float mask of the micro-batch's input tokens, in megatron's [S, B] (sequence-major)
+    """[S, B] float mask of the micro-batch's input tokens, in megatron's [S, B] (sequence-major)
     token order: each row's positions up to its last scored one (`packing.kept_lengths`), not
     padding — packed or not, the same tokens.
 
@@ -37,11 +38,11 @@ def token_mask(batch: dict) -> Tensor:
     packed = batch.get(PACKED)
     tokens = batch["tokens"]
     if packed is not None:
-        return (packed.row_ids < packed.num_rows).to(torch.float32).reshape(-1)
+        return (packed.row_ids < packed.num_rows).to(torch.float32).reshape(-1, 1)
     b, s = tokens.shape
     kept = kept_lengths(batch["labels"])
     real = torch.arange(s, device=tokens.device)[None, :] < kept[:, None]  # [B, S]
-    return real.t().reshape(-1).to(torch.float32)
+    return real.t().to(torch.float32)
 
 
 def announce_micro_batches(forward_step: Callable, stats: RouterStatistics) -> Callable:
@@ -69,16 +70,28 @@ class RouterStatistics:
     """Forward hooks on the routers of `chunks` accumulating one micro-batch's statistics."""
 
     def __init__(self, chunks: list[torch.nn.Module]):
+        from megatron.core import parallel_state
         from megatron.core.transformer.moe.router import TopKRouter
 
         self._mask: Tensor | None = None
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        # Under sequence parallelism each TP rank routes its slice of the sequence: the counts
+        # and probability sums are summed over the TP group (see `loss`).
+        self._tp = 1
         self._sums: list[Tensor] | None = None
         self.routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
         self._handles = [r.register_forward_hook(self._hook) for r in self.routers]
+        if self.routers and self.routers[0].config.sequence_parallel and tp > 1:
+            self._tp = tp
 
     def begin(self, mask: Tensor) -> None:
-        """Start a micro-batch whose counted tokens are `mask` ([S·B], router order)."""
-        self._mask, self._sums = mask, None
+        """Start a micro-batch whose counted tokens are `mask` ([S, B], `token_mask`)."""
+        if self._tp > 1:  # this rank's sequence slice, as megatron's scatter cuts it
+            from megatron.core import parallel_state
+
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            mask = mask.chunk(self._tp, dim=0)[rank]
+        self._mask, self._sums = mask.reshape(-1), None
 
     def _hook(self, router: torch.nn.Module, args: tuple, output: tuple) -> None:
         if self._mask is None or not torch.is_grad_enabled():
@@ -92,7 +105,22 @@ class RouterStatistics:
     def loss(self) -> Tensor | None:
         """This micro-batch's balance loss (None if no router ran with autograd); resets."""
         sums, self._mask, self._sums = self._sums, None, None
-        return None if sums is None else balance_loss(*sums)
+        if sums is None:
+            return None
+        if self._tp > 1:
+            from megatron.core import parallel_state
+            from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+            counts, prob_sums, tokens = sums
+            group = parallel_state.get_tensor_model_parallel_group()
+            totals = torch.cat([counts.detach(), tokens.detach().reshape(1)])
+            torch.distributed.all_reduce(totals, group=group)
+            # Forward: the sum over the TP ranks; backward: identity, so each rank's gradient
+            # reaches its own tokens (the replicated router's gradients are then summed over
+            # TP by megatron, as for every sequence-parallel parameter).
+            prob_sums = reduce_from_tensor_model_parallel_region(prob_sums)
+            sums = [totals[:-1], prob_sums, totals[-1]]
+        return balance_loss(*sums)
 
     def remove(self) -> None:
         """Detach the hooks."""

@@ -189,6 +189,47 @@ def _patch_all_to_all() -> None:
     dist.all_to_all_single = all_to_all_single
 
 
+def _patch_uneven_collectives() -> None:
+    """Uneven `all_gather` / `reduce_scatter` lists, which gloo rejects ("invalid tensor size").
+
+    megatron's MoE token dispatcher with TP > 1 (sequence parallel) gathers and reduce-scatters
+    a different number of routed tokens per TP rank (`tensor_parallel.mappings`
+    `_gather_along_first_dim` / `_reduce_scatter_along_first_dim` with split sizes); NCCL takes
+    uneven lists. Here: all-gather rows padded to the longest and cut back; reduce-scatter as an
+    all-reduce of the concatenation, keeping this rank's part. Even lists take gloo's own path.
+    """
+    import torch.distributed as dist
+
+    all_gather, reduce_scatter = dist.all_gather, dist.reduce_scatter
+
+    @functools.wraps(all_gather)
+    def uneven_all_gather(tensor_list, tensor, group=None, async_op=False):
+        if all(t.shape == tensor.shape for t in tensor_list):
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros(longest, *tensor.shape[1:])
+        padded[: tensor.shape[0]] = tensor
+        parts = [torch.empty_like(padded) for _ in tensor_list]
+        all_gather(parts, padded, group=group)
+        for out, part in zip(tensor_list, parts, strict=True):
+            out.copy_(part[: out.shape[0]])
+        return None
+
+    @functools.wraps(reduce_scatter)
+    def uneven_reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if all(t.shape == output.shape for t in input_list):
+            return reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+        whole = torch.cat(list(input_list))
+        dist.all_reduce(whole, op=op, group=group)
+        rank = dist.get_rank(group)
+        start = sum(t.shape[0] for t in input_list[:rank])
+        output.copy_(whole[start : start + output.shape[0]])
+        return None
+
+    dist.all_gather = uneven_all_gather
+    dist.reduce_scatter = uneven_reduce_scatter
+
+
 def apply(force: bool = False) -> bool:
     """Apply the CPU redirections once per process, when CUDA is unavailable.
 
@@ -228,6 +269,7 @@ def apply(force: bool = False) -> bool:
     _patch_rng()
     _patch_streams()
     _patch_all_to_all()
+    _patch_uneven_collectives()
     # megatron.core.jit.jit_fuser is torch.compile: ~17 s of C++ compilation per process on CPU
     # for a few fused elementwise ops. Run them eagerly.
     from torch import _dynamo
