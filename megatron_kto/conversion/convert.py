@@ -1,10 +1,10 @@
 """Whole-model conversion: a Hugging Face directory -> a megatron_kto checkpoint, and back.
 
 Both directions build the TP=1, PP=1 model in this one process (CPU or GPU, from the runtime),
-stream tensors through `keymap` one at a time, and write the result to `<out>.tmp` before
-renaming it, so an interrupted conversion never leaves a directory that looks complete. The
-imported checkpoint is an ordinary model checkpoint (`checkpointing.model_io`): it restores
-under any TP/PP/DP layout through `pretrained_checkpoint.restore_from_path`.
+stream tensors through the family's `mappings` table one at a time, and write the result to
+`<out>.tmp` before renaming it, so an interrupted conversion never leaves a directory that looks
+complete. The imported checkpoint is an ordinary model checkpoint (`checkpointing.model_io`): it
+restores under any TP/PP/DP/EP layout through `pretrained_checkpoint.restore_from_path`.
 
 Memory: the model (fp32, or bf16 for a bf16 import/export) plus one source tensor (import) or
 one output shard (export); Hugging Face files are read one tensor at a time through `safe_open`.

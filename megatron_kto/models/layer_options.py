@@ -31,8 +31,9 @@ def moe_transformer_config(arch: GPTArchitecture, expert_parallel_size: int) -> 
     is not wired through megatron's auxiliary-loss path (`moe_router_load_balancing_type='none'`):
     megatron's formula is per layer and divides by top-k, while Hugging Face's
     `load_balancing_loss_func` averages token fractions and router probabilities over all layers'
-    tokens jointly, so it cannot be reproduced from megatron's per-layer losses. It is not applied
-    yet (a launch note says so); the router is deterministic (no jitter, no expert bias).
+    tokens jointly, so it cannot be reproduced from megatron's per-layer losses; ours comes from
+    hooks on these routers (`models.router_stats`). The router is deterministic (no jitter, no
+    expert bias).
     """
     if not arch.num_moe_experts:
         if expert_parallel_size != 1:
