@@ -57,6 +57,7 @@ def _layout(cfg: Any) -> ParallelLayout:
         tensor_model_parallel_size=m.tensor_model_parallel_size,
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=m.expert_model_parallel_size,
         sequence_parallel=m.sequence_parallel,
         precision=str(cfg.trainer.precision),
         activations_checkpoint_granularity=m.activations_checkpoint_granularity,
@@ -94,6 +95,7 @@ def _loss_settings(cfg: Any, algorithm: str, vocab_size: int):
         "average_log_probs": loss_cfg.preference_average_log_probs,
         "logprob_chunk_size": m.logprob_chunk_size,
         "pack_sequences": m.data.pack_sequences,
+        "router_aux_loss_coeff": float(m.moe_aux_loss_coeff or 0.0) if m.num_moe_experts else 0.0,
     }
     if algorithm == "kto":
         return KTOSettings(
@@ -333,6 +335,7 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
             m.pipeline_model_parallel_size,
             m.virtual_pipeline_model_parallel_size,
             seed=m.seed,
+            expert_parallel_size=m.expert_model_parallel_size,
         )
         rank0 = runtime.is_rank0
         try:

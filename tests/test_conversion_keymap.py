@@ -231,3 +231,61 @@ def test_unreadable_weights_are_one_line_errors(tmp_path):
     with pytest.raises(ConversionError, match="model.safetensors") as info:
         HFWeights(tmp_path).get("w")
     assert "\n" not in str(info.value)
+
+
+def _moe_config(model_type: str, **extra) -> dict:
+    experts = "num_local_experts" if model_type == "mixtral" else "num_experts"
+    moe = {experts: 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48}
+    return _config(model_type, **{**moe, **extra})
+
+
+@pytest.mark.parametrize(
+    "config,field",
+    [
+        (_config("gemma3"), "qwen3_moe, mixtral"),  # the message names the supported types
+        (_moe_config("qwen2_moe"), "shared_expert_intermediate_size"),
+        (_moe_config("qwen3_moe", decoder_sparse_step=2), "decoder_sparse_step"),
+        (_moe_config("qwen3_moe", mlp_only_layers=[0]), "mlp_only_layers"),
+        (_moe_config("qwen3_moe", num_experts_per_tok=8), "num_experts_per_tok"),
+        (_moe_config("mixtral", router_jitter_noise=0.1), "router_jitter_noise"),
+        (_config("qwen3", attention_bias=True), "attention_bias"),
+    ],
+    ids=[
+        "gemma3",
+        "qwen2_moe-no-shared",
+        "sparse-step",
+        "mlp-only",
+        "topk",
+        "jitter",
+        "qwen3-bias",
+    ],
+)
+def test_unsupported_families_and_moe_patterns_are_one_line(config, field):
+    with pytest.raises(ConversionError, match=field) as info:
+        architecture_from_hf(config, "x/config.json")
+    assert "\n" not in str(info.value) and str(info.value).startswith("x/config.json")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        _config("qwen3"),
+        _moe_config("qwen3_moe", norm_topk_prob=True),
+        _moe_config("mixtral"),
+        _moe_config("qwen2_moe", shared_expert_intermediate_size=64),
+    ],
+    ids=["qwen3", "qwen3_moe", "mixtral", "qwen2_moe"],
+)
+def test_family_config_round_trip(config):
+    arch = architecture_from_hf(config)
+    assert arch.qk_layernorm == config["model_type"].startswith("qwen3")
+    back = hf_config_from_architecture(arch, config["model_type"], config)
+    assert architecture_from_hf(back) == arch
+    others = {
+        "qwen3": "llama",
+        "qwen3_moe": "qwen3",
+        "mixtral": "qwen3_moe",
+        "qwen2_moe": "qwen3_moe",
+    }
+    with pytest.raises(ConversionError, match=f"not {others[config['model_type']]}"):
+        hf_config_from_architecture(arch, others[config["model_type"]])

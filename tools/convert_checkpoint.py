@@ -3,7 +3,8 @@
     python tools/convert_checkpoint.py import --hf-dir /models/Meta-Llama-3-8B --out /ckpt/llama3_8b
     python tools/convert_checkpoint.py export --ckpt runs/kto/checkpoints --out /models/llama3_8b_kto
 
-`import` reads config.json + safetensors (Llama/Llama-3, Mistral, Qwen2) and writes a checkpoint
+`import` reads config.json + safetensors (Llama/Llama-3, Mistral, Qwen2, Qwen3,
+Qwen3-MoE, Mixtral) and writes a checkpoint
 for `pretrained_checkpoint.restore_from_path` (any TP/PP/DP layout); tokenizer files are copied.
 It runs in one process (no torchrun): the whole model is built once, in float32 unless
 `--dtype bfloat16`, and filled one safetensors tensor at a time.
@@ -43,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     exp = sub.add_parser("export", help="megatron_kto checkpoint -> Hugging Face directory")
     exp.add_argument("--ckpt", required=True, help="checkpoint, checkpoints/ or run directory")
     exp.add_argument("--out", required=True, help="new Hugging Face model directory")
-    exp.add_argument("--model-type", choices=["llama", "mistral", "qwen2"], default=None)
+    from megatron_kto.conversion.registry import supported
+
+    exp.add_argument("--model-type", choices=supported(), default=None)
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
     exp.add_argument(

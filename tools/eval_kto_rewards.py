@@ -70,6 +70,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="auto",
         help="attention backend (default: auto, decided as for training)",
     )
+    p.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        default=1,
+        help="EP of mixture-of-experts models (divides the experts and world / (TP x PP))",
+    )
     p.add_argument("--no-cache", action="store_true", help="do not write tokenised caches")
     p.add_argument("--json", type=Path, help="write the summary (and settings) as JSON here")
     p.add_argument("--per-example", type=Path, help="write one JSON line per example here")
@@ -189,6 +195,7 @@ def check_layout(args: argparse.Namespace, settings: dict[str, Any]) -> None:
         read_architecture,
         resolve_pretrained_dir,
     )
+    from megatron_kto.config.validate import check_expert_layout
     from megatron_kto.config.validate import check_layout as check
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -211,6 +218,16 @@ def check_layout(args: argparse.Namespace, settings: dict[str, Any]) -> None:
             architecture_file=str(ckpt / ARCH_FILE),
             keys=flags,
         )
+        try:
+            check_expert_layout(
+                read_architecture(ckpt),
+                args.expert_model_parallel_size,
+                world // (tp * pp),
+                architecture_file=str(ckpt / ARCH_FILE),
+                key="--expert-model-parallel-size",
+            )
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
 
 
 def evaluate(args: argparse.Namespace) -> int:
@@ -228,7 +245,11 @@ def evaluate(args: argparse.Namespace) -> int:
     from megatron_kto.eval.implicit_reward import implicit_rewards
     from megatron_kto.runtime import init_runtime, teardown
 
-    runtime = init_runtime(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    runtime = init_runtime(
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        expert_parallel_size=args.expert_model_parallel_size,
+    )
     try:
         tokenizer = load_tokenizer(
             settings["tokenizer_library"], settings["tokenizer"], settings["chat_template"]

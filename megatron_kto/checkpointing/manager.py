@@ -64,6 +64,7 @@ def current_layout() -> dict[str, int | None]:
             parallel_state.get_virtual_pipeline_model_parallel_world_size()
         ),
         "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+        "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
     }
 
 
@@ -73,6 +74,11 @@ def _describe(layout: dict[str, Any], kind: str | None) -> str:
         f"TP={layout.get('tensor_model_parallel_size')} PP={layout.get('pipeline_model_parallel_size')}"
         + (f" VPP={vpp}" if vpp else "")
         + f" DP={layout.get('data_parallel_size')}"
+        + (
+            f" EP={layout['expert_model_parallel_size']}"
+            if layout.get("expert_model_parallel_size", 1) > 1
+            else ""
+        )
     )
     return f"{text}, {kind or 'no'} optimizer"
 
@@ -412,7 +418,22 @@ class CheckpointManager:
             raise _Incompatible(
                 f"{path}: holds LoRA adapters only; resume it with model.peft.peft_scheme=lora"
             )
-        same_layout = all(saved_layout.get(k) == v for k, v in layout.items())
+        saved_ep = saved_layout.get("expert_model_parallel_size", 1)  # absent before EP existed
+        if optimizer is not None and saved_ep != layout["expert_model_parallel_size"]:
+            # Measured: expert parameters sit in other optimizer groups (expert-data-parallel)
+            # at another EP, and loading fails inside megatron-core (KeyError 'pre_wd_mult' /
+            # 'optimizer'); the weights themselves reshard.
+            raise _Incompatible(
+                f"{path}: saved with {_describe(saved_layout, saved_kind)}; this run has "
+                f"{_describe(layout, kind)}. megatron-core 0.16.1 cannot convert optimizer state "
+                "between expert-parallel sizes: resume with model.expert_model_parallel_size="
+                f"{saved_ep}, or start a new run from these weights with "
+                f"pretrained_checkpoint.restore_from_path={path}"
+            )
+        same_layout = all(
+            saved_layout.get(k, 1 if k == "expert_model_parallel_size" else None) == v
+            for k, v in layout.items()
+        )
         return {
             "meta": meta,
             "layout": layout,

@@ -52,7 +52,7 @@ REQUIRED_WITHOUT_CHECKPOINT = (
     "encoder_seq_length",
 )
 #: Training choices a config may set on top of a checkpoint's shape.
-RUN_CHOICES = ("hidden_dropout", "attention_dropout")
+RUN_CHOICES = ("hidden_dropout", "attention_dropout", "moe_aux_loss_coeff")
 #: Initialisation only: loaded weights make it moot, so it is neither compared nor used.
 INIT_ONLY = ("init_method_std",)
 #: min_lr when unset is lr / this (NeMo-Aligner's gpt_kto.yaml: 9e-7 for lr 9e-6). A division,

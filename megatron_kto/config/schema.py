@@ -324,6 +324,9 @@ class ModelConfig(ArchitectureFields):
     """PP degree."""
     virtual_pipeline_model_parallel_size: int | None = None
     """Model chunks per pipeline rank (interleaved schedule)."""
+    expert_model_parallel_size: int = 1
+    """EP degree (mixture-of-experts models): each MoE layer's experts are split over this many
+    data-parallel ranks; it must divide the data-parallel size and the expert count."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs TP > 1); batches are right-padded to a multiple of TP."""
     attention_backend: str = "auto"

@@ -152,6 +152,43 @@ def check_layout(
         )
 
 
+def check_expert_layout(
+    arch: Any,
+    ep: int,
+    data_parallel: int,
+    *,
+    architecture_file: str | None = None,
+    key: str = "model.expert_model_parallel_size",
+) -> None:
+    """The expert-parallel degree fits the layout and the architecture.
+
+    megatron-core spreads each MoE layer's experts over `ep` ranks of the data-parallel group, so
+    `ep` must divide the data-parallel size (world / (TP x PP)) and the expert count.
+
+    Raises:
+        ConfigError: naming `key`.
+    """
+    _need(ep >= 1, key, f"must be >= 1, got {ep}")
+    if ep == 1:
+        return
+    where = f" in {architecture_file}" if architecture_file else ""
+    experts = arch.num_moe_experts
+    _need(
+        bool(experts), key, f"{ep} needs a mixture-of-experts model (num_moe_experts unset{where})"
+    )
+    _need(
+        experts % ep == 0,
+        key,
+        f"{ep} does not divide the {experts} experts (num_moe_experts{where})",
+    )
+    _need(
+        data_parallel % ep == 0,
+        key,
+        f"{ep} does not divide the data-parallel size {data_parallel} (world / (TP x PP)); "
+        "expert parallelism splits the data-parallel ranks",
+    )
+
+
 def _check_architecture(m: Any) -> None:
     """Shape checks megatron-core's TransformerConfig would otherwise make with a bare assert or
     a message naming its own field names."""
@@ -288,6 +325,23 @@ def validate(
     dp = data_parallel_size(cfg, world_size)
     _check_architecture(m)
     check_layout(m, tp, pp, vpp, architecture_file=architecture_file)
+    check_expert_layout(m, m.expert_model_parallel_size, dp, architecture_file=architecture_file)
+    if m.num_moe_experts and m.moe_aux_loss_coeff:
+        _need(m.moe_aux_loss_coeff > 0, "model.moe_aux_loss_coeff", "must be >= 0")
+        # The balance statistics span every layer's router of a micro-batch.
+        _need(
+            pp == 1,
+            "model.moe_aux_loss_coeff",
+            f"{m.moe_aux_loss_coeff}: the router load-balancing loss is not supported with "
+            "pipeline_model_parallel_size > 1 (layers on several stages); set "
+            "model.moe_aux_loss_coeff=0 to train without it",
+        )
+    _need(
+        not (m.num_moe_experts and tp > 1) or m.sequence_parallel,
+        "model.sequence_parallel",
+        "a mixture-of-experts model with tensor_model_parallel_size > 1 trains with sequence "
+        "parallelism (megatron-core requires it): set model.sequence_parallel=true",
+    )
     _need(
         not m.sequence_parallel or tp > 1,
         "model.sequence_parallel",

@@ -1,10 +1,10 @@
 """Whole-model conversion: a Hugging Face directory -> a megatron_kto checkpoint, and back.
 
 Both directions build the TP=1, PP=1 model in this one process (CPU or GPU, from the runtime),
-stream tensors through `keymap` one at a time, and write the result to `<out>.tmp` before
-renaming it, so an interrupted conversion never leaves a directory that looks complete. The
-imported checkpoint is an ordinary model checkpoint (`checkpointing.model_io`): it restores
-under any TP/PP/DP layout through `pretrained_checkpoint.restore_from_path`.
+stream tensors through the family's `mappings` table one at a time, and write the result to
+`<out>.tmp` before renaming it, so an interrupted conversion never leaves a directory that looks
+complete. The imported checkpoint is an ordinary model checkpoint (`checkpointing.model_io`): it
+restores under any TP/PP/DP/EP layout through `pretrained_checkpoint.restore_from_path`.
 
 Memory: the model (fp32, or bf16 for a bf16 import/export) plus one source tensor (import) or
 one output shard (export); Hugging Face files are read one tensor at a time through `safe_open`.
@@ -27,12 +27,12 @@ import torch
 
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.conversion.hf_config import (
-    SUPPORTED,
     ConversionError,
     architecture_from_hf,
     hf_config_from_architecture,
 )
-from megatron_kto.conversion.keymap import OUTPUT, norm_names, to_hf, to_megatron
+from megatron_kto.conversion.mappings import OUTPUT, norm_names, to_hf, to_megatron
+from megatron_kto.conversion.registry import default_model_type, get_family
 from megatron_kto.conversion.safetensors_io import HFWeights, write_sharded
 from megatron_kto.models.architecture import GPTArchitecture
 
@@ -106,7 +106,8 @@ def _single_process_model(arch: GPTArchitecture, dtype: str = "float32") -> torc
 
 
 def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -> GPTArchitecture:
-    """Convert a Hugging Face Llama/Mistral/Qwen2 directory into a megatron_kto checkpoint.
+    """Convert a Hugging Face directory of a registered family (`conversion.registry`) into a
+    megatron_kto checkpoint.
 
     Args:
         hf_dir: directory with config.json and safetensors weights (single file or index).
@@ -158,7 +159,9 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -
 
         filled = set()
         with torch.no_grad():
-            for name, tensor in to_megatron(get, arch, arch.padded_vocab_size, norm_names(params)):
+            for name, tensor in to_megatron(
+                get, arch, arch.padded_vocab_size, norm_names(params), config["model_type"]
+            ):
                 param = params[name]
                 if tuple(param.shape) != tuple(tensor.shape):
                     raise ConversionError(
@@ -225,8 +228,8 @@ def export_hf(
     Args:
         ckpt: checkpoint directory, a run or checkpoints directory, or its `latest` marker.
         out_dir: new output directory.
-        model_type: llama, mistral or qwen2 (default: the source model's; else qwen2 for qkv
-            biases, llama otherwise).
+        model_type: a registered Hugging Face model type (default: the source model's; else the
+            first family that expresses the architecture: llama, qwen2 for qkv biases, ...).
         dtype: float32, bfloat16 or float16 (default: the source model's, else float32).
         max_shard_bytes: largest safetensors shard.
         load: fills the built TP=1 model from the checkpoint (default: `load_model`); LoRA
@@ -248,13 +251,8 @@ def export_hf(
     arch = read_architecture(ckpt_dir)
     source = _source_dir(ckpt_dir)
     base = _read_json(source / HF_CONFIG, "source config") if source else None
-    model_type = (
-        model_type or (base or {}).get("model_type") or ("qwen2" if arch.add_qkv_bias else "llama")
-    )
-    if model_type not in SUPPORTED:
-        raise ConversionError(
-            f"--model-type {model_type!r} is not supported ({', '.join(SUPPORTED)})"
-        )
+    model_type = model_type or (base or {}).get("model_type") or default_model_type(arch)
+    get_family(model_type, what="--model-type")
     dtype = dtype or str((base or {}).get("torch_dtype") or (base or {}).get("dtype") or "float32")
     if dtype not in _DTYPES:
         raise ConversionError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
@@ -273,7 +271,10 @@ def export_hf(
         if arch.share_embeddings_and_output_weights:
             state.pop(OUTPUT[0], None)
         write_sharded(
-            to_hf(state.__getitem__, arch, norm_names(state)), tmp, _DTYPES[dtype], max_shard_bytes
+            to_hf(state.__getitem__, arch, norm_names(state), model_type),
+            tmp,
+            _DTYPES[dtype],
+            max_shard_bytes,
         )
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _copy_tokenizer(ckpt_dir if (ckpt_dir / "tokenizer_config.json").exists() else source, tmp)

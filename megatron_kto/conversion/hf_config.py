@@ -1,21 +1,19 @@
-"""Hugging Face `config.json` <-> `GPTArchitecture` for the Llama family.
+"""Hugging Face `config.json` <-> `GPTArchitecture`: the fields every supported family shares.
 
 Reads both the transformers 4.x spelling (`rope_theta`, `rope_scaling`) and the 5.x one
-(`rope_parameters`); writes the 4.x spelling, which every transformers version loads.
+(`rope_parameters`); writes the 4.x spelling, which every transformers version loads. Each family
+(`conversion/families/`) adds its own fields on top of `dense_architecture` / `dense_hf_config`;
+`architecture_from_hf` and `hf_config_from_architecture` dispatch on `model_type` through the
+registry (`conversion/registry.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from megatron_kto.models.architecture import GPTArchitecture
 
-SUPPORTED = ("llama", "mistral", "qwen2")
-HF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
 #: The Llama-3 RoPE scaling megatron-core 0.16 implements (`RotaryEmbedding._apply_scaling`).
 LLAMA3_ROPE = {
     "low_freq_factor": 1.0,
@@ -38,16 +36,46 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 def architecture_from_hf(config: dict[str, Any], where: str = "config.json") -> GPTArchitecture:
-    """The megatron architecture of a Hugging Face Llama/Mistral/Qwen2 config.
+    """The megatron architecture of a Hugging Face config of any registered family.
 
     Raises:
         ConversionError: unsupported model type or option, naming `where` and the field.
     """
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED:
-        raise ConversionError(
-            f"{where}: model_type {model_type!r} is not supported ({', '.join(SUPPORTED)})"
-        )
+    from megatron_kto.conversion.registry import family_of_config
+
+    return family_of_config(config, where).architecture_from_hf(config, where)
+
+
+def hf_config_from_architecture(
+    arch: GPTArchitecture,
+    model_type: str,
+    base: dict[str, Any] | None = None,
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """A config.json for `arch` as `model_type`, keeping the non-shape fields of `base` (token
+    ids, windows...).
+
+    Raises:
+        ConversionError: `model_type` unsupported or `arch` not expressible in it.
+    """
+    from megatron_kto.conversion.registry import expressing_types, get_family
+
+    family = get_family(model_type, what="model type")
+    reason = family.cannot_express(arch)
+    if reason:
+        options = " or ".join(expressing_types(arch)) or "no supported type"
+        raise ConversionError(f"{reason}: it exports as {options}, not {model_type}")
+    config = dense_hf_config(arch, model_type, family.hf_architecture, base, dtype)
+    return family.hf_config(arch, config)
+
+
+def dense_architecture(config: dict[str, Any], where: str, **fields: Any) -> GPTArchitecture:
+    """The fields a Llama-style decoder config shares (RMSNorm, SwiGLU, RoPE, GQA, head_dim),
+    with `fields` (a family's own) on top.
+
+    Raises:
+        ConversionError: a missing size or an option no family supports, naming `where`.
+    """
     for key in (
         "hidden_size",
         "num_hidden_layers",
@@ -63,10 +91,6 @@ def architecture_from_hf(config: dict[str, Any], where: str = "config.json") -> 
         )
     if config.get("mlp_bias"):
         raise ConversionError(f"{where}: mlp_bias: MLP biases are not supported")
-    if model_type == "llama" and config.get("attention_bias"):
-        raise ConversionError(
-            f"{where}: attention_bias: Llama output-projection biases are not supported"
-        )
     heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // heads
@@ -81,7 +105,7 @@ def architecture_from_hf(config: dict[str, Any], where: str = "config.json") -> 
             )
         rope_scaling, factor = True, float(scaling["factor"])
     max_positions = int(config.get("max_position_embeddings", 4096))
-    return GPTArchitecture(
+    arch = GPTArchitecture(
         num_layers=config["num_hidden_layers"],
         hidden_size=hidden,
         ffn_hidden_size=config["intermediate_size"],
@@ -98,38 +122,35 @@ def architecture_from_hf(config: dict[str, Any], where: str = "config.json") -> 
         rope_scaling=rope_scaling,
         rope_scaling_factor=factor,
         add_bias_linear=False,
-        add_qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias")),
+        add_qkv_bias=bool(config.get("attention_bias")),
         share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings", False)),
         init_method_std=float(config.get("initializer_range", 0.02)),
     )
+    return dataclasses.replace(arch, **fields)
 
 
-def hf_config_from_architecture(
+def dense_hf_config(
     arch: GPTArchitecture,
     model_type: str,
-    base: dict[str, Any] | None = None,
-    dtype: str = "float32",
+    hf_architecture: str,
+    base: dict[str, Any] | None,
+    dtype: str,
 ) -> dict[str, Any]:
-    """A config.json for `arch`, keeping the non-shape fields of `base` (token ids, windows...).
+    """The shared fields of a Llama-style config.json for `arch`, over the non-shape fields of
+    `base`.
 
     Raises:
-        ConversionError: `model_type` unsupported or `arch` not expressible in it.
+        ConversionError: `arch` is not RMSNorm + SwiGLU without linear biases.
     """
-    if model_type not in SUPPORTED:
-        raise ConversionError(
-            f"model type {model_type!r} is not supported ({', '.join(SUPPORTED)})"
-        )
     if arch.normalization != "RMSNorm" or arch.activation != "swiglu" or arch.add_bias_linear:
         raise ConversionError(
             "only RMSNorm + SwiGLU models without linear biases export to Hugging Face"
         )
-    if arch.add_qkv_bias and model_type != "qwen2":
-        raise ConversionError(f"a model with qkv biases exports as qwen2, not {model_type}")
     config = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "rope_scaling")}
     heads = arch.num_attention_heads
     config.update(
         model_type=model_type,
-        architectures=[HF_ARCHITECTURES[model_type]],
+        architectures=[hf_architecture],
         hidden_size=arch.hidden_size,
         intermediate_size=arch.ffn_hidden_size,
         num_hidden_layers=arch.num_layers,
@@ -152,7 +173,4 @@ def hf_config_from_architecture(
             "factor": arch.rope_scaling_factor,
             **LLAMA3_ROPE,
         }
-    if model_type == "llama":
-        config.setdefault("attention_bias", False)
-        config.setdefault("mlp_bias", False)
     return config

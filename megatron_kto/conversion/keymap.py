@@ -1,169 +1,47 @@
-"""The Hugging Face <-> megatron-core tensor map for Llama-family decoders, as data.
+"""The tensor map's stable import point (callers and the PEFT room import it from here).
 
-`LAYER_MAP` lists, per transformer layer, which Hugging Face tensors make each megatron tensor
-and how (`copy`, `qkv` fusion, `fc1` fusion). `to_megatron` / `to_hf` apply it with pure
-functions on tensors fetched through a callable, so the caller decides how tensors are stored
-and streamed. Megatron names differ between the local layer spec and Transformer Engine's (TE
-fuses the pre-attention / pre-MLP norms into `linear_qkv` / `linear_fc1`); `norm_names` picks
-the pair a built model uses.
-
-Layouts (h = hidden, d = head dim, n = query heads, g = KV groups, f = FFN size):
-- `linear_qkv.weight` [(n + 2g)·d, h]: for each group, its n/g query heads, then its key head,
-  then its value head (bias [(n + 2g)·d] the same way) — Hugging Face keeps q, k, v separate.
-- `linear_fc1.weight` [2f, h]: gate rows then up rows (SwiGLU).
-- embedding / output rows: the vocabulary padded to a TP-divisible size; padded rows are zero on
-  import and dropped on export.
+The table itself lives in `mappings.py` (shared entries and the two directions), the per-family
+tables in `families/`, and the family registry in `registry.py`.
 """
 
-from __future__ import annotations
-
-from collections.abc import Callable, Iterator
-
-import torch
-
-from megatron_kto.models.architecture import GPTArchitecture
-
-Getter = Callable[[str], torch.Tensor]
-
-#: (megatron name under `decoder.layers.{i}.`, Hugging Face names under `model.layers.{i}.`, kind)
-LAYER_MAP: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("{attn_norm}", ("input_layernorm.weight",), "copy"),
-    (
-        "self_attention.linear_qkv.weight",
-        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-        "qkv",
-    ),
-    ("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "copy"),
-    ("{mlp_norm}", ("post_attention_layernorm.weight",), "copy"),
-    ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1"),
-    ("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "copy"),
+from megatron_kto.conversion.mappings import (
+    COLUMN,
+    EMBEDDING,
+    FINAL_NORM,
+    LOCAL_NORMS,
+    OUTPUT,
+    REPLICATED,
+    ROW,
+    TE_NORMS,
+    Getter,
+    Mapping,
+    fuse_fc1,
+    fuse_qkv,
+    norm_names,
+    pad_rows,
+    split_fc1,
+    split_qkv,
+    to_hf,
+    to_megatron,
 )
-QKV_BIAS = (
-    "self_attention.linear_qkv.bias",
-    ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    "qkv",
-)
-LOCAL_NORMS = {"attn_norm": "input_layernorm.weight", "mlp_norm": "pre_mlp_layernorm.weight"}
-TE_NORMS = {
-    "attn_norm": "self_attention.linear_qkv.layer_norm_weight",
-    "mlp_norm": "mlp.linear_fc1.layer_norm_weight",
-}
-EMBEDDING = ("embedding.word_embeddings.weight", "model.embed_tokens.weight")
-FINAL_NORM = ("decoder.final_layernorm.weight", "model.norm.weight")
-OUTPUT = ("output_layer.weight", "lm_head.weight")
 
-
-def norm_names(megatron_names: set[str] | list[str]) -> dict[str, str]:
-    """The norm names of a built model: Transformer Engine's fused ones or the local spec's."""
-    return (
-        TE_NORMS if any(n.endswith(TE_NORMS["attn_norm"]) for n in megatron_names) else LOCAL_NORMS
-    )
-
-
-def _shape(arch: GPTArchitecture) -> tuple[int, int, int]:
-    heads = arch.num_attention_heads
-    return heads, arch.num_query_groups or heads, arch.kv_channels or arch.hidden_size // heads
-
-
-def fuse_qkv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int
-) -> torch.Tensor:
-    """Interleave separate q [n·d, ...], k [g·d, ...], v [g·d, ...] into megatron's per-group layout."""
-    d = k.shape[0] // groups
-    rest = q.shape[1:]
-    per = heads // groups
-    q = q.reshape(groups, per * d, *rest)
-    k = k.reshape(groups, d, *rest)
-    v = v.reshape(groups, d, *rest)
-    return torch.cat([q, k, v], dim=1).reshape((heads + 2 * groups) * d, *rest)
-
-
-def split_qkv(
-    qkv: torch.Tensor, heads: int, groups: int, head_dim: int
-) -> tuple[torch.Tensor, ...]:
-    """Inverse of `fuse_qkv`: (q, k, v)."""
-    per = heads // groups
-    rest = qkv.shape[1:]
-    grouped = qkv.reshape(groups, (per + 2) * head_dim, *rest)
-    q, k, v = grouped.split([per * head_dim, head_dim, head_dim], dim=1)
-    return (
-        q.reshape(heads * head_dim, *rest),
-        k.reshape(groups * head_dim, *rest),
-        v.reshape(groups * head_dim, *rest),
-    )
-
-
-def fuse_fc1(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU fc1: gate rows then up rows."""
-    return torch.cat([gate, up], dim=0)
-
-
-def split_fc1(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of `fuse_fc1`: (gate, up)."""
-    return tuple(fc1.chunk(2, dim=0))  # type: ignore[return-value]
-
-
-def pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """Vocabulary rows zero-padded to `rows`."""
-    if weight.shape[0] > rows:
-        raise ValueError(f"{weight.shape[0]} vocabulary rows do not fit in {rows}")
-    out = weight.new_zeros(rows, *weight.shape[1:])
-    out[: weight.shape[0]] = weight
-    return out
-
-
-def _layer_entries(arch: GPTArchitecture, norms: dict[str, str]):
-    entries = list(LAYER_MAP) + ([QKV_BIAS] if arch.add_qkv_bias else [])
-    for mname, hnames, kind in entries:
-        yield mname.format(**norms), hnames, kind
-
-
-def to_megatron(
-    get_hf: Getter, arch: GPTArchitecture, padded_vocab: int, norms: dict[str, str] = LOCAL_NORMS
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Megatron (TP=1) tensors from Hugging Face ones, one at a time.
-
-    Args:
-        get_hf: returns the Hugging Face tensor of a name (raises KeyError if absent).
-        arch: the model's architecture.
-        padded_vocab: embedding rows of the megatron model.
-        norms: `norm_names(...)` of the target model.
-    """
-    heads, groups, _ = _shape(arch)
-    yield EMBEDDING[0], pad_rows(get_hf(EMBEDDING[1]), padded_vocab)
-    for i in range(arch.num_layers):
-        for mname, hnames, kind in _layer_entries(arch, norms):
-            tensors = [get_hf(f"model.layers.{i}.{h}") for h in hnames]
-            if kind == "qkv":
-                value = fuse_qkv(*tensors, heads=heads, groups=groups)
-            elif kind == "fc1":
-                value = fuse_fc1(*tensors)
-            else:
-                (value,) = tensors
-            yield f"decoder.layers.{i}.{mname}", value
-    yield FINAL_NORM[0], get_hf(FINAL_NORM[1])
-    if not arch.share_embeddings_and_output_weights:
-        yield OUTPUT[0], pad_rows(get_hf(OUTPUT[1]), padded_vocab)
-
-
-def to_hf(
-    get_megatron: Getter, arch: GPTArchitecture, norms: dict[str, str] = LOCAL_NORMS
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Hugging Face tensors from megatron (TP=1) ones, one at a time; the inverse of `to_megatron`."""
-    heads, groups, head_dim = _shape(arch)
-    vocab = arch.vocab_size
-    yield EMBEDDING[1], get_megatron(EMBEDDING[0])[:vocab]
-    for i in range(arch.num_layers):
-        for mname, hnames, kind in _layer_entries(arch, norms):
-            value = get_megatron(f"decoder.layers.{i}.{mname}")
-            if kind == "qkv":
-                parts = split_qkv(value, heads, groups, head_dim)
-            elif kind == "fc1":
-                parts = split_fc1(value)
-            else:
-                parts = (value,)
-            for h, part in zip(hnames, parts, strict=True):
-                yield f"model.layers.{i}.{h}", part
-    yield FINAL_NORM[1], get_megatron(FINAL_NORM[0])
-    if not arch.share_embeddings_and_output_weights:
-        yield OUTPUT[1], get_megatron(OUTPUT[0])[:vocab]
+__all__ = [
+    "COLUMN",
+    "EMBEDDING",
+    "FINAL_NORM",
+    "LOCAL_NORMS",
+    "OUTPUT",
+    "REPLICATED",
+    "ROW",
+    "TE_NORMS",
+    "Getter",
+    "Mapping",
+    "fuse_fc1",
+    "fuse_qkv",
+    "norm_names",
+    "pad_rows",
+    "split_fc1",
+    "split_qkv",
+    "to_hf",
+    "to_megatron",
+]

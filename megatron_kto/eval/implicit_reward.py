@@ -208,6 +208,7 @@ def implicit_rewards(
         precision=precision,
         attention_backend=attention_backend,
         pack_sequences=PACKED_PASSES,
+        expert_model_parallel_size=runtime.expert_parallel_size,
     )
     chunks = build_gpt_chunks(arch, layout, runtime.device)
 

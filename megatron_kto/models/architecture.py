@@ -13,7 +13,7 @@ from typing import Any
 
 @dataclass
 class GPTArchitecture:
-    """Shape and numerics of a GPT/Llama-family decoder."""
+    """Shape and numerics of a GPT/Llama-family decoder (dense or mixture-of-experts)."""
 
     num_layers: int = 2
     """Number of transformer layers."""
@@ -55,6 +55,8 @@ class GPTArchitecture:
     """Biases on all linear layers (GPT-2 style)."""
     add_qkv_bias: bool = False
     """Bias on the QKV projection only (Qwen2)."""
+    qk_layernorm: bool = False
+    """Per-head RMSNorm/LayerNorm of queries and keys before RoPE (Qwen3)."""
     share_embeddings_and_output_weights: bool = False
     """Tie the input embedding and the output layer."""
     init_method_std: float = 0.02
@@ -63,6 +65,22 @@ class GPTArchitecture:
     """Dropout after attention/MLP."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
+
+    num_moe_experts: int | None = None
+    """Routed experts per MoE layer; None means a dense MLP in every layer."""
+    moe_ffn_hidden_size: int | None = None
+    """Inner width of one expert (per branch for SwiGLU); None means ffn_hidden_size."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k (weights not renormalised); False means the
+    softmax over the k selected logits (= softmax, top-k, renormalise)."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Inner width of the shared expert every token also goes through (Qwen2-MoE); None: none."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x · w) with a learned [1, hidden] w."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the router load-balancing loss in the training loss (HF `router_aux_loss_coef`)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form, for checkpoints and JSON."""

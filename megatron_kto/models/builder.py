@@ -1,8 +1,9 @@
 """Build megatron-core `GPTModel` chunks for this rank from a `GPTArchitecture`.
 
 Handles the pipeline split (pre/post-process per stage, virtual pipeline chunks), the layer spec
-(`model.attention_backend` as `runtime.attention_backend` decides it, see `layer_specs.py`) and
-the Llama-family options (RMSNorm, SwiGLU, RoPE with optional Llama-3 scaling, GQA, QKV bias).
+(`model.attention_backend` as `runtime.attention_backend` decides it, see `layer_specs.py`),
+the Llama-family options (RMSNorm, SwiGLU, RoPE with optional Llama-3 scaling, GQA, QKV bias,
+Q/K norms) and mixture-of-experts layers (`layer_options.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.models.layer_options import moe_transformer_config
 from megatron_kto.models.layer_specs import decoder_block_spec
 from megatron_kto.runtime.attention_backend import (
     AttentionChoice,
@@ -39,6 +41,8 @@ class ParallelLayout:
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    """Ranks the routed experts of each MoE layer are spread over (within DP x CP)."""
     virtual_pipeline_model_parallel_size: int | None = None
     sequence_parallel: bool = False
     precision: str = "32"
@@ -95,6 +99,7 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         normalization=arch.normalization,
         add_bias_linear=arch.add_bias_linear,
         add_qkv_bias=arch.add_qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
         gated_linear_unit=arch.activation == "swiglu",
         activation_func=_ACTIVATIONS[arch.activation],
         init_method_std=arch.init_method_std,
@@ -132,6 +137,7 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         batch_p2p_comm=layout.virtual_pipeline_model_parallel_size is None,
         # No CUDA graphs; megatron's default scope "full" only triggers a deprecation warning.
         cuda_graph_scope=[],
+        **moe_transformer_config(arch, layout.expert_model_parallel_size),
     )
 
 

@@ -24,6 +24,13 @@ from megatron_kto.models.forward import (
 from megatron_kto.models.output_head import DEFAULT_LOGPROB_CHUNK_SIZE
 from megatron_kto.models.packing import DEFAULT_PACK_SEQUENCES, ROW_LENGTHS
 from megatron_kto.models.reference import ReferencePolicy
+from megatron_kto.models.router_stats import (
+    RouterStatistics,
+    add_aux_metrics,
+    announce_micro_batches,
+    aux_scalars,
+    with_aux_loss,
+)
 from megatron_kto.models.schedule import (
     NUM_SCORED,
     Batch,
@@ -55,6 +62,9 @@ class DPOSettings:
     """Tokens per chunk of the completion-only output layer; 0 computes full logits."""
     pack_sequences: bool = DEFAULT_PACK_SEQUENCES
     """Padding-free micro-batches: rows packed end to end (`models.packing`)."""
+    router_aux_loss_coeff: float = 0.0
+    """MoE only: weight of the router load-balancing loss over each training micro-batch (its
+    chosen and rejected rows, one forward as TRL's concatenated pass); 0 = off."""
 
 
 def _logps(stats: torch.Tensor, average: bool) -> torch.Tensor:
@@ -71,6 +81,7 @@ class MegatronGPTDPOModel:
         self.chunks = chunks
         self.reference = reference
         self.settings = settings
+        self.router_stats = RouterStatistics(chunks) if settings.router_aux_loss_coeff else None
 
     def forward_logprobs(
         self, batch: Batch, chunks: list[torch.nn.Module], micro_batch_size: int | None = None
@@ -134,7 +145,9 @@ class MegatronGPTDPOModel:
             stats[n:, NUM_TOKENS],
             out.per_example,
         )
-        return out.loss, {"sums": sums}
+        return with_aux_loss(
+            self.router_stats, self.settings.router_aux_loss_coeff, out.loss, {"sums": sums}
+        )
 
     def _micro_batches(self, batch: Batch) -> list[Batch]:
         mbs = self.settings.micro_batch_size
@@ -179,18 +192,22 @@ class MegatronGPTDPOModel:
             with torch.no_grad():
                 reported = run_schedule(self.chunks, micro, step, forward_only=True, pack=pack)
         else:
+            if self.router_stats is not None:
+                step = announce_micro_batches(step, self.router_stats)
             reported = run_schedule(self.chunks, micro, step, forward_only=False, pack=pack)
         local = torch.stack([r["sums"] for r in reported]).sum(0) if reported else None
         sums = broadcast_from_last_stage(
             local, (DPO_METRICS.size,), torch.float64, batch["chosen"].device
         )
         data_parallel_all_reduce(sums)
+        if self.router_stats is not None and not forward_only:
+            return sums, aux_scalars(reported, s.router_aux_loss_coeff)  # PP = 1 (validate)
         return sums, {}
 
     @staticmethod
     def finalize_metrics(sums: torch.Tensor, scalars: dict[str, torch.Tensor]) -> dict[str, float]:
         """Metrics (TRL names) from (possibly accumulated) sums."""
-        return finalize_dpo_metrics(sums)
+        return add_aux_metrics(finalize_dpo_metrics(sums), scalars)
 
     def get_loss_and_metrics(
         self, batch: Batch, forward_only: bool

@@ -37,6 +37,13 @@ from megatron_kto.models.forward import (
 from megatron_kto.models.output_head import DEFAULT_LOGPROB_CHUNK_SIZE
 from megatron_kto.models.packing import DEFAULT_PACK_SEQUENCES
 from megatron_kto.models.reference import ReferencePolicy
+from megatron_kto.models.router_stats import (
+    RouterStatistics,
+    add_aux_metrics,
+    announce_micro_batches,
+    aux_scalars,
+    with_aux_loss,
+)
 from megatron_kto.models.schedule import (
     Batch,
     broadcast_from_last_stage,
@@ -70,6 +77,9 @@ class KTOSettings:
     """Tokens per chunk of the completion-only output layer; 0 computes full logits."""
     pack_sequences: bool = DEFAULT_PACK_SEQUENCES
     """Padding-free micro-batches: rows packed end to end (`models.packing`)."""
+    router_aux_loss_coeff: float = 0.0
+    """MoE only: weight of the router load-balancing loss (`losses.router_aux`) added to each
+    training micro-batch's loss, as TRL adds HF's `router_aux_loss_coef · aux_loss`; 0 = off."""
 
     @property
     def uses_kl_rows(self) -> bool:
@@ -92,6 +102,7 @@ class MegatronGPTKTOModel:
         self.chunks = chunks
         self.reference = reference
         self.settings = settings
+        self.router_stats = RouterStatistics(chunks) if settings.router_aux_loss_coeff else None
 
     def forward_logprobs(
         self, batch: Batch, chunks: list[torch.nn.Module], micro_batch_size: int | None = None
@@ -197,7 +208,7 @@ class MegatronGPTKTOModel:
             num_tokens,
             out.per_example,
         )
-        return out.loss, {"sums": sums}
+        return with_aux_loss(self.router_stats, s.router_aux_loss_coeff, out.loss, {"sums": sums})
 
     def get_loss_and_metric_sums(
         self, batch: Batch, forward_only: bool
@@ -236,18 +247,24 @@ class MegatronGPTKTOModel:
             with torch.no_grad():
                 reported = run_schedule(self.chunks, micro, step, forward_only=True, pack=pack)
         else:
+            if self.router_stats is not None:
+                step = announce_micro_batches(step, self.router_stats)
             reported = run_schedule(self.chunks, micro, step, forward_only=False, pack=pack)
         local = torch.stack([r["sums"] for r in reported]).sum(0) if reported else None
         device = batch["samples"].device
         sums = broadcast_from_last_stage(local, (KTO_METRICS.size,), torch.float64, device)
         data_parallel_all_reduce(sums)
-        return sums, {"kl": z0}
+        scalars = {"kl": z0}
+        if self.router_stats is not None and not forward_only:
+            # PP = 1 whenever the loss is on (config.validate), so `reported` is this rank's.
+            scalars.update(aux_scalars(reported, s.router_aux_loss_coeff))
+        return sums, scalars
 
     @staticmethod
     def finalize_metrics(sums: torch.Tensor, scalars: dict[str, torch.Tensor]) -> dict[str, float]:
         """Metrics (TRL names) from (possibly accumulated) sums; `scalars["kl"]` is the z₀ used
         (its mean over the batches when accumulated). The step's one device->host read."""
-        return finalize_kto_metrics(sums, scalars["kl"])
+        return add_aux_metrics(finalize_kto_metrics(sums, scalars["kl"]), scalars)
 
     def get_loss_and_metrics(
         self, batch: Batch, forward_only: bool

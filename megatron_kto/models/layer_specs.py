@@ -33,6 +33,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kto.models.attention import SDPAttention
+from megatron_kto.models.layer_options import extend_local_layer
 from megatron_kto.models.norms import LocalNorm
 from megatron_kto.models.packed_rope import PackedRoPESelfAttention
 
@@ -80,8 +81,11 @@ def decoder_block_spec(
         megatron would pick the final norm itself (`TENorm` whenever TE is merely importable).
     """
     if backend == "te":
-        return get_gpt_layer_with_transformer_engine_spec()
-    layer = local_layer_spec(normalization, backend)
+        experts = config.num_moe_experts
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=bool(experts), qk_layernorm=config.qk_layernorm
+        )
+    layer = extend_local_layer(local_layer_spec(normalization, backend), config)
     # All layers share one spec, so only the count per stage matters, not the offsets.
     count = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=LocalNorm)

@@ -125,6 +125,111 @@ def _patch_rng() -> None:
     logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
 
 
+class _CpuStream:
+    """The one CPU "stream": work is already ordered, so waits and events are no-ops.
+
+    megatron's MoE all-to-all dispatcher (`token_dispatcher.py` ~445/871) creates a side stream
+    for its device-to-host copies of the split sizes and compares it with the current stream;
+    every instance is the same object, so it sees no side stream and records nothing.
+    """
+
+    _instance: _CpuStream | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _CpuStream:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def wait_stream(self, stream: Any) -> None:
+        """Nothing to wait for."""
+
+    def wait_event(self, event: Any) -> None:
+        """Nothing to wait for."""
+
+    def record_event(self, event: Any = None) -> _CpuStream:
+        """An event that is already complete (this object: it has `synchronize`)."""
+        return self
+
+    def synchronize(self) -> None:
+        """Already complete."""
+
+    def query(self) -> bool:
+        """Always complete."""
+        return True
+
+
+def _patch_streams() -> None:
+    import contextlib
+
+    torch.cuda.Stream = _CpuStream  # type: ignore[misc, assignment]
+    torch.cuda.current_stream = lambda device=None: _CpuStream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
+def _patch_all_to_all() -> None:
+    """Split sizes as Python ints for `all_to_all_single`.
+
+    On GPU megatron's all-to-all dispatcher moves its split sizes to host numpy arrays
+    (`moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)` acts only on CUDA tensors); on the
+    CPU they stay tensors, which torch's `all_to_all_single` binding rejects (TypeError).
+    """
+    import torch.distributed as dist
+
+    original = dist.all_to_all_single
+
+    @functools.wraps(original)
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+        def as_list(sizes):
+            return None if sizes is None else [int(s) for s in sizes]
+
+        return original(
+            output, input, as_list(output_split_sizes), as_list(input_split_sizes), **kw
+        )
+
+    dist.all_to_all_single = all_to_all_single
+
+
+def _patch_uneven_collectives() -> None:
+    """Uneven `all_gather` / `reduce_scatter` lists, which gloo rejects ("invalid tensor size").
+
+    megatron's MoE token dispatcher with TP > 1 (sequence parallel) gathers and reduce-scatters
+    a different number of routed tokens per TP rank (`tensor_parallel.mappings`
+    `_gather_along_first_dim` / `_reduce_scatter_along_first_dim` with split sizes); NCCL takes
+    uneven lists. Here: all-gather rows padded to the longest and cut back; reduce-scatter as an
+    all-reduce of the concatenation, keeping this rank's part. Even lists take gloo's own path.
+    """
+    import torch.distributed as dist
+
+    all_gather, reduce_scatter = dist.all_gather, dist.reduce_scatter
+
+    @functools.wraps(all_gather)
+    def uneven_all_gather(tensor_list, tensor, group=None, async_op=False):
+        if all(t.shape == tensor.shape for t in tensor_list):
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros(longest, *tensor.shape[1:])
+        padded[: tensor.shape[0]] = tensor
+        parts = [torch.empty_like(padded) for _ in tensor_list]
+        all_gather(parts, padded, group=group)
+        for out, part in zip(tensor_list, parts, strict=True):
+            out.copy_(part[: out.shape[0]])
+        return None
+
+    @functools.wraps(reduce_scatter)
+    def uneven_reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if all(t.shape == output.shape for t in input_list):
+            return reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+        whole = torch.cat(list(input_list))
+        dist.all_reduce(whole, op=op, group=group)
+        rank = dist.get_rank(group)
+        start = sum(t.shape[0] for t in input_list[:rank])
+        output.copy_(whole[start : start + output.shape[0]])
+        return None
+
+    dist.all_gather = uneven_all_gather
+    dist.reduce_scatter = uneven_reduce_scatter
+
+
 def apply(force: bool = False) -> bool:
     """Apply the CPU redirections once per process, when CUDA is unavailable.
 
@@ -162,6 +267,9 @@ def apply(force: bool = False) -> bool:
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.Tensor.type = _cpu_tensor_type(torch.Tensor.type)
     _patch_rng()
+    _patch_streams()
+    _patch_all_to_all()
+    _patch_uneven_collectives()
     # megatron.core.jit.jit_fuser is torch.compile: ~17 s of C++ compilation per process on CPU
     # for a few fused elementwise ops. Run them eagerly.
     from torch import _dynamo

@@ -36,6 +36,7 @@ class Runtime:
     data_parallel_rank: int
     pipeline_parallel_rank: int
     tensor_parallel_rank: int
+    expert_parallel_size: int = 1
 
     @property
     def is_rank0(self) -> bool:
@@ -95,6 +96,7 @@ def init_runtime(
     seed: int = 1234,
     device: str = "auto",
     timeout_minutes: int = 30,
+    expert_parallel_size: int = 1,
 ) -> Runtime:
     """Initialise torch.distributed and megatron-core's parallel state for this process.
 
@@ -109,6 +111,8 @@ def init_runtime(
         seed: base random seed.
         device: "auto" (CUDA if available), "cuda" or "cpu".
         timeout_minutes: collective timeout.
+        expert_parallel_size: EP degree of MoE layers (ranks within the data-parallel group
+            that split each layer's experts); 1 for dense models.
 
     Returns:
         The `Runtime` of this rank.
@@ -156,6 +160,7 @@ def init_runtime(
         tensor_model_parallel_size=tensor_parallel_size,
         pipeline_model_parallel_size=pipeline_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_parallel_size,
+        expert_model_parallel_size=expert_parallel_size,
     )
     set_seed(seed)
     return Runtime(
@@ -170,6 +175,7 @@ def init_runtime(
         data_parallel_rank=parallel_state.get_data_parallel_rank(),
         pipeline_parallel_rank=parallel_state.get_pipeline_model_parallel_rank(),
         tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
+        expert_parallel_size=expert_parallel_size,
     )
 
 

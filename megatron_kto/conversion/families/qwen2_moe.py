@@ -1,0 +1,82 @@
+"""Qwen2-MoE (Qwen1.5-MoE): Qwen2 attention (q/k/v biases) and in every layer routed experts plus
+a shared expert scaled by a sigmoid gate — megatron-core's `SharedExpertMLP` with
+`moe_shared_expert_gate`. Routing as Qwen3-MoE: softmax over all experts, top-k, renormalised
+when `norm_topk_prob`. Dense layers between MoE layers are refused (one layer spec)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_kto.conversion.families import mismatch
+from megatron_kto.conversion.families.qwen3_moe import layer_mappings as routed_mappings
+from megatron_kto.conversion.hf_config import ConversionError, dense_architecture
+from megatron_kto.conversion.mappings import Mapping
+from megatron_kto.conversion.moe import routing_fields, shared_expert_mappings
+from megatron_kto.conversion.registry import Family
+from megatron_kto.models.architecture import GPTArchitecture
+
+
+def layer_mappings(arch: GPTArchitecture, norms: dict[str, str]) -> tuple[Mapping, ...]:
+    """Qwen3-MoE's table (same names) plus `mlp.shared_expert.*` and `mlp.shared_expert_gate`."""
+    return routed_mappings(arch, norms) + shared_expert_mappings(
+        "mlp.shared_expert", "mlp.shared_expert_gate.weight"
+    )
+
+
+def _architecture(config: dict[str, Any], where: str) -> GPTArchitecture:
+    step = config.get("decoder_sparse_step", 1)
+    if step != 1 or config.get("mlp_only_layers"):
+        raise ConversionError(
+            f"{where}: decoder_sparse_step {step} / mlp_only_layers "
+            f"{config.get('mlp_only_layers')}: only an MoE MLP in every layer is supported"
+        )
+    shared = config.get("shared_expert_intermediate_size")
+    if not isinstance(shared, int) or shared <= 0:
+        raise ConversionError(
+            f"{where}: shared_expert_intermediate_size: missing or not a positive integer"
+        )
+    routing = routing_fields(
+        config,
+        where,
+        "num_experts",
+        bool(config.get("norm_topk_prob", False)),
+        "moe_intermediate_size",
+    )
+    return dense_architecture(
+        config,
+        where,
+        add_qkv_bias=bool(config.get("qkv_bias", True)),
+        moe_shared_expert_intermediate_size=shared,
+        moe_shared_expert_gate=True,
+        **routing,
+    )
+
+
+def _config(arch: GPTArchitecture, config: dict[str, Any]) -> dict[str, Any]:
+    config.pop("num_local_experts", None)
+    config.update(
+        qkv_bias=arch.add_qkv_bias,
+        num_experts=arch.num_moe_experts,
+        num_experts_per_tok=arch.moe_router_topk,
+        moe_intermediate_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
+        shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
+        norm_topk_prob=not arch.moe_router_pre_softmax,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=arch.moe_aux_loss_coeff,
+    )
+    return config
+
+
+FAMILIES = (
+    Family(
+        model_type="qwen2_moe",
+        hf_architecture="Qwen2MoeForCausalLM",
+        architecture_from_hf=_architecture,
+        hf_config=_config,
+        layer_mappings=layer_mappings,
+        cannot_express=lambda arch: mismatch(
+            arch, qkv_bias=arch.add_qkv_bias, moe=True, shared_expert=True
+        ),
+    ),
+)

@@ -1,0 +1,115 @@
+"""Mixture-of-experts layers in the conversion table: the router and one entry per expert.
+
+Hugging Face publishes one tensor per expert projection (`...experts.{e}.gate_proj.weight`, or
+Mixtral's `w1`/`w3`/`w2`); megatron-core keeps them per expert too, under two spellings:
+- local experts (`SequentialMLP`, the spec without Transformer Engine):
+  `mlp.experts.local_experts.{e}.linear_fc1.weight` — SwiGLU gate rows then up rows;
+- Transformer Engine's grouped experts (`TEGroupedMLP`): `mlp.experts.linear_fc1.weight{e}`.
+The router is `mlp.router.weight` [experts, hidden], replicated over TP. The pre-MLP norm of an
+MoE layer is never fused into a linear layer, so it is `pre_mlp_layernorm.weight` in both specs.
+
+The table names experts by their global index: conversion runs at EP=1 and megatron's
+distributed checkpoint maps local to global experts when an EP>1 layout restores it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_kto.conversion.hf_config import ConversionError
+from megatron_kto.conversion.mappings import COLUMN, ROW, TE_NORMS, Mapping
+from megatron_kto.models.architecture import GPTArchitecture
+
+LOCAL_EXPERT = "mlp.experts.local_experts.{e}.{fc}.weight"
+GROUPED_EXPERT = "mlp.experts.{fc}.weight{e}"
+ROUTER = "mlp.router.weight"
+MOE_NORM = "pre_mlp_layernorm.weight"
+
+
+def expert_mappings(
+    arch: GPTArchitecture,
+    norms: dict[str, str],
+    hf_router: str,
+    hf_gate: str,
+    hf_up: str,
+    hf_down: str,
+) -> tuple[Mapping, ...]:
+    """The MLP part of an MoE layer: norm, router, and each expert's fc1 (gate, up) and fc2.
+
+    Args:
+        arch: an MoE architecture (`num_moe_experts` set).
+        norms: the built model's norm names (`TE_NORMS` means TE's grouped experts).
+        hf_router: Hugging Face router weight under `model.layers.{i}.`.
+        hf_gate, hf_up, hf_down: expert projection names with an `{e}` placeholder.
+    """
+    template = GROUPED_EXPERT if norms is TE_NORMS else LOCAL_EXPERT
+    entries = [
+        Mapping(MOE_NORM, ("post_attention_layernorm.weight",)),
+        Mapping(ROUTER, (hf_router,)),
+    ]
+    for e in range(arch.num_moe_experts or 0):
+        entries.append(
+            Mapping(
+                template.format(e=e, fc="linear_fc1"),
+                (hf_gate.format(e=e), hf_up.format(e=e)),
+                "gated_mlp",
+                COLUMN,
+            )
+        )
+        entries.append(
+            Mapping(template.format(e=e, fc="linear_fc2"), (hf_down.format(e=e),), tp_axis=ROW)
+        )
+    return tuple(entries)
+
+
+def shared_expert_mappings(hf_prefix: str, hf_gate: str) -> tuple[Mapping, ...]:
+    """A gated shared expert (megatron's `SharedExpertMLP` with `moe_shared_expert_gate`): its
+    SwiGLU MLP under `hf_prefix` (`gate_proj`/`up_proj`/`down_proj`) and the [1, hidden] gate
+    `hf_gate`; output = sigmoid(x · gate) · mlp(x) on both sides."""
+    return (
+        Mapping(
+            "mlp.shared_experts.linear_fc1.weight",
+            (f"{hf_prefix}.gate_proj.weight", f"{hf_prefix}.up_proj.weight"),
+            "gated_mlp",
+            COLUMN,
+        ),
+        Mapping(
+            "mlp.shared_experts.linear_fc2.weight", (f"{hf_prefix}.down_proj.weight",), tp_axis=ROW
+        ),
+        Mapping("mlp.shared_experts.gate_weight", (hf_gate,)),
+    )
+
+
+def routing_fields(
+    config: dict[str, Any], where: str, experts_key: str, renormalise: bool, ffn_key: str
+) -> dict[str, Any]:
+    """`GPTArchitecture` MoE fields of a config.json.
+
+    Args:
+        config: the Hugging Face config.
+        where: its path, for errors.
+        experts_key: the config's name for the routed expert count.
+        renormalise: whether the top-k weights are renormalised to sum to 1 (softmax over all
+            experts, top-k, renormalise = softmax over the k selected logits).
+        ffn_key: the config's name for one expert's inner width.
+
+    Raises:
+        ConversionError: a missing count or width, naming `where` and the key.
+    """
+    experts = config.get(experts_key) or config.get("num_local_experts")
+    topk = config.get("num_experts_per_tok")
+    width = config.get(ffn_key)
+    for key, value in ((experts_key, experts), ("num_experts_per_tok", topk), (ffn_key, width)):
+        if not isinstance(value, int) or value <= 0:
+            raise ConversionError(f"{where}: {key}: missing or not a positive integer")
+    if topk > experts:
+        raise ConversionError(
+            f"{where}: num_experts_per_tok {topk} exceeds {experts_key} {experts}"
+        )
+    return {
+        "num_moe_experts": experts,
+        "moe_router_topk": topk,
+        "moe_ffn_hidden_size": width,
+        "moe_router_pre_softmax": not renormalise,
+        "moe_aux_loss_coeff": float(config.get("router_aux_loss_coef", 0.0) or 0.0),
+    }

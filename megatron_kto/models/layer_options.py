@@ -1,0 +1,101 @@
+"""Architecture options layered onto the attention-backend's local layer spec: per-head Q/K norms
+(Qwen3) and a mixture-of-experts MLP (Qwen3-MoE, Mixtral).
+
+`layer_specs.local_layer_spec` decides the attention modules; this module only swaps the Q/K norm
+slots and the MLP, so both evolve independently. The MoE MLP is megatron-core's `MoELayer` with
+its router and local experts (`SequentialMLP`: one megatron MLP per expert) — the spec megatron's
+`get_gpt_layer_local_spec(num_experts=..., moe_grouped_gemm=False)` builds; with Transformer
+Engine, `get_gpt_layer_with_transformer_engine_spec(num_experts=..., moe_grouped_gemm=True)`
+builds TE's grouped experts instead (see `layer_specs.decoder_block_spec`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.models.norms import LocalNorm
+
+
+def moe_transformer_config(arch: GPTArchitecture, expert_parallel_size: int) -> dict[str, Any]:
+    """The `TransformerConfig` fields of an architecture's MoE layers (empty when dense).
+
+    Routing is dropless (no capacity factor, no token dropping) through the all-to-all token
+    dispatcher, as Hugging Face's MoE blocks compute every routed token. The load-balancing loss
+    is not wired through megatron's auxiliary-loss path (`moe_router_load_balancing_type='none'`):
+    megatron's formula is per layer and divides by top-k, while Hugging Face's
+    `load_balancing_loss_func` averages token fractions and router probabilities over all layers'
+    tokens jointly, so it cannot be reproduced from megatron's per-layer losses; ours comes from
+    hooks on these routers (`models.router_stats`). The router is deterministic (no jitter, no
+    expert bias).
+    """
+    if not arch.num_moe_experts:
+        if expert_parallel_size != 1:
+            raise ValueError(
+                f"model.expert_model_parallel_size {expert_parallel_size} needs a mixture-of-"
+                "experts model (this one is dense)"
+            )
+        return {}
+    return dict(
+        num_moe_experts=arch.num_moe_experts,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
+        moe_router_topk=arch.moe_router_topk,
+        moe_router_pre_softmax=arch.moe_router_pre_softmax,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall",
+        moe_expert_capacity_factor=None,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        moe_shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=arch.moe_shared_expert_gate,
+        expert_model_parallel_size=expert_parallel_size,
+    )
+
+
+def _define_te_gemm_when_absent() -> None:
+    """megatron-core 0.16.1 bug (not CPU-specific): `moe_utils.RouterGatingLinearFunction` tests
+    `te_general_gemm is not None`, but the name only exists when Transformer Engine imported, so
+    every router forward raises NameError without TE. Define it as None: the router then uses
+    its own `torch.mm` path, as intended."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def extend_local_layer(spec: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
+    """`spec` (a local-spec transformer layer) with `LocalNorm` Q/K norms when
+    `config.qk_layernorm` and megatron's MoE MLP when `config.num_moe_experts`.
+
+    An MoE layer's pre-MLP norm is never fused into a linear layer (in TE's spec neither), so its
+    checkpoint key stays `pre_mlp_layernorm.*`: the local spec's rename to TE's fused
+    `mlp.linear_fc1.layer_norm_*` is dropped for it.
+    """
+    layer = spec.submodules
+    if config.qk_layernorm:
+        attention = layer.self_attention
+        attn_submodules = dataclasses.replace(
+            attention.submodules, q_layernorm=LocalNorm, k_layernorm=LocalNorm
+        )
+        layer = dataclasses.replace(
+            layer, self_attention=dataclasses.replace(attention, submodules=attn_submodules)
+        )
+    if config.num_moe_experts:
+        _define_te_gemm_when_absent()
+        mlp = get_moe_module_spec_for_backend(
+            LocalSpecProvider(), num_experts=config.num_moe_experts, moe_grouped_gemm=False
+        )
+        keys = {
+            k: v for k, v in (layer.sharded_state_dict_keys_map or {}).items() if "pre_mlp" not in k
+        }
+        layer = dataclasses.replace(layer, mlp=mlp, sharded_state_dict_keys_map=keys)
+    return dataclasses.replace(spec, submodules=layer)

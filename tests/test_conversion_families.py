@@ -1,0 +1,335 @@
+"""Qwen3 (dense, tied and untied), Qwen3-MoE, Mixtral and Qwen2-MoE conversion, against `transformers`.
+
+Tiny random `transformers` models built from a config (head dim 32 != hidden / heads, GQA,
+vocabulary 100 so the embedding is padded; MoE: 4 experts, 2 routed per token; Qwen2-MoE with its
+gated shared expert and qkv biases; Qwen3-MoE with
+`norm_topk_prob=False` — softmax before top-k, no renormalisation — and Mixtral renormalised).
+Norms are moved away from 1 and routers get large weights, so every tensor and every routing
+decision matters. Shown here:
+
+* import -> our full logits and per-token log-probs through megatron-core's schedule equal
+  `transformers`' to 1e-4 at TP=1, TP=2, PP=2 and, for MoE, EP=2 and EP=2 x TP=2;
+* export -> the safetensors equal the source bit for bit, and `transformers` loads them with
+  identical logits;
+* the MoE router settings (top-k, softmax placement) follow the config.
+
+Process spawns are grouped: one single-process worker (import, TP=1, export), one 2-rank worker
+(TP=2, PP=2, EP=2) and one 4-rank worker (EP=2 x TP=2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from multirank import run_multirank
+
+VOCAB, SEQ, BATCH = 100, 24, 4
+TOLERANCE = 1e-4
+MODELS = ("qwen3", "qwen3_tied", "qwen3_moe", "mixtral", "qwen2_moe")
+MOE = ("qwen3_moe", "mixtral", "qwen2_moe")
+#: layout name -> (TP, PP, EP), on 2 ranks
+LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "ep2": (1, 1, 2)}
+
+
+def _hf_configs() -> dict[str, object]:
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+    )
+    return {
+        "qwen3": Qwen3Config(
+            intermediate_size=96, head_dim=32, tie_word_embeddings=False, **common
+        ),
+        "qwen3_tied": Qwen3Config(
+            intermediate_size=96, head_dim=32, tie_word_embeddings=True, **common
+        ),
+        "qwen3_moe": Qwen3MoeConfig(
+            intermediate_size=96,
+            moe_intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            head_dim=32,
+            tie_word_embeddings=False,
+            **common,
+        ),
+        "qwen2_moe": Qwen2MoeConfig(
+            intermediate_size=96,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            **common,
+        ),
+        "mixtral": MixtralConfig(
+            intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            head_dim=32,
+            sliding_window=None,
+            **common,
+        ),
+    }
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(5))
+
+
+def _hf_logits(model_dir: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(_tokens()).logits.float()
+
+
+def _reference_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """log π(token_{t+1}) at every position t < T-1, from unpadded logits."""
+    logp = torch.log_softmax(logits[:, :-1].double(), dim=-1)
+    return logp.gather(-1, _tokens()[:, 1:, None])[..., 0].float()
+
+
+def _forward(arch, chunks):
+    """(full logits [B, T, padded V], log-probs [B, T-1]) through megatron-core's schedule, two
+    micro-batches; None off the last pipeline stage."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megatron_kto.models.forward import eval_mode, gpt_forward_step
+    from megatron_kto.models.logprobs import token_logprobs
+    from megatron_kto.models.schedule import run_schedule
+
+    tokens = _tokens()
+    positions = torch.arange(SEQ).expand(BATCH, SEQ).clone()
+    labels = torch.cat([tokens[:, 1:], torch.full((BATCH, 1), -100)], dim=1)
+    micro = [
+        {
+            "tokens": tokens[i : i + 2],
+            "labels": labels[i : i + 2],
+            "position_ids": positions[i : i + 2],
+        }
+        for i in range(0, BATCH, 2)
+    ]
+
+    def outputs(batch, logits):
+        full = gather_from_tensor_model_parallel_region(logits).clone()
+        return full, token_logprobs(logits, batch["labels"], arch.vocab_size)[:, :-1]
+
+    with torch.no_grad(), eval_mode(chunks):
+        results = run_schedule(
+            chunks, micro, gpt_forward_step(outputs), forward_only=True, collect_non_loss_data=True
+        )
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
+
+
+def _restore_and_run(root: str, name: str, tp: int, pp: int, ep: int, rt):
+    from megatron_kto.checkpointing.model_io import read_architecture
+    from megatron_kto.checkpointing.pretrained import restore_pretrained
+    from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
+
+    ckpt = Path(root) / name / "mcore"
+    arch = read_architecture(ckpt)
+    layout = ParallelLayout(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+    )
+    chunks = build_gpt_chunks(arch, layout, rt.device)
+    restore_pretrained(ckpt, chunks)
+    return _forward(arch, chunks)
+
+
+def _convert_worker(rank: int, world_size: int, root: str) -> dict:
+    """Import every model, run it at TP=1 from a different init, export it again."""
+    from megatron_kto.conversion.convert import export_hf, import_hf
+    from megatron_kto.runtime import init_runtime, teardown
+
+    out = {}
+    for name in MODELS:
+        base = Path(root) / name
+        arch = import_hf(base / "hf", base / "mcore")
+        out["arch", name] = arch.to_dict()
+        rt = init_runtime(1, 1, seed=9)  # a different init: only the checkpoint can match
+        out["tp1", name] = _restore_and_run(root, name, 1, 1, 1, rt)
+        teardown()
+        export_hf(base / "mcore", base / "export")
+    return out
+
+
+def _layout_worker(rank: int, world_size: int, root: str, layouts: dict) -> dict:
+    """Every converted model restored under each layout (MoE models only for EP > 1)."""
+    from megatron_kto.runtime import init_runtime, teardown
+
+    out = {}
+    for layout, (tp, pp, ep) in layouts.items():
+        rt = init_runtime(tp, pp, seed=9, expert_parallel_size=ep)
+        for name in MOE if ep > 1 else MODELS:
+            out[layout, name] = _restore_and_run(root, name, tp, pp, ep, rt)
+    teardown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("families")
+    reference = {}
+    for name, config in _hf_configs().items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "norm" in pname or pname.endswith("bias"):  # away from 1 / 0: every one shows
+                    p.add_(0.1 * torch.randn_like(p))
+                elif pname.endswith("gate.weight"):  # routers: decisive, far from ties
+                    p.normal_(0.0, 1.0)
+        model.save_pretrained(root / name / "hf")
+        reference[name] = _hf_logits(root / name / "hf")
+    results = run_multirank(_convert_worker, 1, str(root), timeout=600)[0]
+    for rank_out in run_multirank(_layout_worker, 2, str(root), LAYOUTS, timeout=600) + (
+        run_multirank(_layout_worker, 4, str(root), {"ep2tp2": (2, 1, 2)}, timeout=600)
+    ):
+        for key, value in rank_out.items():
+            if value is not None:  # one last-stage rank's result suffices (TP/EP ranks agree)
+                results.setdefault(key, value)
+    return root, reference, results
+
+
+CASES = [(layout, name) for layout in ("tp1", *LAYOUTS) for name in MODELS]
+CASES = [c for c in CASES if c[0] != "ep2" or c[1] in MOE] + [("ep2tp2", n) for n in MOE]
+
+
+@pytest.mark.parametrize("layout,name", CASES, ids=[f"{n}-{lay}" for lay, n in CASES])
+def test_logits_and_logprobs_equal_transformers(converted, layout, name):
+    _, reference, results = converted
+    logits, logprobs = results[layout, name]
+    assert logits.shape == (BATCH, SEQ, 1024)  # padded to 128 x 8 rows by the import
+    logit_diff = (logits[..., :VOCAB] - reference[name]).abs().max().item()
+    logp_diff = (logprobs - _reference_logprobs(reference[name])).abs().max().item()
+    print(f"{name} {layout}: max|Δ logits| {logit_diff:.2e}, max|Δ logp| {logp_diff:.2e}")
+    assert logit_diff <= TOLERANCE and logp_diff <= TOLERANCE
+
+
+def _safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    from megatron_kto.conversion.safetensors_io import HFWeights
+
+    weights = HFWeights(model_dir)
+    return {name: weights.get(name) for name in weights.names()}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_round_trip_is_bit_exact_and_loads_in_transformers(converted, name):
+    import json
+
+    root, reference, _ = converted
+    original = _safetensors(root / name / "hf")
+    exported = _safetensors(root / name / "export")
+    assert exported.keys() == original.keys()
+    for key, tensor in original.items():
+        assert torch.equal(exported[key], tensor), key
+    config = json.loads((root / name / "export" / "config.json").read_text())
+    assert config["model_type"] == _hf_configs()[name].model_type
+    assert torch.equal(_hf_logits(root / name / "export"), reference[name])
+
+
+def test_router_settings_follow_the_config(converted):
+    _, _, results = converted
+    qwen3_moe, mixtral = results["arch", "qwen3_moe"], results["arch", "mixtral"]
+    assert (qwen3_moe["num_moe_experts"], qwen3_moe["moe_router_topk"]) == (4, 2)
+    assert qwen3_moe["moe_ffn_hidden_size"] == 48 and qwen3_moe["qk_layernorm"]
+    assert qwen3_moe["moe_router_pre_softmax"]  # norm_topk_prob=False: softmax, then top-k
+    assert not mixtral["moe_router_pre_softmax"] and not mixtral["qk_layernorm"]
+    assert mixtral["moe_aux_loss_coeff"] == pytest.approx(
+        _hf_configs()["mixtral"].router_aux_loss_coef
+    )
+    assert results["arch", "qwen3"]["kv_channels"] == 32
+
+
+def _aux_gradient_worker(rank: int, world_size: int, root: str, name: str) -> dict:
+    """Our model's load-balancing loss (router hooks) on padded rows, and its gradients."""
+    from megatron_kto.checkpointing.model_io import read_architecture
+    from megatron_kto.checkpointing.pretrained import restore_pretrained
+    from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
+    from megatron_kto.models.forward import model_call
+    from megatron_kto.models.router_stats import RouterStatistics, token_mask
+    from megatron_kto.runtime import init_runtime, teardown
+
+    ckpt = Path(root) / name / "mcore"
+    arch = read_architecture(ckpt)
+    rt = init_runtime(1, 1, seed=9)
+    (chunk,) = build_gpt_chunks(arch, ParallelLayout(), rt.device)
+    restore_pretrained(ckpt, [chunk])
+    tokens, lengths = _aux_rows()
+    labels = torch.full_like(tokens, -100)
+    for i, n in enumerate(lengths):
+        # Inputs are sequences without their final token, so the last input position is scored.
+        labels[i, : n - 1] = tokens[i, 1:n]
+        labels[i, n - 1] = 1
+    batch = {
+        "tokens": tokens,
+        "labels": labels,
+        "position_ids": torch.arange(SEQ).expand(BATCH, SEQ),
+    }
+    stats = RouterStatistics([chunk])
+    stats.begin(token_mask(batch))
+    model_call(chunk, batch)
+    loss = stats.loss()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in chunk.named_parameters() if n.endswith("router.weight")}
+    grads["embedding"] = chunk.embedding.word_embeddings.weight.grad[:VOCAB].clone()
+    teardown()
+    return {"loss": loss.item(), "grads": grads}
+
+
+def _aux_rows() -> tuple[torch.Tensor, list[int]]:
+    """Padded rows of different lengths (the padding must not count)."""
+    lengths = [SEQ, SEQ - 5, SEQ - 11, SEQ - 2]
+    tokens = _tokens().clone()
+    for i, n in enumerate(lengths):
+        tokens[i, n:] = 0
+    return tokens, lengths
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_load_balancing_loss_and_gradients_equal_transformers(converted, name):
+    """The router statistics hooked in our model give HF's `aux_loss` (attention-mask tokens,
+    all layers jointly) and the same gradients for the routers and the embedding (so the
+    gradient reaches the hidden states as in HF)."""
+    from transformers import AutoModelForCausalLM
+
+    root = converted[0]
+    ours = run_multirank(_aux_gradient_worker, 1, str(root), name, timeout=300)[0]
+    model = AutoModelForCausalLM.from_pretrained(root / name / "hf", dtype=torch.float32)
+    tokens, lengths = _aux_rows()
+    mask = (torch.arange(SEQ)[None, :] < torch.tensor(lengths)[:, None]).long()
+    out = model(input_ids=tokens, attention_mask=mask, output_router_logits=True)
+    out.aux_loss.backward()
+    assert ours["loss"] == pytest.approx(out.aux_loss.item(), rel=1e-5)
+    routers = [
+        p for n, p in model.named_parameters() if n.endswith(".gate.weight") and "shared" not in n
+    ]
+    for i, p in enumerate(routers):
+        torch.testing.assert_close(
+            ours["grads"][f"decoder.layers.{i}.mlp.router.weight"], p.grad, rtol=1e-4, atol=1e-7
+        )
+    hf_embedding = model.get_input_embeddings().weight.grad
+    assert hf_embedding.abs().max() > 0
+    scale = hf_embedding.abs().max().item()  # fp32 round-off relative to the largest entry
+    torch.testing.assert_close(
+        ours["grads"]["embedding"], hf_embedding, rtol=1e-4, atol=1e-5 * scale
+    )

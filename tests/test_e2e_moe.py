@@ -1,0 +1,302 @@
+"""KTO on a converted Qwen3-MoE: expert parallelism changes where experts live, not the numbers.
+
+A tiny random `transformers` Qwen3-MoE (4 experts, 2 routed per token, decisive routers) with the
+bundled tokenizer's vocabulary is imported with `tools/convert_checkpoint.py`; `examples/
+train_gpt_kto.py` then trains 3 steps from it on 2 ranks (DP=2) with EP=1 and with EP=2, and on
+4 ranks with TP=2 x EP=2 (sequence parallel) and PP=2 x EP=2 (DP=2: the same global batch); the router
+load-balancing loss is on except under PP (which refuses it; compared with EP=1 without it).
+Every logged training metric and every exported weight of the EP runs equals the EP=1 run's to
+fp32 round-off (the reduction order differs, nothing else). The aux loss itself equals
+`transformers`' on the same rows (KTO and DPO), a resume under EP is bitwise, and a launch
+with an expert count EP does not divide fails with one `error:` line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from e2e_cli import KTO_SCRIPT, QUIET, REPO, TOKENIZER, TRAIN_DATA, launch, read_metrics, run_script
+
+pytestmark = pytest.mark.e2e
+
+TOOL = REPO / "tools" / "convert_checkpoint.py"
+NO_AUX = "model.moe_aux_loss_coeff=0"
+#: name -> (ranks, extra overrides); EP=1 on the same 2 ranks is the reference. The router
+#: load-balancing loss (HF's router_aux_loss_coef) is on, except under PP, which refuses it.
+RUNS = {
+    "ep1": (2, ["model.expert_model_parallel_size=1"]),
+    "ep2": (2, ["model.expert_model_parallel_size=2"]),
+    "ep2tp2": (
+        4,
+        [
+            "model.expert_model_parallel_size=2",
+            "model.tensor_model_parallel_size=2",
+            "model.sequence_parallel=true",  # megatron-core trains MoE x TP only with SP
+        ],
+    ),
+    "ep1_noaux": (2, ["model.expert_model_parallel_size=1", NO_AUX]),
+    "ep2pp2": (
+        4,
+        ["model.expert_model_parallel_size=2", "model.pipeline_model_parallel_size=2", NO_AUX],
+    ),
+    # One micro-batch of the whole global batch, padded and packed, for the aux-loss value.
+    "aux_padded": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=false"]),
+    "aux_packed": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=true"]),
+}
+REFERENCE = {"ep2": "ep1", "ep2tp2": "ep1", "ep2pp2": "ep1_noaux"}
+AUX_COEF = 0.01
+#: fp32 round-off: the data-parallel gradient reduction order differs, so weights differ in their
+#: last bits and summed completion log-probs (~60, fp32 ulp ~4e-6) by an ulp or two; rewards and
+#: kl are differences of such sums (x beta), so they get an absolute tolerance of that size.
+METRIC_RTOL, METRIC_ATOL, WEIGHT_ATOL = 1e-5, 5e-6, 1e-6
+COMPARED = ("rewards/", "logps/", "logits/", "loss", "kl", "lr", "grad_norm", "aux_loss")
+
+
+def _args(root, log_dir) -> list[str]:
+    return [
+        *QUIET,
+        f"pretrained_checkpoint.restore_from_path={root / 'mcore'}",
+        f"model.data.data_prefix.train=[{TRAIN_DATA}]",
+        "model.tokenizer.library=sentencepiece",
+        f"model.tokenizer.model={TOKENIZER}",
+        "trainer.precision=32",
+        f"exp_manager.explicit_log_dir={log_dir}",
+        "trainer.kto.max_steps=3",
+        "model.global_batch_size=8",
+        "model.micro_batch_size=2",
+        "model.data.shuffle=false",
+        "model.data.max_length=64",
+        "model.data.data_prefix.validation=[]",
+        "model.optim.sched.warmup_steps=0",
+    ]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from megatron_kto.data.tokenizers import load_tokenizer
+
+    root = tmp_path_factory.mktemp("moe")
+    vocab = load_tokenizer("sentencepiece", str(TOKENIZER)).vocab_size
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=vocab,
+        max_position_embeddings=128,
+        initializer_range=0.1,
+        router_aux_loss_coef=AUX_COEF,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.normal_(0.0, 1.0)
+    model.save_pretrained(root / "hf")
+    run_script(TOOL, ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "mcore")])
+    out = {}
+    for name, (nproc, extra) in RUNS.items():
+        log_dir = root / name
+        run_script(KTO_SCRIPT, [*_args(root, log_dir), *extra], nproc=nproc, timeout=600)
+        if not name.startswith("aux"):
+            run_script(TOOL, ["export", "--ckpt", str(log_dir), "--out", str(root / f"{name}_hf")])
+        out[name] = read_metrics(log_dir)
+    return root, out
+
+
+def _weights(directory):
+    from safetensors.torch import load_file
+
+    return load_file(directory / "model.safetensors")
+
+
+def _hf_aux_losses(root) -> tuple[float, float]:
+    """Hugging Face's `aux_loss` on the first global batch's rows: (on the inputs our model runs —
+    each sequence without its final token —, on the whole sequences as TRL feeds them)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_kto.data.dataset import build_kto_dataset
+    from megatron_kto.data.tokenizers import load_tokenizer
+
+    tok = load_tokenizer("sentencepiece", str(TOKENIZER))
+    dataset, _ = build_kto_dataset([TRAIN_DATA], tok, 64, use_cache=False)
+    model = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
+    out = []
+    for drop in (1, 0):
+        rows = [
+            list(dataset[i]["prompt_ids"]) + list(dataset[i]["completion_ids"]) for i in range(8)
+        ]
+        rows = [r[: len(r) - drop] for r in rows]
+        ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+        with torch.no_grad():
+            result = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+        out.append(result.aux_loss.item())
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("name", ["aux_padded", "aux_packed"])
+def test_aux_loss_and_loss_equal_transformers(runs, name):
+    root, metrics = runs
+    ours, trl_full = _hf_aux_losses(root)
+    first = metrics[name][0]
+    print(
+        f"{name}: aux {first['aux_loss']:.7f}, HF on our inputs {ours:.7f}, whole rows {trl_full:.7f}"
+    )
+    assert first["aux_loss"] == pytest.approx(ours, rel=1e-5)
+    # Step 1: policy == reference and z0 = 0, so every KTO row loss is 1 - sigmoid(0) = 0.5;
+    # the logged loss (as TRL's) adds the coefficient times the aux loss.
+    assert first["loss"] == pytest.approx(0.5 + AUX_COEF * ours, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["ep2", "ep2tp2", "ep2pp2"])
+def test_expert_parallel_training_equals_ep1(runs, name):
+    root, metrics = runs
+    reference, got = metrics[REFERENCE[name]], metrics[name]
+    assert len(got) == len(reference) == 3
+    for ref_row, row in zip(reference, got, strict=True):
+        # The numbers of the step (not timings, throughput or memory, which depend on layout).
+        numeric = {k for k in ref_row if k.startswith(COMPARED)}
+        assert {"loss", "grad_norm", "kl", "logps/chosen"} <= numeric
+        assert ("aux_loss" in numeric) == (name != "ep2pp2")
+        for key in sorted(numeric):
+            assert row[key] == pytest.approx(ref_row[key], rel=METRIC_RTOL, abs=METRIC_ATOL), key
+    start, ref_w, got_w = (
+        _weights(root / "hf"),
+        _weights(root / f"{REFERENCE[name]}_hf"),
+        _weights(root / f"{name}_hf"),
+    )
+    assert ref_w.keys() == got_w.keys() == start.keys()
+    for key in ref_w:
+        diff = (ref_w[key] - got_w[key]).abs().max().item()
+        assert diff <= WEIGHT_ATOL, (key, diff)
+    experts = [k for k in ref_w if ".experts." in k]
+    assert experts and all(not torch.equal(ref_w[k], start[k]) for k in experts)  # all trained
+
+
+def test_ep_not_dividing_the_experts_is_one_error_line(runs, tmp_path):
+    root, _ = runs
+    args = [str(KTO_SCRIPT), *_args(root, tmp_path / "bad"), "model.expert_model_parallel_size=3"]
+    proc, _ = launch(args, nproc=1, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert lines[-1].startswith("error: model.expert_model_parallel_size: 3 does not divide")
+
+
+def test_eval_tool_at_ep2_equals_ep1(runs, tmp_path):
+    import json
+
+    from e2e_cli import EVAL_TOOL, VALIDATION_DATA
+
+    root, _ = runs
+    reports = {}
+    for ep in (1, 2):
+        out = tmp_path / f"eval{ep}.json"
+        args = ["--policy", str(root / "ep2"), "--data", str(VALIDATION_DATA), "--json", str(out)]
+        run_script(EVAL_TOOL, [*args, "--expert-model-parallel-size", str(ep)], nproc=2)
+        reports[ep] = json.loads(out.read_text())
+    numbers = {k for k, v in reports[1].items() if isinstance(v, float)}
+    assert {"auc", "accuracy", "margin", "mean_reward_desirable"} <= numbers, reports[1]
+    for key in numbers:
+        assert reports[2][key] == pytest.approx(reports[1][key], rel=1e-5, abs=1e-6), key
+
+
+def test_resume_under_ep2_is_bitwise_and_another_ep_is_one_error_line(runs, tmp_path):
+    """EP=2 with the distributed optimizer, 4 steps saving every 2; a copy holding only the
+    step-2 checkpoint resumes to step 4 with bitwise-equal metrics and weights; resuming it at
+    EP=1 is refused in one line (optimizer state does not convert between EP sizes)."""
+    import shutil
+
+    root, _ = runs
+    args = [
+        *_args(root, tmp_path / "straight"),
+        "trainer.kto.max_steps=4",
+        "trainer.kto.save_interval=2",
+        "exp_manager.checkpoint_callback_params.save_top_k=-1",
+        "model.optim.name=distributed_fused_adam",
+    ]
+    ep2 = "model.expert_model_parallel_size=2"
+    run_script(KTO_SCRIPT, [*args, ep2], nproc=2, timeout=600)
+    straight = tmp_path / "straight"
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
+    (resumed / "checkpoints" / "latest").write_text("step_2\n")
+    redirected = [a.replace(str(straight), str(resumed)) for a in args]
+    refused, _ = launch([str(KTO_SCRIPT), *redirected, "model.expert_model_parallel_size=1"], 2)
+    assert refused.returncode != 0
+    assert "cannot convert optimizer state between expert-parallel sizes" in refused.stderr
+    run_script(KTO_SCRIPT, [*redirected, ep2], nproc=2, timeout=600)
+    want = {r["step"]: r for r in read_metrics(straight)}
+    got = read_metrics(resumed)
+    assert [r["step"] for r in got] == [3, 4]
+    for row in got:
+        for key in ("loss", "aux_loss", "grad_norm", "kl", "logps/chosen", "rewards/rejected"):
+            assert row[key] == want[row["step"]][key], key
+    from megatron_kto.conversion.convert import export_hf
+
+    for name in ("straight", "resumed"):
+        export_hf(tmp_path / name, tmp_path / f"{name}_hf")
+    a, b = _weights(tmp_path / "straight_hf"), _weights(tmp_path / "resumed_hf")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dpo_aux_loss_equals_transformers(runs, tmp_path):
+    """DPO: each micro-batch (its pairs' chosen and rejected rows in one forward, as TRL's
+    concatenated pass) adds coef x HF's aux loss; the step's aux_loss is the mean over the two
+    micro-batches, and the step-1 loss is ln 2 + coef x aux_loss."""
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from megatron_kto.data.dataset import build_dpo_dataset
+    from megatron_kto.data.tokenizers import load_tokenizer
+
+    root, _ = runs
+    data = REPO / "examples" / "data" / "tiny_dpo" / "train.jsonl"
+    args = [a for a in _args(root, tmp_path / "dpo") if not a.startswith("trainer.kto")]
+    args = [
+        a
+        if not a.startswith("model.data.data_prefix.train")
+        else f"model.data.data_prefix.train=[{data}]"
+        for a in args
+    ]
+    script = REPO / "examples" / "train_gpt_dpo.py"
+    run_script(script, [*args, "trainer.dpo.max_steps=1", "model.micro_batch_size=4"], timeout=600)
+    first = read_metrics(tmp_path / "dpo")[0]
+
+    dataset, _ = build_dpo_dataset(
+        [data], load_tokenizer("sentencepiece", str(TOKENIZER)), 64, use_cache=False
+    )
+    model = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
+    values = []
+    for start in (0, 4):
+        items = [dataset[i] for i in range(start, start + 4)]
+        rows = [
+            list(it["prompt_ids"]) + list(it[k])
+            for k in ("chosen_ids", "rejected_ids")
+            for it in items
+        ]
+        rows = [r[:-1] for r in rows]  # the inputs our model runs
+        ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+        with torch.no_grad():
+            values.append(
+                model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss.item()
+            )
+    expected = sum(values) / 2
+    assert first["aux_loss"] == pytest.approx(expected, rel=1e-5)
+    assert first["loss"] == pytest.approx(math.log(2) + AUX_COEF * expected, rel=1e-6)
