@@ -70,42 +70,41 @@ def norm_names(megatron_names: set[str] | list[str]) -> dict[str, str]:
     )
 
 
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+#: The weights of a layer's four linear layers (every family's attention and dense MLP); the PEFT
+#: room reads its per-projection adapters off these entries.
+QKV_WEIGHT = Mapping(
+    "self_attention.linear_qkv.weight", tuple(f"{p}.weight" for p in _QKV), "qkv", COLUMN
+)
+PROJ_WEIGHT = Mapping(
+    "self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), tp_axis=ROW
+)
+FC1_WEIGHT = Mapping(
+    "mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gated_mlp", COLUMN
+)
+FC2_WEIGHT = Mapping("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), tp_axis=ROW)
+LINEAR_MAPPINGS = (QKV_WEIGHT, PROJ_WEIGHT, FC1_WEIGHT, FC2_WEIGHT)
+
+
 def attention_mappings(arch: GPTArchitecture) -> tuple[Mapping, ...]:
     """Pre-attention norm, fused QKV (+ bias), per-head Q/K norms and output projection."""
-    qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-    entries = [
-        Mapping("{attn_norm}", ("input_layernorm.weight",)),
-        Mapping(
-            "self_attention.linear_qkv.weight", tuple(f"{p}.weight" for p in qkv), "qkv", COLUMN
-        ),
-    ]
+    entries = [Mapping("{attn_norm}", ("input_layernorm.weight",)), QKV_WEIGHT]
     if arch.add_qkv_bias:
         entries.append(
             Mapping(
-                "self_attention.linear_qkv.bias", tuple(f"{p}.bias" for p in qkv), "qkv", COLUMN
+                "self_attention.linear_qkv.bias", tuple(f"{p}.bias" for p in _QKV), "qkv", COLUMN
             )
         )
     if arch.qk_layernorm:  # one [d] weight shared by every head, so replicated over TP
         entries.append(Mapping("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",)))
         entries.append(Mapping("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",)))
-    entries.append(
-        Mapping("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), tp_axis=ROW)
-    )
+    entries.append(PROJ_WEIGHT)
     return tuple(entries)
 
 
 def dense_mlp_mappings() -> tuple[Mapping, ...]:
     """Pre-MLP norm and the SwiGLU MLP (`mlp.gate_proj` / `up_proj` / `down_proj`)."""
-    return (
-        Mapping("{mlp_norm}", ("post_attention_layernorm.weight",)),
-        Mapping(
-            "mlp.linear_fc1.weight",
-            ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-            "gated_mlp",
-            COLUMN,
-        ),
-        Mapping("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), tp_axis=ROW),
-    )
+    return (Mapping("{mlp_norm}", ("post_attention_layernorm.weight",)), FC1_WEIGHT, FC2_WEIGHT)
 
 
 def _shape(arch: GPTArchitecture) -> tuple[int, int, int]:

@@ -4,7 +4,7 @@ A `peft` LoRA directory holds `adapter_config.json` and `adapter_model.safetenso
 `base_model.model.model.layers.{i}.<module>.lora_{A,B}.weight` (A [r, in], B [out, r]). Our
 adapters are one (A, B) pair per Hugging Face projection, so the tensors are the same numbers;
 the module paths come from the conversion key map (`targets.HF_MODULES`, derived from
-`conversion.keymap.LAYER_MAP`) and TP shards are cut from / would be gathered into the full
+`conversion.keymap.LINEAR_MAPPINGS`) and TP shards are cut from / would be gathered into the full
 tensors with the adapter's own rule (`LoRALinear.shard`).
 """
 

@@ -2,7 +2,7 @@
 
 Pure functions over the architecture, so config validation can call them before any model
 exists. The megatron linears and the Hugging Face modules they fuse are read off the conversion
-key map (`conversion.keymap.LAYER_MAP`), not listed a second time. A target is one Hugging Face projection; NeMo's names stand for sets of them:
+key map (`conversion.keymap.LINEAR_MAPPINGS`), not listed a second time. A target is one Hugging Face projection; NeMo's names stand for sets of them:
 
 ==================  ==========================================
 NeMo name           Hugging Face projections
@@ -25,16 +25,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_kto.conversion.keymap import LAYER_MAP
+from megatron_kto.conversion.keymap import LINEAR_MAPPINGS
 
 
 def _linears_from_keymap() -> dict[str, tuple[str, ...]]:
     """megatron linear (under `decoder.layers.{i}.`) -> the Hugging Face modules (under
     `model.layers.{i}.`) it fuses, in fused order: read off the conversion key map."""
     out = {}
-    for megatron, hf, _kind in LAYER_MAP:
-        if megatron.endswith(".weight") and ".linear_" in megatron:
-            out[megatron.removesuffix(".weight")] = tuple(h.removesuffix(".weight") for h in hf)
+    for entry in LINEAR_MAPPINGS:
+        out[entry.megatron.removesuffix(".weight")] = tuple(
+            h.removesuffix(".weight") for h in entry.hf
+        )
     return out
 
 
