@@ -148,7 +148,7 @@ def resolve_settings(args: argparse.Namespace, policy_dir: Path) -> dict[str, An
 
 def _precision(flag: str | None, run: Any) -> str:
     """--precision, else the run's trainer.precision, else what the trainer's default gives here."""
-    from megatron_kto.config.validate import canonical_precision, device_precision
+    from megatron_kto.config.machine import canonical_precision, device_precision
     from megatron_kto.runtime.gpu_settings import Accelerator
 
     if flag is not None:

@@ -31,13 +31,8 @@ from megatron_kto.checkpointing import files
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.checkpointing.locate import ARCH_FILE, read_architecture, resolve_pretrained_dir
 from megatron_kto.config.keys import check_known_keys
-from megatron_kto.config.validate import (
-    ConfigError,
-    attention_choice,
-    canonical_precision,
-    device_precision,
-    validate,
-)
+from megatron_kto.config.machine import attention_choice, canonical_precision, device_precision
+from megatron_kto.config.validate import ConfigError, validate
 from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.peft.settings import reference_strategy
 

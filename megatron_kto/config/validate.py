@@ -9,15 +9,13 @@ from typing import Any
 
 from megatron_kto.config.errors import ConfigError
 from megatron_kto.config.keys import check_known_keys
+from megatron_kto.config.machine import attention_choice, canonical_precision
 from megatron_kto.peft.settings import check_peft
 
 __all__ = [
     "ConfigError",
-    "attention_choice",
-    "canonical_precision",
     "check_layout",
     "data_parallel_size",
-    "device_precision",
     "validate",
 ]
 
@@ -42,38 +40,6 @@ def data_parallel_size(cfg: Any, world_size: int) -> int:
         f"PP ({m.pipeline_model_parallel_size})",
     )
     return world_size // model_parallel
-
-
-#: trainer.precision spellings (NeMo/Lightning's) -> what the run does.
-PRECISIONS = {
-    "32": "32",
-    "32-true": "32",
-    "bf16": "bf16",
-    "bf16-mixed": "bf16",
-    "16": "16",
-    "16-mixed": "16",
-}
-
-
-def device_precision(cuda: bool) -> str:
-    """What an unset `trainer.precision` means: 'bf16' on CUDA, '32' on a CPU (where
-    half-precision matmuls run about 10x slower than fp32)."""
-    return "bf16" if cuda else "32"
-
-
-def canonical_precision(value: Any) -> str:
-    """'32', 'bf16' or '16' for any accepted `trainer.precision` spelling.
-
-    The "-mixed" spellings mean what NeMo does with megatron_amp_O2: half-precision weights and
-    compute with an fp32 master copy in the optimizer (fp16 adds dynamic loss scaling).
-
-    Raises:
-        ConfigError: naming trainer.precision and the accepted values.
-    """
-    key = str(value)
-    if key not in PRECISIONS:
-        raise ConfigError(f"trainer.precision: must be one of {list(PRECISIONS)}, got {value!r}")
-    return PRECISIONS[key]
 
 
 def check_layout(
@@ -478,35 +444,3 @@ def _check_recompute(m: Any, layers_per_chunk: int) -> None:
         f"with method 'uniform' it must divide the {layers_per_chunk} layers of each model "
         f"chunk, got {num_layers}",
     )
-
-
-def attention_choice(cfg: Any, accelerator: Any = None) -> Any:
-    """The attention backend the run will use (`runtime.attention_backend`) and why.
-
-    Args:
-        cfg: the composed config, precision and architecture resolved.
-        accelerator: the machine (`gpu_settings.Accelerator`); default: this one.
-
-    Returns:
-        An `AttentionChoice`.
-
-    Raises:
-        ConfigError: the configured backend cannot run here, or nothing can (one line naming
-            the key and what to set instead).
-    """
-    from megatron_kto.runtime.attention_backend import choose_attention_backend, head_dim_of
-    from megatron_kto.runtime.gpu_settings import Accelerator
-
-    m = cfg.model
-    try:
-        return choose_attention_backend(
-            m.attention_backend,
-            precision=canonical_precision(cfg.trainer.precision),
-            packed=m.data.pack_sequences,
-            accelerator=accelerator or Accelerator.detect(),
-            head_dim=head_dim_of(m),
-            sequence_parallel=m.sequence_parallel,
-        )
-    except ValueError as e:
-        # The message already starts with the key.
-        raise ConfigError(str(e)) from e
