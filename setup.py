@@ -36,6 +36,7 @@ setup(
             "ruff>=0.6",
             "transformers>=4.45",
             "trl==1.16.0",
+            "peft>=0.17",
             "pyarrow",
             "tensorboard",
         ],
