@@ -111,16 +111,36 @@ WINDOW = "memplan::window"
 
 class AllocationTrace:
     """Every allocation and free of torch's CPU allocator from `__enter__` on; `window()` marks
-    the block whose peak is wanted (see the module docstring).
+    a block whose peak is wanted (see the module docstring), once or several times.
 
-    Tracing from before the model is built means the running total at the window's start is
+    Tracing from before the model is built means the running total at a window's start is
     everything then alive (model state, megatron's persistent buffers, caches), not only what
-    the caller knows to count; `peak` is the running total's maximum inside the window.
+    the caller knows to count. After `__exit__`: `windows` holds (running total at the start,
+    its maximum inside) per window in order; `at_start` and `peak` are the first window's;
+    `smallest_rise` is the least (maximum − start) over the windows.
+
+    The profiler records the allocator's events only on threads it traces: a tensor allocated
+    here but freed on another thread (gloo's worker drops a collective's staging copy there when
+    it, not the caller, holds the last reference — a scheduling race, common under load) stays
+    in the running total for good. Such drift shifts a window's start and maximum alike; a rise
+    is only wrong when the lost free falls inside that window, which repeating the step twice
+    and taking the smallest rise guards against.
     """
 
     def __init__(self) -> None:
-        self.peak = 0
-        self.at_start = 0
+        self.windows: list[tuple[int, int]] = []
+
+    @property
+    def at_start(self) -> int:
+        return self.windows[0][0]
+
+    @property
+    def peak(self) -> int:
+        return self.windows[0][1]
+
+    @property
+    def smallest_rise(self) -> int:
+        return min(peak - start for start, peak in self.windows)
 
     def __enter__(self) -> AllocationTrace:
         from torch.profiler import ProfilerActivity, profile
@@ -130,22 +150,27 @@ class AllocationTrace:
         return self
 
     def window(self):
-        """Context manager marking the measured block (use once)."""
+        """Context manager marking a measured block."""
         return torch.profiler.record_function(WINDOW)
 
     def __exit__(self, *exc) -> None:
         self._prof.__exit__(*exc)
         events = self._prof.profiler.kineto_results.events()
-        spans = [(e.start_ns(), e.end_ns()) for e in events if e.name() == WINDOW]
-        if len(spans) != 1:
-            raise RuntimeError(f"expected one {WINDOW} block, found {len(spans)}")
-        lo, hi = spans[0]
+        spans = sorted((e.start_ns(), e.end_ns()) for e in events if e.name() == WINDOW)
+        if not spans:
+            raise RuntimeError(f"no {WINDOW} block was traced")
         memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-        running, started = 0, False
+        running = 0
+        windows = [[None, 0] for _ in spans]
         for when, nbytes in memory:
-            if when >= lo and not started:
-                self.at_start = self.peak = running
-                started = True
+            for w, (lo, _hi) in enumerate(spans):
+                if when >= lo and windows[w][0] is None:
+                    windows[w] = [running, running]
             running += nbytes
-            if lo <= when <= hi:
-                self.peak = max(self.peak, running)
+            for w, (lo, hi) in enumerate(spans):
+                if lo <= when <= hi:
+                    windows[w][1] = max(windows[w][1], running)
+        for w in windows:
+            if w[0] is None:  # no allocation at or after the window's start
+                w[0] = w[1] = running
+        self.windows = [(start, peak) for start, peak in windows]
