@@ -8,12 +8,12 @@ independent of the in-training export: `tools/convert_checkpoint.py export` of t
 final checkpoint (one process, TP=1, loaded through dist_checkpointing), and our own megatron
 model rebuilt from that checkpoint at TP=1.
 
-* TP=1, TP=2 (every save, small shards: an index), PP=2 (a chat template override), Qwen3-MoE at
-  EP=2: `hf/` holds the same tensors as the tool's export, bit for bit, and the same config.json;
+* TP=1, TP=2 (every save, small shards: an index), PP=2 x VPP=2 (a chat template override),
+  Qwen3-MoE at EP=2 (DP=2): `hf/` holds the same tensors as the tool's export, bit for bit, and the same config.json;
 * `AutoModelForCausalLM.from_pretrained(run/hf)` gives the trained policy's per-token log-probs
   (our TP=1 model from the checkpoint) to 1e-5, and they differ from the starting model's;
 * `AutoTokenizer.from_pretrained(run/hf)` has the run's chat template (the override where given);
-* LoRA at TP=2: `hf/` is a PEFT adapter directory whose tensors equal the tool's adapter export;
+* LoRA at TP=2 and at PP=2 (TP=1 beside other ranks): `hf/` is a PEFT adapter directory whose tensors equal the tool's adapter export;
   `peft.PeftModel.from_pretrained(<the HF base>, run/hf)` gives our LoRA model's log-probs, and
   `hf_merged/` equals the tool's `--merge-lora` export.
 """
@@ -41,6 +41,7 @@ LORA = [
     "model.peft.lora_tuning.target_modules=[q_proj,k_proj,v_proj,o_proj,mlp]",
     "exp_manager.save_hf_merged=true",
 ]
+LORA_RUNS = ("lora_tp2", "lora_pp2")
 #: name -> (base model, ranks, overrides)
 RUNS = {
     "tp1": ("dense", 1, []),
@@ -54,8 +55,13 @@ RUNS = {
             "exp_manager.save_hf_max_shard_mb=0.05",
         ],
     ),
-    "pp2": ("dense", 2, ["model.pipeline_model_parallel_size=2"]),
+    "pp2": (
+        "dense",
+        2,
+        ["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2"],
+    ),
     "lora_tp2": ("dense", 2, ["model.tensor_model_parallel_size=2", *LORA]),
+    "lora_pp2": ("dense", 2, ["model.pipeline_model_parallel_size=2", *LORA]),
     "moe_ep2": ("moe", 2, ["model.expert_model_parallel_size=2", "model.micro_batch_size=2"]),
 }
 
@@ -134,8 +140,9 @@ def runs(tmp_path_factory):
         run_script(
             TOOL, ["export", "--ckpt", str(root / name), "--out", str(root / f"{name}_tool")]
         )
-    merge = ["--out", str(root / "lora_tp2_tool_merged"), "--merge-lora"]
-    run_script(TOOL, ["export", "--ckpt", str(root / "lora_tp2"), *merge])
+    for name in LORA_RUNS:
+        merge = ["--out", str(root / f"{name}_tool_merged"), "--merge-lora"]
+        run_script(TOOL, ["export", "--ckpt", str(root / name), *merge])
     ours = run_multirank(_ours_worker, 1, [str(root / n) for n in RUNS], timeout=300)[0]
     return root, logs, dict(zip(RUNS, ours, strict=True))
 
@@ -251,11 +258,12 @@ def test_tokenizer_and_chat_template(runs, name, template):
     assert generation == json.loads((root / "dense_hf" / "generation_config.json").read_text())
 
 
-def test_lora_adapter_dir_loads_in_peft_with_the_policy_logps(runs):
+@pytest.mark.parametrize("name", LORA_RUNS)
+def test_lora_adapter_dir_loads_in_peft_with_the_policy_logps(runs, name):
     from safetensors.torch import load_file
 
     root, _, ours = runs
-    out, tool = root / "lora_tp2" / "hf", root / "lora_tp2_tool"
+    out, tool = root / name / "hf", root / f"{name}_tool"
     mine = load_file(str(out / "adapter_model.safetensors"))
     _assert_same_tensors(mine, load_file(str(tool / "adapter_model.safetensors")))
     assert json.loads((out / "adapter_config.json").read_text()) == json.loads(
@@ -263,17 +271,18 @@ def test_lora_adapter_dir_loads_in_peft_with_the_policy_logps(runs):
     )
     got = _hf_logps(root / "dense_hf", adapter=out)
     start = _hf_logps(root / "dense_hf")
-    diff = (got - ours["lora_tp2"]).abs().max().item()
-    print(f"\nLoRA: peft vs ours {diff:.2e}; adapted vs base {(got - start).abs().max():.3f}")
+    diff = (got - ours[name]).abs().max().item()
+    print(f"\n{name}: peft vs ours {diff:.2e}; adapted vs base {(got - start).abs().max():.3f}")
     assert diff <= TOLERANCE
     assert (got - start).abs().max().item() > 1e-2
 
 
-def test_lora_merged_dir_equals_the_tool_merge(runs):
+@pytest.mark.parametrize("name", LORA_RUNS)
+def test_lora_merged_dir_equals_the_tool_merge(runs, name):
     root, _, ours = runs
-    merged, tool = root / "lora_tp2" / "hf_merged", root / "lora_tp2_tool_merged"
+    merged, tool = root / name / "hf_merged", root / f"{name}_tool_merged"
     a, b = _tensors(merged), _tensors(tool)
     # The same full tensors through the same merge formula: bit for bit.
     _assert_same_tensors(a, b)
-    diff = (_hf_logps(merged) - ours["lora_tp2"]).abs().max().item()
+    diff = (_hf_logps(merged) - ours[name]).abs().max().item()
     assert diff <= TOLERANCE

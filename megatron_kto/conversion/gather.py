@@ -39,9 +39,10 @@ _EXPERTS = (
 
 
 def gather_tp(tensor: torch.Tensor, axis: int | None, kind: str, group: Any) -> torch.Tensor:
-    """The full tensor of which `tensor` is this rank's shard along `axis` (None: replicated,
-    returned as is); `kind` "gated_mlp" un-interleaves the per-rank [gate; up] halves."""
-    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    """The full tensor of which `tensor` is this rank's shard along `axis` over `group` (axis
+    None: replicated, returned as is; group None: no group, returned as is — never the default
+    group); `kind` "gated_mlp" un-interleaves the per-rank [gate; up] halves."""
+    size = dist.get_world_size(group) if group is not None else 1
     if axis is None or size == 1:
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(size)]
