@@ -18,6 +18,7 @@ from megatron_kto.algorithms.kto import KTOTrainer
 from megatron_kto.checkpointing.model_io import CheckpointError
 from megatron_kto.config.prepare import prepare_run_config
 from megatron_kto.config.validate import ConfigError
+from megatron_kto.conversion.hf_output import hf_output_of_run
 from megatron_kto.data.pipeline import build_split, resolve_path
 from megatron_kto.data.tokenizers import load_tokenizer
 from megatron_kto.logging.metrics_logger import MetricsLogger
@@ -438,10 +439,12 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
                 runtime.device, _COMPUTE_DTYPE[layout.precision]
             )
             config_yaml = OmegaConf.to_yaml(cfg)
+            hf_output = hf_output_of_run(cfg, arch, log_dir) if e.save_hf else None
 
             def checkpoint_hook(s: TrainerState, final: bool) -> None:
+                saved = None
                 if manager is not None:
-                    manager.save(
+                    saved = manager.save(
                         s.step,
                         model.chunks,
                         optimizer,
@@ -450,6 +453,8 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
                         config_yaml,
                         arch,
                     )
+                if hf_output is not None and (final or e.save_hf_every_save):
+                    hf_output.write(s.step, model.chunks, saved)
 
             trainer = (KTOTrainer if algorithm == "kto" else DPOTrainer)(
                 model,

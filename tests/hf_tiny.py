@@ -58,8 +58,11 @@ def make_tokenizer(directory: Path) -> int:
     return tok.get_vocab_size()
 
 
-def make_hf_chat_model(directory: Path, seed: int = 0) -> Path:
-    """Write the model (config.json + safetensors) and its tokenizer into `directory`."""
+def make_hf_chat_model(
+    directory: Path, seed: int = 0, kv_heads: int = KV_HEADS, tie: bool = True
+) -> Path:
+    """Write the model (config.json + safetensors) and its tokenizer into `directory`
+    (`kv_heads` key/value heads of the 6 query heads; `tie`: tied input/output embeddings)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -70,10 +73,10 @@ def make_hf_chat_model(directory: Path, seed: int = 0) -> Path:
         intermediate_size=96,
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
+        num_key_value_heads=kv_heads,
         vocab_size=vocab,
         max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie,
         bos_token_id=1,
         eos_token_id=2,
         initializer_range=0.1,

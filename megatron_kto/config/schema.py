@@ -101,6 +101,15 @@ class ExpManagerConfig:
         default_factory=CheckpointCallbackParams
     )
     """Checkpoint retention."""
+    save_hf: bool = False
+    """Also write the trained model as a Hugging Face directory, `<explicit_log_dir>/hf/`, at the
+    final save (a LoRA run: the PEFT adapter directory); see conversion/hf_output.py."""
+    save_hf_every_save: bool = False
+    """With save_hf: replace `hf/` at every checkpoint save, not only the final one."""
+    save_hf_merged: bool = False
+    """With save_hf and LoRA: also write base + adapters merged to `<explicit_log_dir>/hf_merged/`."""
+    save_hf_max_shard_mb: float = 5000.0
+    """Largest safetensors file of the Hugging Face output, in MiB (also what one rank holds)."""
 
 
 @dataclass

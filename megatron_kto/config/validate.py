@@ -394,6 +394,7 @@ def validate(
         fwd = d.log_prob_forward_micro_batch_size
     # model.peft.* and the reference policies it allows (architecture fields are resolved).
     check_peft(m, algorithm, m)
+    _check_hf_output(cfg.exp_manager, m)
     if fwd is not None:
         _need(fwd >= 1, f"model.{algorithm}.log_prob_forward_micro_batch_size", "must be >= 1")
         _need(
@@ -410,6 +411,20 @@ def validate(
             f"interleaved pipelining needs forward micro-batches per step ({per_rank // fwd}) "
             f"divisible by PP={pp}",
         )
+
+
+def _check_hf_output(e: Any, m: Any) -> None:
+    """exp_manager.save_hf*: the options that refine save_hf need it (and LoRA, for merging)."""
+    for key in ("save_hf_every_save", "save_hf_merged"):
+        _need(
+            not getattr(e, key) or e.save_hf, f"exp_manager.{key}", "needs exp_manager.save_hf=true"
+        )
+    _need(
+        not e.save_hf_merged or str(m.peft.peft_scheme) == "lora",
+        "exp_manager.save_hf_merged",
+        "merges LoRA adapters: needs model.peft.peft_scheme=lora",
+    )
+    _need(e.save_hf_max_shard_mb > 0, "exp_manager.save_hf_max_shard_mb", "must be > 0")
 
 
 def _check_recompute(m: Any, layers_per_chunk: int) -> None:

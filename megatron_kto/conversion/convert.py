@@ -55,7 +55,7 @@ TOKENIZER_FILES = (
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 #: Padded vocabulary rows: a multiple of 128 x 8, so the checkpoint loads under TP = 1, 2, 4, 8.
 VOCAB_MULTIPLE = 128 * 8
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
@@ -85,7 +85,7 @@ def _finish(tmp: Path, out_dir: Path) -> None:
     tmp.rename(out_dir)
 
 
-def _copy_tokenizer(src: Path | None, dst: Path) -> list[str]:
+def copy_tokenizer(src: Path | None, dst: Path) -> list[str]:
     copied = []
     for name in TOKENIZER_FILES if src is not None else ():
         if (src / name).is_file():
@@ -183,7 +183,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -
             raise ConversionError(f"{hf_dir}: tensors this converter does not map: {unused[:4]}")
         save_model(tmp, [model], arch)
         (tmp / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        _copy_tokenizer(hf_dir, tmp)
+        copy_tokenizer(hf_dir, tmp)
         _finish(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -193,7 +193,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -
     return arch
 
 
-def _source_dir(ckpt_dir: Path) -> Path | None:
+def source_dir(ckpt_dir: Path) -> Path | None:
     """The imported checkpoint a model descends from (it holds hf_config.json and the tokenizer):
     the checkpoint itself, or the `restore_from_path` of the training run that wrote it."""
     from omegaconf import OmegaConf
@@ -212,6 +212,30 @@ def _source_dir(ckpt_dir: Path) -> Path | None:
                 return None
             return source if (source / HF_CONFIG).is_file() else None
     return None
+
+
+def export_config(
+    arch: GPTArchitecture,
+    base: dict[str, Any] | None,
+    model_type: str | None = None,
+    dtype: str | None = None,
+) -> tuple[dict[str, Any], str, str]:
+    """(config.json, model type, dtype) of an export of `arch`.
+
+    Args:
+        base: the source model's config.json (None: the model has no recorded source).
+        model_type, dtype: as `export_hf` takes them; None picks the source's, else the first
+            family that expresses the architecture and float32.
+
+    Raises:
+        ConversionError: an unsupported model type or dtype, or an inexpressible architecture.
+    """
+    model_type = model_type or (base or {}).get("model_type") or default_model_type(arch)
+    get_family(model_type, what="--model-type")
+    dtype = dtype or str((base or {}).get("torch_dtype") or (base or {}).get("dtype") or "float32")
+    if dtype not in DTYPES:
+        raise ConversionError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    return hf_config_from_architecture(arch, model_type, base, dtype), model_type, dtype
 
 
 def export_hf(
@@ -249,14 +273,9 @@ def export_hf(
         ckpt = ckpt.parent
     ckpt_dir = resolve_pretrained_dir(ckpt)
     arch = read_architecture(ckpt_dir)
-    source = _source_dir(ckpt_dir)
+    source = source_dir(ckpt_dir)
     base = _read_json(source / HF_CONFIG, "source config") if source else None
-    model_type = model_type or (base or {}).get("model_type") or default_model_type(arch)
-    get_family(model_type, what="--model-type")
-    dtype = dtype or str((base or {}).get("torch_dtype") or (base or {}).get("dtype") or "float32")
-    if dtype not in _DTYPES:
-        raise ConversionError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
-    config = hf_config_from_architecture(arch, model_type, base, dtype)
+    config, model_type, dtype = export_config(arch, base, model_type, dtype)
     out_dir = Path(out_dir)
     tmp = _prepare_out(out_dir)
     try:
@@ -273,11 +292,11 @@ def export_hf(
         write_sharded(
             to_hf(state.__getitem__, arch, norm_names(state), model_type),
             tmp,
-            _DTYPES[dtype],
+            DTYPES[dtype],
             max_shard_bytes,
         )
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        _copy_tokenizer(ckpt_dir if (ckpt_dir / "tokenizer_config.json").exists() else source, tmp)
+        copy_tokenizer(ckpt_dir if (ckpt_dir / "tokenizer_config.json").exists() else source, tmp)
         _finish(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -20,7 +20,7 @@ Layouts (h = hidden, d = head dim, n = query heads, g = KV groups, f = FFN size)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -174,6 +174,16 @@ def _layer_entries(
         yield entry.megatron.format(**norms), entry.hf, entry.kind
 
 
+def layer_table(
+    arch: GPTArchitecture, norms: dict[str, str] = LOCAL_NORMS, family: str | Family | None = None
+) -> dict[str, Mapping]:
+    """A layer's entries keyed by their megatron name (relative to `decoder.layers.{i}.`, norm
+    names filled in): what a caller gathering tensor-parallel shards reads the TP axis and the
+    fusion kind from."""
+    fam = _family(family)
+    return {entry.megatron.format(**norms): entry for entry in fam.layer_mappings(arch, norms)}
+
+
 def to_megatron(
     get_hf: Getter,
     arch: GPTArchitecture,
@@ -213,14 +223,24 @@ def to_hf(
     arch: GPTArchitecture,
     norms: dict[str, str] = LOCAL_NORMS,
     family: str | Family | None = None,
+    layers: Iterable[int] | None = None,
+    embedding: bool = True,
+    head: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Hugging Face tensors from megatron (TP=1, EP=1) ones, one at a time; the inverse of
-    `to_megatron` for the same family."""
+    `to_megatron` for the same family.
+
+    Args:
+        layers, embedding, head: the part of the model to convert — by default all of it; a
+            pipeline stage passes its own layers (global indices) and whether it holds the
+            embedding and the head (final norm, output layer).
+    """
     fam = _family(family)
     heads, groups, head_dim = _shape(arch)
     vocab = arch.vocab_size
-    yield EMBEDDING[1], get_megatron(EMBEDDING[0])[:vocab]
-    for i in range(arch.num_layers):
+    if embedding:
+        yield EMBEDDING[1], get_megatron(EMBEDDING[0])[:vocab]
+    for i in range(arch.num_layers) if layers is None else layers:
         for mname, hnames, kind in _layer_entries(arch, norms, fam):
             value = get_megatron(f"decoder.layers.{i}.{mname}")
             if kind == "qkv":
@@ -231,6 +251,7 @@ def to_hf(
                 parts = (value,)
             for h, part in zip(hnames, parts, strict=True):
                 yield f"model.layers.{i}.{h}", part
-    yield FINAL_NORM[1], get_megatron(FINAL_NORM[0])
-    if not arch.share_embeddings_and_output_weights:
-        yield OUTPUT[1], get_megatron(OUTPUT[0])[:vocab]
+    if head:
+        yield FINAL_NORM[1], get_megatron(FINAL_NORM[0])
+        if not arch.share_embeddings_and_output_weights:
+            yield OUTPUT[1], get_megatron(OUTPUT[0])[:vocab]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -78,6 +79,81 @@ def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split())[:300] or type(error).__name__
 
 
+@dataclass
+class ShardSet:
+    """Shard files written under temporary names, in order, and where each tensor went."""
+
+    files: list[str] = field(default_factory=list)
+    """Temporary file names (relative to the output directory), in write order."""
+    weight_map: dict[str, str] = field(default_factory=dict)
+    """Tensor name -> temporary file name."""
+    total: int = 0
+    """Bytes of all tensors."""
+
+
+def write_shard_files(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: str | Path,
+    dtype: torch.dtype,
+    max_shard_bytes: int = 5 * 1024**3,
+    stem: str = "shard",
+) -> ShardSet:
+    """Write `tensors` (cast to `dtype`, moved to the host one at a time) as safetensors files
+    `<stem>-<k>.tmp` of at most `max_shard_bytes` each (a larger tensor gets a file of its own);
+    `finish_shards` gives them their final names. At most one file's tensors are held at once."""
+    out_dir = Path(out_dir)
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+    result = ShardSet()
+
+    def flush() -> None:
+        nonlocal shard, size
+        name = f"{stem}-{len(result.files):05d}.tmp"
+        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+        result.files.append(name)
+        shard, size = {}, 0
+
+    for name, tensor in tensors:
+        tensor = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > max_shard_bytes:
+            flush()
+        shard[name] = tensor
+        result.weight_map[name] = f"{stem}-{len(result.files):05d}.tmp"
+        size += nbytes
+        result.total += nbytes
+    if shard:
+        flush()
+    return result
+
+
+def finish_shards(out_dir: str | Path, parts: list[ShardSet]) -> list[str]:
+    """Rename the temporary files of `parts` (in order) to the names `transformers` writes —
+    `model.safetensors` when there is one file, else `model-0000k-of-0000n.safetensors` plus
+    `model.safetensors.index.json` — and return the final names."""
+    out_dir = Path(out_dir)
+    tmp_names = [name for part in parts for name in part.files]
+    count = len(tmp_names)
+    if count == 0:
+        raise ValueError(f"{out_dir}: no tensors were written")
+    final = (
+        [SINGLE]
+        if count == 1
+        else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    )
+    renamed = dict(zip(tmp_names, final, strict=True))
+    for tmp, name in renamed.items():
+        os.replace(out_dir / tmp, out_dir / name)
+    if count > 1:
+        weight_map = {k: renamed[v] for part in parts for k, v in part.weight_map.items()}
+        index = {
+            "metadata": {"total_size": sum(part.total for part in parts)},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return final
+
+
 def write_sharded(
     tensors: Iterable[tuple[str, torch.Tensor]],
     out_dir: str | Path,
@@ -89,43 +165,8 @@ def write_sharded(
     One shard is named `model.safetensors`; several are `model-0000k-of-0000n.safetensors` with
     an index, as `transformers` writes them.
     """
-    out_dir = Path(out_dir)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    tmp_names: list[str] = []
-    weight_map: dict[str, str] = {}
-    total = 0
-
-    def flush() -> None:
-        name = f"shard-{len(tmp_names):05d}.tmp"
-        save_file(shards[-1], str(out_dir / name), metadata={"format": "pt"})
-        tmp_names.append(name)
-        shards[-1] = {}
-
-    for name, tensor in tensors:
-        tensor = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            flush()
-            size = 0
-        shards[-1][name] = tensor
-        weight_map[name] = str(len(tmp_names))
-        size += nbytes
-        total += nbytes
-    if shards[-1] or not tmp_names:
-        flush()
-    count = len(tmp_names)
-    final = (
-        [SINGLE]
-        if count == 1
-        else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-    )
-    for tmp, name in zip(tmp_names, final, strict=True):
-        os.replace(out_dir / tmp, out_dir / name)
-    if count > 1:
-        index = {
-            "metadata": {"total_size": total},
-            "weight_map": {k: final[int(v)] for k, v in sorted(weight_map.items())},
-        }
-        (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    return final
+    part = write_shard_files(tensors, out_dir, dtype, max_shard_bytes)
+    if not part.files:  # a model with no tensors still gets its (empty) file
+        save_file({}, str(Path(out_dir) / "shard-00000.tmp"), metadata={"format": "pt"})
+        part.files.append("shard-00000.tmp")
+    return finish_shards(out_dir, [part])

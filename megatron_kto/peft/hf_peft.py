@@ -77,17 +77,29 @@ def peft_config(settings: LoRASettings, arch: Any, base_model: str | None) -> di
     }
 
 
+def full_pair(adapter: LoRALinear, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lora_A, lora_B) of projection `name`, whole: tensor-parallel shards are all-gathered
+    over the TP group (collective; every TP rank must ask for the same pairs in order)."""
+    from megatron.core import parallel_state
+
+    from megatron_kto.conversion.gather import gather_tp
+
+    axes = adapter.shard_axes()
+    group = parallel_state.get_tensor_model_parallel_group() if adapter.tp > 1 else None
+    pair = adapter.adapters[name]
+    return tuple(  # type: ignore[return-value]
+        gather_tp(getattr(pair, w).detach(), axes[f"adapters.{name}.{w}"], "direct", group)
+        for w in ("lora_A", "lora_B")
+    )
+
+
 def full_tensors(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
-    """This process's adapters as PEFT keys -> full tensors (TP=1 only: the export tool builds
-    the whole model in one process)."""
+    """This process's adapters as PEFT keys -> full fp32 host tensors (collective over the TP
+    group when TP > 1)."""
     out: dict[str, torch.Tensor] = {}
     for adapter in adapters_of(chunks):
-        if adapter.tp != 1:
-            raise AdapterError("adapter export runs at tensor-parallel size 1")
         for name in adapter.names:
-            pair = adapter.adapters[name]
-            for which in ("lora_A", "lora_B"):
-                tensor = getattr(pair, which).detach()
+            for which, tensor in zip(("lora_A", "lora_B"), full_pair(adapter, name), strict=True):
                 out[hf_key(_layer(adapter), name, which)] = tensor.float().cpu().contiguous()
     return out
 
@@ -193,26 +205,43 @@ def load_adapter(
                     param.copy_(part)
 
 
-def _delta(adapter: LoRALinear, arch: Any) -> torch.Tensor:
-    """scaling · B·A of a (TP=1) adapter, laid out as its base linear's weight."""
-    layout = adapter.layout
-    deltas = {}
-    for name in adapter.names:
-        pair = adapter.adapters[name]
-        deltas[name] = (pair.lora_B.float() @ pair.lora_A.float()) * adapter.scaling
+def fused_delta(
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    all_names: list[str],
+    layout: Any,
+    arch: Any,
+    scaling: float,
+) -> torch.Tensor:
+    """scaling · B·A of one linear's full (unsharded) adapters, laid out as its base weight:
+    q/k/v fused per query group, gate/up stacked; projections without an adapter add zero.
+
+    Args:
+        pairs: projection name -> (lora_A [r, in], lora_B [out, r]), full tensors.
+        all_names: every projection of the linear, in fused order.
+        layout: the linear's `lora.FusedLayout`.
+        arch: the model's architecture.
+        scaling: alpha / r.
+    """
+    deltas = {name: (b.float() @ a.float()) * scaling for name, (a, b) in pairs.items()}
     like = next(iter(deltas.values()))
-    if len(adapter.all_names) == 1:
-        return deltas[adapter.all_names[0]]
+    if len(all_names) == 1:
+        return deltas[all_names[0]]
     if layout.kind == "fc1":
-        gate, up = (deltas.get(n, torch.zeros_like(like)) for n in adapter.all_names)
+        gate, up = (deltas.get(n, torch.zeros_like(like)) for n in all_names)
         return fuse_fc1(gate, up)
     d = layout.head_dim
     sizes = [arch.num_attention_heads * d, layout.groups * d, layout.groups * d]
     q, k, v = (
         deltas.get(n, like.new_zeros(rows, like.shape[1]))
-        for n, rows in zip(adapter.all_names, sizes, strict=True)
+        for n, rows in zip(all_names, sizes, strict=True)
     )
     return fuse_qkv(q, k, v, heads=arch.num_attention_heads, groups=layout.groups)
+
+
+def _delta(adapter: LoRALinear, arch: Any) -> torch.Tensor:
+    """`fused_delta` of a (TP=1) adapter."""
+    pairs = {n: (adapter.adapters[n].lora_A, adapter.adapters[n].lora_B) for n in adapter.names}
+    return fused_delta(pairs, adapter.all_names, adapter.layout, arch, adapter.scaling)
 
 
 def merge_and_strip(chunks: list[torch.nn.Module], arch: Any) -> None:
