@@ -282,3 +282,56 @@ def test_bad_input_is_one_line_naming_the_file(loaded):
     assert "model.layers.1.mlp.up_proj.weight" in errors["missing"]
     assert "model.safetensors" in errors["missing"]
     assert "model.norm.weight" in errors["shape"] and "(65,)" in errors["shape"]
+
+
+def _megatron_shard(name: str, full: torch.Tensor, rank: int, size: int, axis) -> torch.Tensor:
+    """Megatron's TP shard of a whole tensor: a contiguous block along its axis, except fc1,
+    whose gate and up halves are sharded separately (megatron-core's swiglu sharding)."""
+    if axis is None:
+        return full
+    if name.endswith("linear_fc1.weight"):
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]])
+    return full.chunk(size, dim=axis)[rank]
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_slices_make_megatrons_shards_at_tp4(size):
+    """Pure: for every tensor of a Qwen2 layer (4 query groups, qkv biases) and the padded
+    vocabulary, the slices of rank r, each put in its place, equal rank r's block of the whole
+    tensor the converter makes (`to_megatron`)."""
+    from megatron_kto.conversion.hf_config import architecture_from_hf
+    from megatron_kto.conversion.hf_dir import padded_vocab
+    from megatron_kto.conversion.hf_slices import fill, megatron_sources, shard_reads
+    from megatron_kto.conversion.mappings import LOCAL_NORMS, to_megatron
+    from megatron_kto.conversion.registry import get_family
+
+    config = _hf_configs()["qwen2"].to_dict() | {"num_key_value_heads": 4, "num_hidden_layers": 1}
+    arch = architecture_from_hf(config)
+    arch.padded_vocab_size = padded_vocab(arch.vocab_size)
+    generator = torch.Generator().manual_seed(0)
+    hf: dict[str, torch.Tensor] = {}
+
+    def get(name: str) -> torch.Tensor:  # a random tensor of the right shape, made on demand
+        shapes = {"embed_tokens": (VOCAB, 64), "lm_head": (VOCAB, 64), "q_proj.weight": (64, 64),
+                  "q_proj.bias": (64,), "k_proj.weight": (64, 64), "k_proj.bias": (64,),
+                  "v_proj.weight": (64, 64), "v_proj.bias": (64,), "o_proj": (64, 64),
+                  "gate_proj": (96, 64), "up_proj": (96, 64), "down_proj": (64, 96)}  # fmt: skip
+        shape = next((s for k, s in shapes.items() if k in name), (64,))
+        return hf.setdefault(name, torch.randn(shape, generator=generator))
+
+    whole = dict(to_megatron(get, arch, arch.padded_vocab_size, LOCAL_NORMS, "qwen2"))
+    sources = megatron_sources(arch, LOCAL_NORMS, get_family("qwen2"))
+    assert set(whole) <= set(sources)
+    for name, full in whole.items():
+        source = sources[name]
+        for rank in range(size):
+            want = _megatron_shard(name, full, rank, size, source.tp_axis)
+            reads = shard_reads(source, arch, tuple(want.shape), rank, size)
+            got = torch.full_like(want, float("nan"))
+            for i, r in enumerate(reads):
+                index = [slice(None)] * hf[r.name].dim()
+                if r.axis is not None:
+                    index[r.axis] = slice(r.start, r.stop)
+                fill(source, arch, got, i, hf[r.name][tuple(index)], size)
+            assert torch.equal(got, want), (name, rank, size)

@@ -5,8 +5,9 @@ walks its own parameters (its pipeline stage's layers, its experts, its tensor-p
 names the whole megatron tensor each one is a shard of (global layer and expert index), looks it
 up in the family's table (`conversion.hf_slices.megatron_sources`, built from the same `Mapping`
 entries as the converter) and reads just the slices of the Hugging Face tensors that shard is made
-of, through `safe_open(...).get_slice` — so a rank's host memory while loading is its own shard
-plus one parameter's slices, not the model. The values are those the converter would have written
+of, through `safe_open(...).get_slice`, one slice at a time straight into the parameter — so a
+rank's host memory while loading is its own shard plus one slice (and the file pages it maps),
+not the model. The values are those the converter would have written
 and `load_model` restored: same fusion functions, same zero padding, one cast to the parameter's
 dtype (tests compare bit for bit).
 
@@ -29,8 +30,8 @@ from megatron_kto.conversion.hf_config import ConversionError
 from megatron_kto.conversion.hf_dir import read_hf_architecture
 from megatron_kto.conversion.hf_slices import (
     Source,
-    assemble,
     expected_hf_shapes,
+    fill,
     megatron_sources,
     shard_reads,
 )
@@ -55,7 +56,7 @@ class LoadStats:
     tensors: int = 0
     """Parameters filled."""
     largest_read: int = 0
-    """Bytes of the largest single parameter's slices (held at once besides the model)."""
+    """Bytes of the largest single slice (what the load holds at once besides the model)."""
 
 
 def global_name(model: torch.nn.Module, name: str) -> tuple[str, bool]:
@@ -154,12 +155,13 @@ def _load(weights: HFWeights, arch, family, chunks: list[torch.nn.Module]) -> Lo
                         f"does not match {shape} that {name} needs (config.json and weights "
                         "disagree)"
                     )
-            reads = shard_reads(source, arch, local_shape, rank, size)
-            parts = [weights.get_rows(r.name, r.axis, r.start, r.stop) for r in reads]
-            nbytes = sum(p.numel() * p.element_size() for p in parts)
-            stats.bytes_read += nbytes
-            stats.largest_read = max(stats.largest_read, nbytes)
-            param.copy_(assemble(source, arch, parts, local_shape, size))
+            for i, r in enumerate(shard_reads(source, arch, local_shape, rank, size)):
+                part = weights.get_rows(r.name, r.axis, r.start, r.stop)
+                nbytes = part.numel() * part.element_size()
+                stats.bytes_read += nbytes
+                stats.largest_read = max(stats.largest_read, nbytes)
+                fill(source, arch, param.data, i, part, size)
+                del part  # one slice held at a time
             stats.tensors += 1
     return stats
 

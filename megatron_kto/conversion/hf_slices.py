@@ -18,9 +18,10 @@ shard is made of *slices* of the same Hugging Face tensors:
 Pipeline and expert parallelism need no slicing: a stage holds whole layers, an EP rank whole
 experts; the caller names the global layer / expert (`megatron_sources` is keyed by global names).
 
-Everything here is pure (names, shapes and index arithmetic; `assemble` fuses the slices with the
-same `fuse_qkv` / `fuse_fc1` as the whole-tensor conversion), so the reader decides how tensors are
-read — `checkpointing/hf_source.py` reads the slices lazily from the safetensors files.
+Everything here is pure (names, shapes and index arithmetic; `fill` puts each slice where the
+whole-tensor conversion's `fuse_qkv` / `fuse_fc1` / `pad_rows` put its rows), so the reader decides
+how tensors are read — `checkpointing/hf_source.py` reads the slices lazily from the safetensors
+files, one at a time, straight into the parameter.
 """
 
 from __future__ import annotations
@@ -37,8 +38,6 @@ from megatron_kto.conversion.mappings import (
     OUTPUT,
     REPLICATED,
     Kind,
-    fuse_fc1,
-    fuse_qkv,
 )
 from megatron_kto.models.architecture import GPTArchitecture
 
@@ -155,23 +154,34 @@ def shard_reads(
     return tuple(Read(name, axis, rank * per_part, (rank + 1) * per_part) for name in source.hf)
 
 
-def assemble(
+def fill(
     source: Source,
     arch: GPTArchitecture,
-    parts: list[torch.Tensor],
-    local_shape: Shape,
+    out: torch.Tensor,
+    index: int,
+    part: torch.Tensor,
     size: int,
-) -> torch.Tensor:
-    """The rank's shard from the slices `shard_reads` named (in that order)."""
-    if source.vocab_rows:  # zero rows past the vocabulary, as `mappings.pad_rows`
-        out = parts[0].new_zeros(local_shape)
-        out[: parts[0].shape[0]] = parts[0]
-        return out
-    if source.kind == "qkv":
-        heads, groups, _ = _heads(arch)
-        split = size if _sharded(source, size) else 1
-        return fuse_qkv(*parts, heads=heads // split, groups=groups // split)
-    if source.kind == "gated_mlp":
-        return fuse_fc1(*parts)
-    (value,) = parts
-    return value
+) -> None:
+    """Copy slice `index` of `shard_reads` into its place in the rank's shard `out` (cast to
+    `out`'s dtype), so the caller holds one slice at a time and no fused copy.
+
+    The places are `fuse_qkv`'s and `fuse_fc1`'s layouts (per query group: its query heads, its
+    key head, its value head; gate rows then up rows) and `pad_rows`' zero rows past the
+    vocabulary; the tests check `fill` against the whole-tensor conversion.
+    """
+    if source.vocab_rows:
+        rows = part.shape[0]
+        out[:rows].copy_(part)
+        out[rows:].zero_()
+    elif source.kind == "qkv":
+        heads, groups, d = _heads(arch)
+        mine = groups // (size if _sharded(source, size) else 1)
+        per = heads // groups
+        grouped = out.view(mine, (per + 2) * d, *out.shape[1:])
+        lo, hi = ((0, per * d), (per * d, (per + 1) * d), ((per + 1) * d, (per + 2) * d))[index]
+        grouped[:, lo:hi].copy_(part.reshape(mine, hi - lo, *out.shape[1:]))
+    elif source.kind == "gated_mlp":
+        half = out.shape[0] // 2
+        out[index * half : (index + 1) * half].copy_(part)
+    else:
+        out.copy_(part)
