@@ -10,7 +10,8 @@ identical: the direct load gives the same weights, the same tokenizer and the sa
 same holds for a LoRA run (the base weights are the directory's, the reference is the base).
 
 Then, as for converted checkpoints: the run started from the directory exports to Hugging Face
-with its source's model type and tokenizer files; a layout the model cannot take (TP=2 over 3
+with its source's model type and tokenizer files (a LoRA run's exported adapter equals the converted
+run's); `tools/eval_kto_rewards.py` evaluates against the directory as the reference; a layout the model cannot take (TP=2 over 3
 query groups) and an unsupported model type stop with one `error:` line naming config.json,
 exit code 2.
 """
@@ -23,7 +24,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from e2e_cli import KTO_SCRIPT, QUIET, REPO, launch, load_tp1_state_dicts, read_metrics, run_script
+from e2e_cli import (
+    EVAL_TOOL,
+    KTO_SCRIPT,
+    QUIET,
+    REPO,
+    launch,
+    load_tp1_state_dicts,
+    read_metrics,
+    run_script,
+)
 from hf_tiny import make_hf_chat_model, write_kto_rows
 
 pytestmark = pytest.mark.e2e
@@ -85,7 +95,11 @@ def runs(tmp_path_factory):
     for name in ("converted", "direct", "converted_lora", "direct_lora"):
         proc = out[name][0]
         assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
-    run_script(tool, ["export", "--ckpt", str(root / "direct"), "--out", str(root / "export")])
+    for name in ("direct", "converted_lora", "direct_lora"):
+        run_script(tool, ["export", "--ckpt", str(root / name), "--out", str(root / f"{name}_hf")])
+    for name in ("converted", "direct"):  # reference: the run's restore_from_path
+        args = ["--policy", str(root / name), "--data", str(train), "--json", str(root / name)]
+        run_script(EVAL_TOOL, [*args[:-1], str(root / f"{name}_eval.json")])
     return root, out
 
 
@@ -110,13 +124,32 @@ def test_trained_weights_equal_the_converted_run(runs):
 
 def test_run_from_the_directory_exports_with_its_source(runs):
     root, _ = runs
-    config = json.loads((root / "export" / "config.json").read_text())
+    config = json.loads((root / "direct_hf" / "config.json").read_text())
     source = json.loads((root / "hf" / "config.json").read_text())
     assert config["model_type"] == "llama" and config["vocab_size"] == source["vocab_size"]
-    assert (root / "export" / "tokenizer.json").is_file()
-    assert (root / "export" / "tokenizer_config.json").read_text() == (
+    assert (root / "direct_hf" / "tokenizer.json").is_file()
+    assert (root / "direct_hf" / "tokenizer_config.json").read_text() == (
         root / "hf" / "tokenizer_config.json"
     ).read_text()
+
+
+def test_lora_run_on_the_directory_exports_the_same_adapter(runs):
+    from safetensors.torch import load_file
+
+    root, _ = runs
+    want = load_file(root / "converted_lora_hf" / "adapter_model.safetensors")
+    got = load_file(root / "direct_lora_hf" / "adapter_model.safetensors")
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_evaluation_against_the_directory_as_reference(runs):
+    """`tools/eval_kto_rewards.py` takes the run's restore_from_path as the reference: the
+    directory itself, with the same rewards as against the converted checkpoint."""
+    root, _ = runs
+    want, got = (json.loads((root / f"{n}_eval.json").read_text()) for n in ("converted", "direct"))
+    numbers = [k for k, v in want.items() if isinstance(v, int | float)]
+    assert numbers and all(got[k] == want[k] for k in numbers), (want, got)
 
 
 @pytest.mark.parametrize(
