@@ -7,7 +7,9 @@ converted checkpoint, and the Hugging Face directory itself — with the tokeniz
 directory given (unset `model.tokenizer.model`) in both. The metrics of every step (losses, the
 rewards against the reference policy, log-probs, gradient norms) and the trained weights must be
 identical: the direct load gives the same weights, the same tokenizer and the same reference. The
-same holds for a LoRA run (the base weights are the directory's, the reference is the base).
+same holds for a LoRA run (the base weights are the directory's, the reference is the base), and
+for a third step resumed from the training checkpoint (a megatron checkpoint; the reference
+rebuilt from the directory).
 
 Then, as for converted checkpoints: the run started from the directory exports to Hugging Face
 with its source's model type and tokenizer files (a LoRA run's exported adapter equals the converted
@@ -95,6 +97,14 @@ def runs(tmp_path_factory):
     for name in ("converted", "direct", "converted_lora", "direct_lora"):
         proc = out[name][0]
         assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
+    resumes = {  # one more step: resumes from step 2, the reference rebuilt from the start
+        name: ([*_args(ckpt, train, root / name), "trainer.kto.max_steps=3"], 1)
+        for name, ckpt in (("converted", root / "mcore"), ("direct", hf))
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for name, future in [(n, pool.submit(launch, *job)) for n, job in resumes.items()]:
+            proc = future.result()[0]
+            assert proc.returncode == 0, f"{name} resume: {proc.stderr[-3000:]}"
     for name in ("direct", "converted_lora", "direct_lora"):
         run_script(tool, ["export", "--ckpt", str(root / name), "--out", str(root / f"{name}_hf")])
     for name in ("converted", "direct"):  # reference: the run's restore_from_path
@@ -107,7 +117,7 @@ def runs(tmp_path_factory):
 def test_metrics_equal_the_converted_run(runs, pair):
     root, _ = runs
     want, got = (read_metrics(root / name) for name in pair)
-    assert [r["step"] for r in got] == [1, 2]
+    assert [r["step"] for r in got] == ([1, 2, 3] if pair[0] == "converted" else [1, 2])
     assert got[0]["rewards/chosen"] == 0.0  # the reference is the starting policy
     for a, b in zip(want, got, strict=True):
         for key, value in a.items():

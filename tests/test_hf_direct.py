@@ -5,8 +5,9 @@ The reference is the path users had before: `convert.import_hf` (the converter b
 `dist_checkpointing` reshards it on restore. Loading the Hugging Face directory directly must give
 every parameter of every rank bit for bit the same value, at TP=1, TP=2, PP=2 and (MoE) EP=2, for
 tiny random `transformers` models of three families: Llama (GQA, untied, its weights sharded over
-several safetensors files with an index), Qwen2 (q/k/v biases) and Qwen3-MoE (tied embeddings, so
-the last pipeline stage's output layer comes from the embedding).
+several safetensors files with an index), Qwen2 (q/k/v biases, bf16 weights as on the Hub; also
+into a bf16 model) and Qwen3-MoE (tied embeddings, so the last pipeline stage's output layer comes
+from the embedding).
 
 Memory: what a rank reads is counted from the slices it copies out of the files
 (`LoadStats.bytes_read`), and compared with sums over the files' own tensor sizes: at TP=2 the two
@@ -75,7 +76,9 @@ def _state(chunks) -> dict[str, torch.Tensor]:
     return out
 
 
-def _both_ways(root: Path, name: str, layout: tuple[int, int, int], rt) -> dict:
+def _both_ways(
+    root: Path, name: str, layout: tuple[int, int, int], rt, precision: str = "32"
+) -> dict:
     """This rank's parameters restored from the converted checkpoint and from the HF directory."""
     from megatron_kto.checkpointing.hf_source import load_hf_model
     from megatron_kto.checkpointing.locate import read_architecture
@@ -87,6 +90,7 @@ def _both_ways(root: Path, name: str, layout: tuple[int, int, int], rt) -> dict:
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
+        precision=precision,
     )
     hf_arch = read_architecture(root / name / "hf")
     assert hf_arch == read_architecture(root / name / "mcore")
@@ -161,6 +165,7 @@ def _single_worker(rank: int, world_size: int, root: str) -> dict:
     rt = init_runtime(1, 1, seed=9)
     for name in MODELS:
         out["tp1", name] = _both_ways(root, name, (1, 1, 1), rt)
+    out["tp1_bf16", "qwen2"] = _both_ways(root, "qwen2", (1, 1, 1), rt, precision="bf16")
     out["errors"] = _errors(root, rt)
     teardown()
     return out
@@ -190,6 +195,8 @@ def loaded(tmp_path_factory):
             for pname, p in model.named_parameters():
                 if "norm" in pname or pname.endswith("bias"):  # away from 1 / 0
                     p.add_(0.1 * torch.randn_like(p))
+        if name == "qwen2":  # as most Hub models: bf16 weights
+            model = model.to(torch.bfloat16)
         # Llama as the Hub publishes large models: several shards and an index.
         shard = "200KB" if name == "llama" else "5GB"
         model.save_pretrained(root / name / "hf", max_shard_size=shard)
@@ -204,15 +211,18 @@ def test_llama_input_is_sharded(loaded):
     assert len(files) > 2 and (root / "llama" / "hf" / "model.safetensors.index.json").is_file()
 
 
-CASES = [("tp1", n) for n in MODELS] + [
-    (lay, n) for lay in LAYOUTS for n in MODELS if lay != "ep2" or n in MOE
-]
+CASES = (
+    [("tp1", n) for n in MODELS]
+    + [("tp1_bf16", "qwen2")]
+    + [(lay, n) for lay in LAYOUTS for n in MODELS if lay != "ep2" or n in MOE]
+)
 
 
 @pytest.mark.parametrize("layout,name", CASES, ids=[f"{n}-{lay}" for lay, n in CASES])
 def test_direct_load_equals_import_then_restore(loaded, layout, name):
     _, single, ranks = loaded
-    results = [single[layout, name]] if layout == "tp1" else [r[layout, name] for r in ranks]
+    one = layout.startswith("tp1")
+    results = [single[layout, name]] if one else [r[layout, name] for r in ranks]
     for rank, result in enumerate(results):
         assert result["count"] > 0
         assert result["unequal"] == [], f"rank {rank}: {result['unequal'][:4]}"

@@ -153,7 +153,8 @@ def resolve_architecture(
             presets = ", ".join(_presets()) or "see conf/model/"
             raise ConfigError(
                 f"model.{missing[0]}: no model architecture: set "
-                "pretrained_checkpoint.restore_from_path (a converted model; its architecture is "
+                "pretrained_checkpoint.restore_from_path (a Hugging Face model directory or a "
+                "converted checkpoint; its architecture is "
                 f"used) or choose a preset for a model trained from scratch: model=<{presets}>"
             )
         values = {k: v for k, v in stated.items()}
