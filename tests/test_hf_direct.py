@@ -3,11 +3,13 @@
 The reference is the path users had before: `convert.import_hf` (the converter behind
 `tools/convert_checkpoint.py import`) writes a megatron checkpoint, and megatron-core's
 `dist_checkpointing` reshards it on restore. Loading the Hugging Face directory directly must give
-every parameter of every rank bit for bit the same value, at TP=1, TP=2, PP=2 and (MoE) EP=2, for
-tiny random `transformers` models of three families: Llama (GQA, untied, its weights sharded over
+every parameter of every rank bit for bit the same value, at TP=1, TP=2, PP=2, (MoE) EP=2 and, for
+one model, PP=2 with two interleaved chunks per stage, for tiny random `transformers` models of
+five families: Llama (GQA, untied, its weights sharded over
 several safetensors files with an index), Qwen2 (q/k/v biases, bf16 weights as on the Hub; also
-into a bf16 model) and Qwen3-MoE (tied embeddings, so the last pipeline stage's output layer comes
-from the embedding).
+into a bf16 model) Qwen3-MoE (tied embeddings, so the last pipeline stage's output layer comes
+from the embedding), Mixtral, and Qwen2-MoE (a gated shared expert, sharded over TP like a dense
+MLP).
 
 Memory: what a rank reads is counted from the slices it copies out of the files
 (`LoadStats.bytes_read`), and compared with sums over the files' own tensor sizes: at TP=2 the two
@@ -19,7 +21,7 @@ Bad input is one line naming the file: no config.json, an unsupported model type
 supported ones), a missing tensor (naming it and the file), a tensor of the wrong shape.
 
 Spawns: one single-process worker (imports, TP=1, bad input) and one 2-rank worker (TP=2, PP=2,
-EP=2).
+EP=2, VPP).
 """
 
 from __future__ import annotations
@@ -34,14 +36,16 @@ import torch
 from multirank import run_multirank
 
 VOCAB = 2000  # padded to 2048 rows: at TP=2 each rank's embedding rows are mostly real
-MODELS = ("llama", "qwen2", "qwen3_moe")
-MOE = ("qwen3_moe",)
-#: layout -> (TP, PP, EP) on 2 ranks
-LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "ep2": (1, 1, 2)}
+MODELS = ("llama", "qwen2", "qwen3_moe", "mixtral", "qwen2_moe")
+MOE = ("qwen3_moe", "mixtral", "qwen2_moe")
+#: layout -> (TP, PP, EP, VPP) on 2 ranks
+LAYOUTS = {"tp2": (2, 1, 1, None), "pp2": (1, 2, 1, None), "ep2": (1, 1, 2, None)}
+#: Interleaved pipeline (two chunks per stage), for one model.
+VPP = {"pp2_vpp2": (1, 2, 1, 2)}
 
 
 def _hf_configs() -> dict[str, object]:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(
         hidden_size=64,
@@ -63,6 +67,17 @@ def _hf_configs() -> dict[str, object]:
             tie_word_embeddings=True,
             **common,
         ),
+        "mixtral": MixtralConfig(
+            intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **common
+        ),
+        "qwen2_moe": Qwen2MoeConfig(
+            intermediate_size=96,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            **common,
+        ),
     }
 
 
@@ -76,20 +91,19 @@ def _state(chunks) -> dict[str, torch.Tensor]:
     return out
 
 
-def _both_ways(
-    root: Path, name: str, layout: tuple[int, int, int], rt, precision: str = "32"
-) -> dict:
+def _both_ways(root: Path, name: str, layout: tuple, rt, precision: str = "32") -> dict:
     """This rank's parameters restored from the converted checkpoint and from the HF directory."""
     from megatron_kto.checkpointing.hf_source import load_hf_model
     from megatron_kto.checkpointing.locate import read_architecture
     from megatron_kto.checkpointing.pretrained import restore_pretrained
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
 
-    tp, pp, ep = layout
+    tp, pp, ep, vpp = layout
     par = ParallelLayout(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
+        virtual_pipeline_model_parallel_size=vpp,
         precision=precision,
     )
     hf_arch = read_architecture(root / name / "hf")
@@ -164,8 +178,8 @@ def _single_worker(rank: int, world_size: int, root: str) -> dict:
         import_hf(root / name / "hf", root / name / "mcore")
     rt = init_runtime(1, 1, seed=9)
     for name in MODELS:
-        out["tp1", name] = _both_ways(root, name, (1, 1, 1), rt)
-    out["tp1_bf16", "qwen2"] = _both_ways(root, "qwen2", (1, 1, 1), rt, precision="bf16")
+        out["tp1", name] = _both_ways(root, name, (1, 1, 1, None), rt)
+    out["tp1_bf16", "qwen2"] = _both_ways(root, "qwen2", (1, 1, 1, None), rt, precision="bf16")
     out["errors"] = _errors(root, rt)
     teardown()
     return out
@@ -175,10 +189,10 @@ def _layout_worker(rank: int, world_size: int, root: str) -> dict:
     from megatron_kto.runtime import init_runtime, teardown
 
     out = {}
-    for layout, (tp, pp, ep) in LAYOUTS.items():
-        rt = init_runtime(tp, pp, seed=9, expert_parallel_size=ep)
-        for name in MOE if ep > 1 else MODELS:
-            out[layout, name] = _both_ways(Path(root), name, (tp, pp, ep), rt)
+    for layout, (tp, pp, ep, vpp) in (LAYOUTS | VPP).items():
+        rt = init_runtime(tp, pp, vpp, seed=9, expert_parallel_size=ep)
+        for name in MOE if ep > 1 else ("qwen3_moe",) if vpp else MODELS:
+            out[layout, name] = _both_ways(Path(root), name, (tp, pp, ep, vpp), rt)
     teardown()
     return out
 
@@ -215,6 +229,7 @@ CASES = (
     [("tp1", n) for n in MODELS]
     + [("tp1_bf16", "qwen2")]
     + [(lay, n) for lay in LAYOUTS for n in MODELS if lay != "ep2" or n in MOE]
+    + [("pp2_vpp2", "qwen3_moe")]
 )
 
 
@@ -253,8 +268,10 @@ def test_tp2_rank_reads_about_half(loaded, name):
     sizes = _hf_sizes(root / name / "hf")
     total = sum(sizes.values())
     assert loaded[1]["tp1", name]["bytes"] == total  # TP=1 reads every tensor once
-    # Replicated over TP: norms (RMSNorm weights, incl. Q/K norms) and MoE routers.
-    replicated = sum(v for k, v in sizes.items() if "norm" in k or k.endswith("mlp.gate.weight"))
+    # Replicated over TP: norms (RMSNorm weights, incl. Q/K norms), MoE routers (`mlp.gate`,
+    # Mixtral's `block_sparse_moe.gate`) and Qwen2-MoE's shared-expert gate.
+    routers = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")
+    replicated = sum(v for k, v in sizes.items() if "norm" in k or k.endswith(routers))
     read = [r["tp2", name]["bytes"] for r in ranks]
     assert sum(read) == total + replicated
     for rank_bytes in read:
