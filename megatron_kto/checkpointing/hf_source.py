@@ -143,18 +143,19 @@ def _load(weights: HFWeights, arch, family, chunks: list[torch.nn.Module]) -> Lo
                 )
             plan.append((name, param, source, *_group(expert)))
     shapes = weights.shapes({h for _, _, source, _, _ in plan for h in source.hf})
+    for name, param, source, _, size in plan:  # every shape before any data is read
+        expected = expected_hf_shapes(source, arch, tuple(param.shape), size)
+        for hf_name, shape in zip(source.hf, expected, strict=True):
+            if shapes[hf_name] != shape:
+                raise CheckpointError(
+                    f"{weights.source_file(hf_name)}: {hf_name}: shape {shapes[hf_name]} "
+                    f"does not match {shape} that {name} needs (config.json and weights "
+                    "disagree)"
+                )
     stats = LoadStats()
     with torch.no_grad():
-        for name, param, source, rank, size in plan:
+        for _, param, source, rank, size in plan:
             local_shape = tuple(param.shape)
-            expected = expected_hf_shapes(source, arch, local_shape, size)
-            for hf_name, shape in zip(source.hf, expected, strict=True):
-                if shapes[hf_name] != shape:
-                    raise CheckpointError(
-                        f"{weights.source_file(hf_name)}: {hf_name}: shape {shapes[hf_name]} "
-                        f"does not match {shape} that {name} needs (config.json and weights "
-                        "disagree)"
-                    )
             for i, r in enumerate(shard_reads(source, arch, local_shape, rank, size)):
                 part = weights.get_rows(r.name, r.axis, r.start, r.stop)
                 nbytes = part.numel() * part.element_size()
