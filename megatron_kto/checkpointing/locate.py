@@ -8,7 +8,10 @@ Accepted paths (`pretrained_checkpoint.restore_from_path`, the tools' `--policy`
 - a conversion-tool checkpoint (dist checkpoint + architecture.json);
 - a training checkpoint directory `step_<N>`;
 - a training checkpoint root (holding `latest` / `step_<N>` dirs), or a log directory whose
-  `checkpoints/` is one — the newest usable checkpoint is taken, as on resume.
+  `checkpoints/` is one — the newest usable checkpoint is taken, as on resume;
+- a Hugging Face model directory (config.json + safetensors, as the Hub publishes it): its
+  architecture is read from config.json (`conversion.hf_dir`; the family registry, and with it
+  torch, is imported only then) and `restore_pretrained` reads its weights directly.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from pathlib import Path
 
 from megatron_kto.checkpointing import files
 from megatron_kto.checkpointing.errors import CheckpointError
+from megatron_kto.conversion.hf_config import ConversionError
+from megatron_kto.conversion.hf_dir import CONFIG as HF_CONFIG
+from megatron_kto.conversion.hf_dir import check_hf_dir, looks_like_hf_dir, read_hf_architecture
 from megatron_kto.models.architecture import GPTArchitecture
 
 logger = logging.getLogger(__name__)
@@ -52,6 +58,12 @@ def resolve_pretrained_dir(path: str | Path, warn: Callable[[str], None] = _warn
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: not found (pretrained_checkpoint.restore_from_path)")
+    if looks_like_hf_dir(path):
+        try:
+            check_hf_dir(path)
+        except ConversionError as e:
+            raise CheckpointError(str(e)) from None
+        return path
     if (path / _DIST_METADATA).is_file():
         if (path / files.MANIFEST).exists() or (path / files.CHECKPOINT_META).exists():
             problem = files.check_complete(path)
@@ -76,12 +88,24 @@ def resolve_pretrained_dir(path: str | Path, warn: Callable[[str], None] = _warn
     raise CheckpointError(f"{path}: no usable checkpoint ({detail})")
 
 
+def architecture_file(ckpt_dir: str | Path) -> Path:
+    """The file `read_architecture` reads: architecture.json, or a Hugging Face config.json."""
+    ckpt_dir = Path(ckpt_dir)
+    return ckpt_dir / (HF_CONFIG if looks_like_hf_dir(ckpt_dir) else ARCH_FILE)
+
+
 def read_architecture(ckpt_dir: str | Path) -> GPTArchitecture:
-    """Read the architecture stored with a checkpoint.
+    """Read the architecture stored with a checkpoint, or a Hugging Face directory's.
 
     Raises:
-        CheckpointError: if the file is absent or unreadable.
+        CheckpointError: if the file is absent or unreadable, or the Hugging Face model is not
+            of a supported family (the message names the supported ones).
     """
+    if looks_like_hf_dir(ckpt_dir):
+        try:
+            return read_hf_architecture(ckpt_dir, _warn_on_rank0)[1]
+        except ConversionError as e:
+            raise CheckpointError(str(e)) from None
     path = Path(ckpt_dir) / ARCH_FILE
     if not path.is_file():
         raise CheckpointError(f"{path}: not found — is {ckpt_dir} a megatron_kto checkpoint?")

@@ -2,7 +2,8 @@
 
 Accepted paths: see `checkpointing.locate` (which resolves them without torch).
 
-Tensors are keyed by global names, so any of these loads under any TP/PP layout.
+Tensors are keyed by global names, so any of these loads under any TP/PP layout. A Hugging
+Face model directory is read directly, each rank reading only its own slices (`hf_source`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from megatron_kto.checkpointing.locate import resolve_pretrained_dir
 from megatron_kto.checkpointing.model_io import load_model, read_architecture
+from megatron_kto.conversion.hf_dir import looks_like_hf_dir
 from megatron_kto.models.architecture import GPTArchitecture
 
 __all__ = ["resolve_pretrained_dir", "restore_pretrained"]
@@ -25,11 +27,16 @@ def restore_pretrained(path: str | Path, model_chunks: list[torch.nn.Module]) ->
     optimizer state, if present, is ignored.
 
     Returns:
-        The architecture stored with the weights.
+        The architecture stored with the weights (a Hugging Face directory's, from config.json).
 
     Raises:
         CheckpointError: no usable checkpoint, or the weights do not fit the model.
     """
     ckpt_dir = resolve_pretrained_dir(path)
-    load_model(ckpt_dir, model_chunks)
+    if looks_like_hf_dir(ckpt_dir):
+        from megatron_kto.checkpointing.hf_source import load_hf_model
+
+        load_hf_model(ckpt_dir, model_chunks)
+    else:
+        load_model(ckpt_dir, model_chunks)
     return read_architecture(ckpt_dir)

@@ -7,10 +7,11 @@ process group, no megatron-core — so a bad config stops within a couple of sec
 1. `trainer.precision`: NeMo/Lightning spellings -> '32' / 'bf16' / '16'; unset follows the
    device (bf16 on CUDA, 32 on a CPU), with a note saying which.
 2. The architecture. With `pretrained_checkpoint.restore_from_path` it is the checkpoint's
-   (architecture.json): a value the config states (a preset, an override) that differs is an
+   (architecture.json, or a Hugging Face directory's config.json): a value the config states (a preset, an override) that differs is an
    error naming both; without a checkpoint the config must state the shape (a preset).
 3. The tokenizer: `model.tokenizer.model` unset means the tokenizer stored with the checkpoint
-   (a converted model's tokenizer files, or a training run's config); the library is inferred.
+   (a Hugging Face directory's or a converted model's tokenizer files, or a training run's
+   config); the library is inferred.
 4. The vocabulary: the tokenizer's ids must fit the model's embedding.
 5. `model.optim.sched.min_lr` unset means lr / 10 (so `model.optim.lr=5e-6` alone is valid).
 6. `validate.validate` with the resolved shape, then the attention backend the run will use
@@ -29,7 +30,11 @@ from typing import Any
 
 from megatron_kto.checkpointing import files
 from megatron_kto.checkpointing.errors import CheckpointError
-from megatron_kto.checkpointing.locate import ARCH_FILE, read_architecture, resolve_pretrained_dir
+from megatron_kto.checkpointing.locate import (
+    architecture_file,
+    read_architecture,
+    resolve_pretrained_dir,
+)
 from megatron_kto.config.keys import check_known_keys
 from megatron_kto.config.machine import attention_choice, canonical_precision, device_precision
 from megatron_kto.config.validate import ConfigError, validate
@@ -148,14 +153,15 @@ def resolve_architecture(
             presets = ", ".join(_presets()) or "see conf/model/"
             raise ConfigError(
                 f"model.{missing[0]}: no model architecture: set "
-                "pretrained_checkpoint.restore_from_path (a converted model; its architecture is "
+                "pretrained_checkpoint.restore_from_path (a Hugging Face model directory or a "
+                "converted checkpoint; its architecture is "
                 f"used) or choose a preset for a model trained from scratch: model=<{presets}>"
             )
         values = {k: v for k, v in stated.items()}
         return GPTArchitecture(**values), None, None
     ckpt_dir = resolve_pretrained_dir(path)
     arch = read_architecture(ckpt_dir)
-    arch_file = str(ckpt_dir / ARCH_FILE)
+    arch_file = str(architecture_file(ckpt_dir))  # architecture.json, or an HF config.json
     saved = arch.to_dict()
     conflicts = []
     for name, value in stated.items():

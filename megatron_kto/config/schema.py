@@ -117,7 +117,9 @@ class PretrainedCheckpointConfig:
     """`pretrained_checkpoint.*`."""
 
     restore_from_path: str | None = None
-    """Checkpoint (conversion tool or training) to start from; its architecture is used."""
+    """Weights to start from, and the architecture used: a Hugging Face model directory
+    (config.json + safetensors, read directly, each rank its own slices), or a checkpoint of
+    the conversion tool or of training."""
 
 
 @dataclass

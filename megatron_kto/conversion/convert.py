@@ -26,11 +26,9 @@ from typing import Any
 import torch
 
 from megatron_kto.checkpointing.errors import CheckpointError
-from megatron_kto.conversion.hf_config import (
-    ConversionError,
-    architecture_from_hf,
-    hf_config_from_architecture,
-)
+from megatron_kto.conversion.hf_config import ConversionError, hf_config_from_architecture
+from megatron_kto.conversion.hf_dir import CONFIG, looks_like_hf_dir, read_hf_architecture
+from megatron_kto.conversion.hf_dir import read_json as _read_json
 from megatron_kto.conversion.mappings import OUTPUT, norm_names, to_hf, to_megatron
 from megatron_kto.conversion.registry import default_model_type, get_family
 from megatron_kto.conversion.safetensors_io import HFWeights, write_sharded
@@ -53,21 +51,7 @@ TOKENIZER_FILES = (
 )
 #: Hugging Face tensors that carry no weights of ours.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-#: Padded vocabulary rows: a multiple of 128 x 8, so the checkpoint loads under TP = 1, 2, 4, 8.
-VOCAB_MULTIPLE = 128 * 8
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _read_json(path: Path, what: str) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConversionError(f"{path}: not found ({what})")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConversionError(f"{path}: not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ConversionError(f"{path}: expected a JSON object")
-    return data
 
 
 def _prepare_out(out_dir: Path) -> Path:
@@ -128,19 +112,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -
         # Every rank would build the whole model and race on the output directory.
         raise ConversionError("the converter runs as one process: start it without torchrun")
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    config = _read_json(hf_dir / "config.json", "a Hugging Face model directory needs config.json")
-    arch = architecture_from_hf(config, str(hf_dir / "config.json"))
-    if config.get("sliding_window") and config.get("use_sliding_window", True):
-        if config["sliding_window"] < arch.encoder_seq_length:
-            logger.warning(
-                "%s: sliding_window=%s is not applied (full causal attention); results match "
-                "for sequences up to %s tokens",
-                hf_dir,
-                config["sliding_window"],
-                config["sliding_window"],
-            )
+    config, arch = read_hf_architecture(hf_dir)  # the vocabulary padded as hf_dir pads it
     weights = HFWeights(hf_dir)
-    arch.padded_vocab_size = -(-arch.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     tmp = _prepare_out(out_dir)
     # Input is validated above; megatron-core is imported only now, so bad input fails fast.
     from megatron_kto.checkpointing.model_io import save_model
@@ -193,9 +166,16 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -
     return arch
 
 
+def source_config(source: Path) -> Path:
+    """The source config.json of `source_dir`'s answer: an imported checkpoint's copy, or a
+    Hugging Face directory's own."""
+    return source / HF_CONFIG if (source / HF_CONFIG).is_file() else source / CONFIG
+
+
 def source_dir(ckpt_dir: Path) -> Path | None:
-    """The imported checkpoint a model descends from (it holds hf_config.json and the tokenizer):
-    the checkpoint itself, or the `restore_from_path` of the training run that wrote it."""
+    """The imported checkpoint or Hugging Face directory a model descends from (it holds the
+    source config and the tokenizer): the checkpoint itself, or the `restore_from_path` of the
+    training run that wrote it."""
     from omegaconf import OmegaConf
 
     from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir
@@ -210,7 +190,7 @@ def source_dir(ckpt_dir: Path) -> Path | None:
                 source = resolve_pretrained_dir(path)
             except CheckpointError:
                 return None
-            return source if (source / HF_CONFIG).is_file() else None
+            return source if (source / HF_CONFIG).is_file() or looks_like_hf_dir(source) else None
     return None
 
 
@@ -274,7 +254,7 @@ def export_hf(
     ckpt_dir = resolve_pretrained_dir(ckpt)
     arch = read_architecture(ckpt_dir)
     source = source_dir(ckpt_dir)
-    base = _read_json(source / HF_CONFIG, "source config") if source else None
+    base = _read_json(source_config(source), "source config") if source else None
     config, model_type, dtype = export_config(arch, base, model_type, dtype)
     out_dir = Path(out_dir)
     tmp = _prepare_out(out_dir)

@@ -43,6 +43,7 @@ from megatron_kto.conversion.convert import (
     HF_CONFIG,
     copy_tokenizer,
     export_config,
+    source_config,
     source_dir,
 )
 from megatron_kto.conversion.gather import StageTensors
@@ -75,7 +76,7 @@ def _base_source(restore_from_path: str | None) -> tuple[Path | None, dict[str, 
         return None, None
     if source is None:
         return None, None
-    return source, json.loads((source / HF_CONFIG).read_text())
+    return source, json.loads(source_config(source).read_text())
 
 
 class HFOutput:

@@ -74,6 +74,60 @@ class HFWeights:
         except (SafetensorError, OSError, ValueError) as e:
             raise ConversionError(f"{path}: cannot read tensor {name}: {_one_line(e)}") from e
 
+    def source_file(self, name: str | None = None) -> Path:
+        """The file that holds tensor `name` (the index or single file when `name` is None or
+        absent) — what an error about it names."""
+        if name is not None and name in self._file_of:
+            return self._file_of[name]
+        return self.dir / (INDEX if (self.dir / INDEX).is_file() else SINGLE)
+
+    def shapes(self, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
+        """Whole shapes of `names`, from the files' headers (no tensor data is read).
+
+        Raises:
+            KeyError: no such tensor.
+            ConversionError: a file is missing or corrupt, or lacks a tensor its index names.
+        """
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self._file_of[name], []).append(name)
+        out = {}
+        for path, in_file in by_file.items():
+            try:
+                with safe_open(path, framework="pt") as handle:
+                    present = set(handle.keys())
+                    for name in in_file:
+                        if name not in present:
+                            raise ConversionError(f"{path}: tensor {name} is missing from the file")
+                        out[name] = tuple(handle.get_slice(name).get_shape())
+            except (SafetensorError, OSError, ValueError) as e:
+                if isinstance(e, ConversionError):
+                    raise
+                raise ConversionError(f"{path}: unreadable weights: {_one_line(e)}") from e
+        return out
+
+    def get_rows(self, name: str, axis: int | None, start: int, stop: int) -> torch.Tensor:
+        """Tensor `name` (axis None), or its slice [start, stop) along `axis`, read from disk now.
+
+        Only the slice's bytes are copied out of the memory-mapped file (`get_slice`); the file
+        is unmapped again before returning (see `get`).
+
+        Raises:
+            KeyError: no such tensor.
+            ConversionError: its file is missing or corrupt.
+        """
+        if axis is None:
+            return self.get(name)
+        path = self._file_of[name]
+        try:
+            with safe_open(path, framework="pt") as handle:
+                lazy = handle.get_slice(name)
+                index = [slice(None)] * len(lazy.get_shape())
+                index[axis] = slice(start, stop)
+                return lazy[tuple(index)]
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ConversionError(f"{path}: cannot read tensor {name}: {_one_line(e)}") from e
+
 
 def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split())[:300] or type(error).__name__

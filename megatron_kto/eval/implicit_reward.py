@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from megatron_kto.checkpointing.errors import CheckpointError
-from megatron_kto.checkpointing.model_io import load_model, read_architecture
-from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir
+from megatron_kto.checkpointing.model_io import read_architecture
+from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir, restore_pretrained
 from megatron_kto.data.collate import IGNORE_INDEX, inputs_and_labels
 from megatron_kto.data.dataset import KTODataset, build_kto_dataset
 from megatron_kto.data.tokenizers import Tokenizer
@@ -227,12 +227,12 @@ def implicit_rewards(
                 tables.append(logps())
         else:
             chunks = build_gpt_chunks(arch, layout, runtime.device)
-            load_model(reference_dir, chunks)
+            restore_pretrained(reference_dir, chunks)  # a checkpoint or a Hugging Face dir
             tables.append(logps())
     else:
         tables = []
         for weights in (policy_dir, reference_dir):
-            load_model(weights, chunks)
+            restore_pretrained(weights, chunks)
             tables.append(logps())
     policy_logps, reference_logps = tables[0][:, 0].numpy(), tables[1][:, 0].numpy()
     return ImplicitRewards(

@@ -1,0 +1,105 @@
+"""A Hugging Face model directory as the Hub publishes it: recognise it, check it, read its shape.
+
+File-system and JSON reads only (the family registry is imported when a config is read), so the
+entry points can check a directory given as `pretrained_checkpoint.restore_from_path` before any
+process group exists. The same reading serves the converter (`convert.import_hf`) and the direct
+load (`checkpointing/hf_source.py`), so both see one architecture for one directory — including
+the vocabulary padding the converter writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from megatron_kto.conversion.hf_config import ConversionError, architecture_from_hf
+from megatron_kto.models.architecture import GPTArchitecture
+
+logger = logging.getLogger(__name__)
+
+CONFIG = "config.json"
+#: The weight files read (as `safetensors_io` names them): one file, or shards and their index.
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+#: Padded vocabulary rows: a multiple of 128 x 8, so the model loads under TP = 1, 2, 4, 8.
+VOCAB_MULTIPLE = 128 * 8
+#: Files of a megatron checkpoint: a directory holding one is never taken for a Hugging Face one.
+_MEGATRON_FILES = ("metadata.json", "architecture.json")
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object file; ConversionError naming `path` (and `what` it is for) otherwise."""
+    if not path.is_file():
+        raise ConversionError(f"{path}: not found ({what})")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConversionError(f"{path}: not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path}: expected a JSON object")
+    return data
+
+
+def looks_like_hf_dir(path: str | Path) -> bool:
+    """Whether `path` is meant as a Hugging Face model directory: a config.json or
+    `model*.safetensors` weights, and no megatron checkpoint files."""
+    path = Path(path)
+    if not path.is_dir() or any((path / name).exists() for name in _MEGATRON_FILES):
+        return False
+    return (
+        (path / CONFIG).is_file()
+        or (path / INDEX).is_file()
+        or any(path.glob("model*.safetensors"))
+    )
+
+
+def check_hf_dir(path: str | Path) -> None:
+    """A Hugging Face directory must hold config.json and safetensors weights.
+
+    Raises:
+        ConversionError: one line naming the directory and what is missing.
+    """
+    path = Path(path)
+    if not (path / CONFIG).is_file():
+        raise ConversionError(
+            f"{path}: {CONFIG} not found — a Hugging Face model directory needs config.json "
+            "next to its safetensors weights"
+        )
+    if not (path / SINGLE).is_file() and not (path / INDEX).is_file():
+        raise ConversionError(f"{path}: no {SINGLE} or {INDEX} (only safetensors weights are read)")
+
+
+def padded_vocab(vocab_size: int) -> int:
+    """Embedding rows of a model made from a Hugging Face one."""
+    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def read_hf_architecture(
+    hf_dir: str | Path, warn: Callable[[str], None] | None = None
+) -> tuple[dict[str, Any], GPTArchitecture]:
+    """(config.json, the megatron architecture with its padded vocabulary) of a directory.
+
+    Args:
+        hf_dir: the Hugging Face model directory.
+        warn: receives a line about settings that are not applied (default: logged).
+
+    Raises:
+        ConversionError: no or unreadable config.json, an unsupported model type (naming the
+            supported ones) or option, in one line naming the file.
+    """
+    hf_dir = Path(hf_dir)
+    where = hf_dir / CONFIG
+    config = read_json(where, "a Hugging Face model directory needs config.json")
+    arch = architecture_from_hf(config, str(where))
+    window = config.get("sliding_window")
+    if window and config.get("use_sliding_window", True) and window < arch.encoder_seq_length:
+        message = (
+            f"{hf_dir}: sliding_window={window} is not applied (full causal attention); "
+            f"results match for sequences up to {window} tokens"
+        )
+        (warn or logger.warning)(message)
+    arch.padded_vocab_size = padded_vocab(arch.vocab_size)
+    return config, arch
