@@ -3,7 +3,7 @@ schedules, DDP and our SDPA context-parallel attention.
 
 For each pair of layouts — CP=2 × DP=2 against DP=4; CP=2 × TP=2 (+SP) against TP=2 × DP=2;
 CP=2 × PP=2 against PP=2 × DP=2 — the same weights take one KTO step (padded and packed
-micro-batches) and one DPO step (packed) through `MegatronGPTKTOModel` / `MegatronGPTDPOModel`:
+micro-batches) and one DPO step (padded and packed) through `MegatronGPTKTOModel` / `MegatronGPTDPOModel`:
 reference pass (forward-only), the policy's KL pass (z₀), the training pass (forward + backward,
 megatron's gradient reduction over the data- and context-parallel ranks). Rows are 3..16 tokens,
 mostly not multiples of 2·CP (× TP under SP), so every row is padded before the split.
@@ -44,7 +44,7 @@ PAIRS = {
     "cp2_tp2_sp": ((2, 1, 2, True), (2, 1, 1, True)),
     "cp2_pp2": ((1, 2, 2, False), (1, 2, 1, False)),
 }
-RUNS = ("kto_padded", "kto_packed", "dpo_packed")
+RUNS = ("kto_padded", "kto_packed", "dpo_padded", "dpo_packed")
 
 
 def _chunks(rt, tp: int, pp: int, cp: int, sp: bool):

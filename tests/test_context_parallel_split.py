@@ -134,6 +134,20 @@ def test_impossible_context_parallel_layouts_name_the_key(overrides, world, star
     assert "\n" not in message
 
 
+def test_transformer_config_asks_te_for_the_cp_communication_it_has_for_thd():
+    """Transformer Engine (2.9-2.12) runs packed (THD) context parallelism only with "p2p"."""
+    from megatron_kto.models.architecture import GPTArchitecture
+    from megatron_kto.models.builder import ParallelLayout, make_transformer_config
+
+    arch = GPTArchitecture(
+        num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+        num_query_groups=2, encoder_seq_length=64, vocab_size=64, padded_vocab_size=64,
+    )  # fmt: skip
+    config = make_transformer_config(arch, ParallelLayout(context_parallel_size=2))
+    assert (config.context_parallel_size, config.cp_comm_type) == (2, "p2p")
+    assert make_transformer_config(arch, ParallelLayout()).context_parallel_size == 1
+
+
 def test_context_parallel_layout_validates():
     prepared = compose_run_config(
         "gpt_kto",
