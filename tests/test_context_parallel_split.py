@@ -156,3 +156,36 @@ def test_context_parallel_layout_validates():
         world_size=4,
     )
     assert prepared.cfg.model.context_parallel_size == 2
+
+
+class _SDPA:
+    """The one method of `SDPAttention` that `prefix_causal_attention` calls."""
+
+    def _sdpa(self, q, k, v, attn_mask, dropout_p, is_causal, native_gqa):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+            enable_gqa=native_gqa,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("lower_right_mask", [True, False])
+def test_prefix_causal_attention_is_the_causal_mask_of_the_last_queries(lower_right_mask):
+    """The last c queries of a length-s causal attention, from an explicit softmax: query i
+    (position s − c + i) weighs keys 0 .. s − c + i. Both implementations, values and grads."""
+    from megatron_kto.models.cp_attention import prefix_causal_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, n, c, s, d = 2, 4, 3, 9, 8
+    q = torch.randn(b, n, c, d, generator=g, requires_grad=True)
+    k = torch.randn(b, n, s, d, generator=g, requires_grad=True)
+    v = torch.randn(b, n, s, d, generator=g, requires_grad=True)
+    got = prefix_causal_attention(_SDPA(), q, k, v, 0.0, False, lower_right_mask)
+    scores = q @ k.transpose(-1, -2) / d**0.5
+    visible = torch.arange(s)[None, :] <= (s - c + torch.arange(c))[:, None]
+    want = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v
+    assert torch.allclose(got, want, atol=1e-6)
+    w = torch.randn(want.shape, generator=g)
+    grads_got = torch.autograd.grad((got * w).sum(), (q, k, v))
+    grads_want = torch.autograd.grad((want * w).sum(), (q, k, v))
+    for a, e in zip(grads_got, grads_want, strict=True):
+        assert torch.allclose(a, e, atol=1e-5)

@@ -26,7 +26,10 @@ What it keeps from megatron's contract:
   ~64 MiB of fp32 mask per layer at t = 4k — whereas per-row calls cost Σ lᵢ², and the fused
   kernel (is_causal, no mask) stays usable. Row lengths come from the host
   (`PackedRows.seqlens`), so no device-to-host copy is needed; plain `PackedSeqParams` fall
-  back to reading `cu_seqlens`.
+  back to reading `cu_seqlens`;
+* context parallelism (`config.context_parallel_size` > 1): this rank holds two chunks of every
+  row (`models.context_parallel`); `models.cp_attention` all-gathers keys and values over the
+  CP group and masks causally by each token's position in its row.
 """
 
 from __future__ import annotations

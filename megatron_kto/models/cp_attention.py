@@ -7,9 +7,9 @@ on other ranks. This is the all-gather form of context parallelism (Transformer 
 in row order, and attends with its own queries only:
 
 * a query chunk k of a row (global positions [k·c, (k+1)·c)) sees the row's first (k+1)·c keys,
-  causally aligned at the bottom right (`torch.nn.attention.bias.causal_lower_right`): the
-  earlier chunks in full, its own chunk causally — the mask is the CP=1 causal mask restricted
-  to these queries, so outputs equal CP=1;
+  causally aligned at the bottom right (`prefix_causal_attention`): the earlier chunks in full,
+  its own chunk causally — the CP=1 causal mask restricted to these queries, so outputs equal
+  CP=1;
 * the gather is megatron-core's sequence all-gather (`gather_from_sequence_parallel_region`
   over the CP group): its backward reduce-scatters the key/value gradients, so each rank gets
   the sum over all ranks' queries of the gradient of its own keys and values;
@@ -98,8 +98,7 @@ def context_parallel_attention(
                 visible = (chunk + 1) * c
                 kc = k[:, :, whole_start : whole_start + visible]
                 vc = v[:, :, whole_start : whole_start + visible]
-                mask = None if chunk == 0 else causal_lower_right(c, visible)
-                outputs.append(sdpa._sdpa(qc, kc, vc, mask, dropout_p, chunk == 0, native_gqa))
+                outputs.append(prefix_causal_attention(sdpa, qc, kc, vc, dropout_p, native_gqa))
             local_start += 2 * c
             whole_start += n
         return outputs
@@ -108,3 +107,37 @@ def context_parallel_attention(
     context = torch.cat(sdpa._in_dropout_stream(attend), dim=2).permute(2, 0, 1, 3)
     context = context.reshape(local, query.shape[1], -1)
     return context[:, 0] if packed else context
+
+
+def prefix_causal_attention(
+    sdpa: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float,
+    native_gqa: bool,
+    lower_right_mask: bool | None = None,
+) -> torch.Tensor:
+    """Attention of the last `c` positions of a sequence (`query` [b, n, c, d]) over all of it
+    (`key`/`value` [b, g, s, d], s >= c), causally: query i sees keys 0 .. s − c + i.
+
+    Two equal ways (`lower_right_mask`; None: by device):
+
+    * CUDA: torch's lower-right causal bias (`causal_lower_right`), which SDPA dispatches to its
+      flash / memory-efficient kernels without materialising a mask;
+    * CPU: those kernels do not exist there and the bias would be materialised as an [c, s] mask
+      (measured: +54 MiB for one call at c = 1024, s = 4096, 8 heads — more than the scores the
+      split saves). Instead the queries are left-padded with zeros to length s and run with
+      SDPA's plain causal flag (the fused CPU kernel, no mask); the padded rows' outputs are
+      dropped. It costs up to s/c times the attention work of this chunk, on the CPU only.
+    """
+    c, s = query.shape[2], key.shape[2]
+    if s == c:
+        return sdpa._sdpa(query, key, value, None, dropout_p, True, native_gqa)
+    if lower_right_mask is None:
+        lower_right_mask = query.device.type != "cpu"
+    if lower_right_mask:
+        mask = causal_lower_right(c, s)
+        return sdpa._sdpa(query, key, value, mask, dropout_p, False, native_gqa)
+    padded = torch.nn.functional.pad(query, (0, 0, s - c, 0))
+    return sdpa._sdpa(padded, key, value, None, dropout_p, True, native_gqa)[:, :, s - c :]
