@@ -78,17 +78,20 @@ EDGE_CELLS = {
     ("te_2.9", "bf16", False, 100, 1, False, "te"): "te",  # unfused, unpacked
     ("te_2.11", "bf16", True, 100, 1, False, "te"): "te",  # unfused takes THD from 2.11
     ("te_2.11", "bf16", True, 100, 1, False, "auto"): "sdpa",
-    # Context parallelism: TE only, and TE's CP needs flash/fused, i.e. half precision.
+    # Context parallelism: TE's CP needs flash/fused (half precision, kernel head dims); our
+    # SDPA has its own CP, so auto follows the CP = 1 rule; megatron's `local` has none.
     ("te_2.9", "bf16", True, 64, 2, False, "auto"): "te",
     ("te_2.9", "bf16", False, 64, 2, False, "te"): "te",
-    ("te_2.9", "bf16", True, 192, 2, False, "auto"): "te",  # no SDPA fallback under CP
-    ("te_2.9", "bf16", True, 64, 2, False, "sdpa"): ERR,
+    ("te_2.9", "bf16", True, 192, 2, False, "auto"): "sdpa",  # no fused kernel for sure
+    ("te_2.9", "bf16", True, 64, 2, False, "sdpa"): "sdpa",
     ("te_2.9", "bf16", False, 64, 2, False, "local"): ERR,
-    ("te_2.9", "32", False, 64, 2, False, "auto"): ERR,
+    ("cpu", "32", False, 64, 2, False, "local"): ERR,
+    ("te_2.9", "32", False, 64, 2, False, "auto"): "sdpa",
     ("te_2.11", "32", False, 64, 2, False, "te"): ERR,
     ("te_2.11", "bf16", True, 100, 2, False, "te"): ERR,
-    ("cuda_no_te", "bf16", True, 64, 2, False, "auto"): ERR,
-    ("cpu", "32", False, 64, 2, False, "auto"): ERR,
+    ("cuda_no_te", "bf16", True, 64, 2, False, "auto"): "sdpa",
+    ("cpu", "32", False, 64, 2, False, "auto"): "sdpa",
+    ("cpu", "32", True, 64, 4, True, "sdpa"): "sdpa",
     # Sequence parallelism changes nothing.
     ("te_2.9", "32", True, 64, 1, True, "auto"): "sdpa",
     ("te_2.9", "bf16", True, 64, 1, True, "auto"): "te",

@@ -219,3 +219,22 @@ def test_8b_lora_on_one_24gb_gpu_fits(tmp_path):
     assert 2 * 8.03e9 / 2**30 < peak < (0.92 * 24e9 - 1.5 * 2**30) / 2**30
     bad = _run_tool(*args, "--lora-rank", "16", "--lora-targets", "nope")
     assert bad.returncode == 2 and bad.stderr.startswith("error: --lora-targets")
+
+
+def test_context_parallel_plans_a_rank_holding_a_part_of_every_row():
+    """CP=2 on 4 ranks: each rank's micro-batch is half of every row (ceil), the data is split
+    over DP = 2 (4 micro-batches of 2 out of 16), and gradients/optimizer shards over DP x CP."""
+    from megatron_kto.config.entry import compose_run_config
+    from megatron_kto.planning.memory import run_inputs
+
+    overrides = [
+        "model.micro_batch_size=2",
+        "model.global_batch_size=16",
+        "model.data.max_length=9",
+    ]
+    prepared = compose_run_config(
+        "gpt_kto", [*overrides, "model.context_parallel_size=2"], world_size=4
+    )
+    dims, x, _, _ = run_inputs(prepared.cfg, prepared.architecture, 4, "cuda")
+    assert (x.seq_len, x.tokens, x.forward_tokens, x.micro_batches) == (5, 10, 10, 4)
+    assert dims.dp == 4

@@ -60,6 +60,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="CP: ranks each row is split over along the sequence (for very long rows)",
+    )
+    p.add_argument(
         "--precision",
         choices=("32", "bf16", "16"),
         help="model precision (default: the run's trainer.precision, else bf16 on CUDA, 32 on CPU)",
@@ -137,6 +143,7 @@ def resolve_settings(args: argparse.Namespace, policy_dir: Path) -> dict[str, An
         "truncation_mode": run_value("model.data.truncation_mode", "keep_end"),
         "precision": _precision(args.precision, run_value("trainer.precision")),
         "attention_backend": args.attention_backend,
+        "context_parallel_size": args.context_parallel_size,
     }
     if settings["beta"] <= 0:
         raise UsageError(f"--beta: must be > 0, got {settings['beta']}")
@@ -180,6 +187,7 @@ def choose_attention(settings: dict[str, Any]):
             packed=PACKED_PASSES,
             accelerator=Accelerator.detect(),
             head_dim=head_dim_of(read_architecture(Path(settings["policy"]))),
+            context_parallel_size=settings["context_parallel_size"],
             names=SettingNames("--attention-backend", "--precision", packing=None),
         )
     except ValueError as e:
@@ -199,15 +207,16 @@ def check_layout(args: argparse.Namespace, settings: dict[str, Any]) -> None:
     from megatron_kto.config.validate import check_layout as check
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    cp = args.context_parallel_size
     flags = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    for flag, value in zip(flags, (tp, pp)):
+    for flag, value in zip((*flags[:2], "--context-parallel-size"), (tp, pp, cp)):
         if value < 1:
             raise UsageError(f"{flag}: must be >= 1, got {value}")
-    if world % (tp * pp):
+    if world % (tp * pp * cp):
         raise UsageError(
             f"--tensor-model-parallel-size: {world} processes are not divisible by TP ({tp}) x "
-            f"PP ({pp})"
+            f"PP ({pp})" + (f" x CP ({cp})" if cp > 1 else "")
         )
     for ckpt in (Path(settings["policy"]), resolve_pretrained_dir(settings["reference"])):
         check(
@@ -222,7 +231,7 @@ def check_layout(args: argparse.Namespace, settings: dict[str, Any]) -> None:
             check_expert_layout(
                 read_architecture(ckpt),
                 args.expert_model_parallel_size,
-                world // (tp * pp),
+                world // (tp * pp),  # megatron-core's expert layout spans DP x CP
                 architecture_file=str(ckpt / ARCH_FILE),
                 key="--expert-model-parallel-size",
             )
@@ -249,6 +258,7 @@ def evaluate(args: argparse.Namespace) -> int:
         args.tensor_model_parallel_size,
         args.pipeline_model_parallel_size,
         expert_parallel_size=args.expert_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
     )
     try:
         tokenizer = load_tokenizer(

@@ -69,6 +69,7 @@ def attention_choice(cfg: Any, accelerator: Any = None) -> Any:
             accelerator=accelerator or Accelerator.detect(),
             head_dim=head_dim_of(m),
             sequence_parallel=m.sequence_parallel,
+            context_parallel_size=m.context_parallel_size,
         )
     except ValueError as e:
         # The message already starts with the key.

@@ -335,6 +335,10 @@ class ModelConfig(ArchitectureFields):
     """PP degree."""
     virtual_pipeline_model_parallel_size: int | None = None
     """Model chunks per pipeline rank (interleaved schedule)."""
+    context_parallel_size: int = 1
+    """CP degree (NeMo's key): every row is split along the sequence over this many ranks
+    (world = TP x PP x CP x DP); weights are not sharded by it, so checkpoints move freely
+    between CP sizes. For rows too long for one GPU's activations (16k-128k tokens)."""
     expert_model_parallel_size: int = 1
     """EP degree (mixture-of-experts models): each MoE layer's experts are split over this many
     data-parallel ranks; it must divide the data-parallel size and the expert count."""

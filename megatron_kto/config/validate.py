@@ -32,12 +32,13 @@ def _choice(value: Any, key: str, choices: tuple[str, ...]) -> None:
 def data_parallel_size(cfg: Any, world_size: int) -> int:
     """DP degree implied by the world size and the model-parallel layout."""
     m = cfg.model
-    model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
+    cp = m.context_parallel_size
+    model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * cp
     _need(
         world_size % model_parallel == 0,
         "model.tensor_model_parallel_size",
         f"world size {world_size} is not divisible by TP ({m.tensor_model_parallel_size}) x "
-        f"PP ({m.pipeline_model_parallel_size})",
+        f"PP ({m.pipeline_model_parallel_size})" + (f" x CP ({cp})" if cp > 1 else ""),
     )
     return world_size // model_parallel
 
@@ -286,12 +287,27 @@ def validate(
         m.pipeline_model_parallel_size,
         m.virtual_pipeline_model_parallel_size,
     )
-    for key, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+    cp = m.context_parallel_size
+    for key, value in (
+        ("tensor_model_parallel_size", tp),
+        ("pipeline_model_parallel_size", pp),
+        ("context_parallel_size", cp),
+    ):
         _need(value >= 1, f"model.{key}", f"must be >= 1, got {value}")
     dp = data_parallel_size(cfg, world_size)
     _check_architecture(m)
     check_layout(m, tp, pp, vpp, architecture_file=architecture_file)
-    check_expert_layout(m, m.expert_model_parallel_size, dp, architecture_file=architecture_file)
+    # megatron-core spreads experts over the data- and context-parallel ranks together.
+    check_expert_layout(
+        m, m.expert_model_parallel_size, dp * cp, architecture_file=architecture_file
+    )
+    _need(
+        cp == 1 or not (m.num_moe_experts and m.moe_aux_loss_coeff),
+        "model.moe_aux_loss_coeff",
+        f"{m.moe_aux_loss_coeff}: the router load-balancing loss is not supported with "
+        f"model.context_parallel_size={cp} (each rank routes part of every row); set "
+        "model.moe_aux_loss_coeff=0 or model.context_parallel_size=1",
+    )
     if m.num_moe_experts and m.moe_aux_loss_coeff:
         _need(m.moe_aux_loss_coeff > 0, "model.moe_aux_loss_coeff", "must be >= 0")
         # The balance statistics span every layer's router of a micro-batch.

@@ -5,7 +5,7 @@ and padding masked, exactly as in training), and the implicit reward is β·(ℓ
 A policy that learned the preference gives desirable examples higher rewards than undesirable
 ones; `classification.summarize` measures how well (AUC, accuracy, mean reward per class).
 
-Runs under any TP/PP/DP layout (call `init_runtime` first): the policy weights are loaded,
+Runs under any TP/PP/CP/DP layout (call `init_runtime` first): the policy weights are loaded,
 every example's ℓ is computed forward-only, then the reference weights are loaded into the
 same model chunks and the pass repeats — one model's memory. Examples are dealt to
 data-parallel ranks in contiguous blocks and the results all-reduced, so every rank returns
@@ -209,6 +209,7 @@ def implicit_rewards(
         attention_backend=attention_backend,
         pack_sequences=PACKED_PASSES,
         expert_model_parallel_size=runtime.expert_parallel_size,
+        context_parallel_size=runtime.context_parallel_size,
     )
     chunks = build_gpt_chunks(arch, layout, runtime.device)
 

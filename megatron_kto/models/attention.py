@@ -26,7 +26,10 @@ What it keeps from megatron's contract:
   ~64 MiB of fp32 mask per layer at t = 4k — whereas per-row calls cost Σ lᵢ², and the fused
   kernel (is_causal, no mask) stays usable. Row lengths come from the host
   (`PackedRows.seqlens`), so no device-to-host copy is needed; plain `PackedSeqParams` fall
-  back to reading `cu_seqlens`.
+  back to reading `cu_seqlens`;
+* context parallelism (`config.context_parallel_size` > 1): this rank holds two chunks of every
+  row (`models.context_parallel`); `models.cp_attention` all-gathers keys and values over the
+  CP group and masks causally by each token's position in its row.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+
+from megatron_kto.models.cp_attention import context_parallel_attention
 
 
 class SDPAttention(MegatronModule):
@@ -66,12 +71,12 @@ class SDPAttention(MegatronModule):
             attention_type: 'self' or 'cross' (only the shapes matter here).
             attention_dropout: overrides `config.attention_dropout` when given.
             softmax_scale: overrides 1/sqrt(head dim) when given.
-            cp_comm_type: context-parallel communication (context parallelism is unsupported).
+            cp_comm_type: context-parallel communication; ours is always the all-gather of keys
+                and values (`models.cp_attention`), whatever is asked.
             pg_collection: process groups; megatron's global TP group when None.
         """
         super().__init__(config=config)
         unsupported = {
-            "context_parallel_size > 1": config.context_parallel_size > 1,
             "softmax_type != 'vanilla'": config.softmax_type != "vanilla",
             "window_size (sliding-window attention)": config.window_size is not None,
         }
@@ -82,8 +87,9 @@ class SDPAttention(MegatronModule):
                 "use model.attention_backend=te"
             )
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp_size = pg_collection.tp.size()
+        self.cp_group = pg_collection.cp if config.context_parallel_size > 1 else None
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -125,6 +131,10 @@ class SDPAttention(MegatronModule):
         """
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by SDPAttention")
+        if self.cp_group is not None:
+            return context_parallel_attention(
+                query, key, value, attention_mask, packed_seq_params, self.cp_group, self
+            )
         if packed_seq_params is not None:
             return self._packed(query, key, value, attention_mask, packed_seq_params)
         sq, batch = query.shape[0], query.shape[1]

@@ -41,6 +41,9 @@ class ParallelLayout:
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    """Ranks every row is split over along the sequence (`models.context_parallel`); weights are
+    not sharded by it."""
     expert_model_parallel_size: int = 1
     """Ranks the routed experts of each MoE layer are spread over (within DP x CP)."""
     virtual_pipeline_model_parallel_size: int | None = None
@@ -107,6 +110,10 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         sequence_parallel=layout.sequence_parallel,
+        context_parallel_size=layout.context_parallel_size,
+        # Transformer Engine's context parallelism takes packed (THD) input only with "p2p"
+        # (v2.9-v2.12: "all_gather" and "a2a" refuse THD); our SDPA attention always gathers.
+        cp_comm_type="p2p" if layout.context_parallel_size > 1 else None,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=bf16,
@@ -159,6 +166,7 @@ def attention_choice(arch: GPTArchitecture, layout: ParallelLayout) -> Attention
             accelerator=accelerator,
             head_dim=head_dim_of(arch),
             sequence_parallel=layout.sequence_parallel,
+            context_parallel_size=layout.context_parallel_size,
         )
 
     accelerator = Accelerator.detect(read_device=True)

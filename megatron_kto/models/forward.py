@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 import torch
 from megatron.core import parallel_state
 
+from megatron_kto.models.context_parallel import reduce_row_stats
 from megatron_kto.models.logprobs import (
     IGNORE_INDEX,
     masked_sum,
@@ -119,7 +120,8 @@ def stats_forward_step(
                 stats = sequence_stats(
                     output_tensor, batch["labels"], vocab_size, batch.get(PACKED)
                 )
-            return loss_fn(batch, stats)
+            # Under context parallelism each rank holds its chunks' part of every row.
+            return loss_fn(batch, reduce_row_stats(stats))
 
         return output, loss_func
 

@@ -79,6 +79,9 @@ class PackedRoPE:
     k_freqs: torch.Tensor
     cu_seqlens_q: torch.Tensor
     cu_seqlens_kv: torch.Tensor
+    positions: torch.Tensor | None = None
+    """Under context parallelism: [t] position of each of this rank's tokens in its segment
+    (`PackedRows.positions`); the angles are then read there."""
 
     def rotate(
         self,
@@ -96,6 +99,20 @@ class PackedRoPE:
             cp_group: the context-parallel group (one rank).
         """
         total = query.shape[0]
+        if self.positions is not None:
+            # This rank's tokens are chunks of whole segments (`models.context_parallel`); the
+            # table has a row for every position of the longest segment.
+            q_freqs = self.q_freqs.index_select(0, self.positions)
+            k_freqs = (
+                q_freqs
+                if self.k_freqs is self.q_freqs
+                else (self.k_freqs.index_select(0, self.positions))
+            )
+            mscale = _yarn_get_concentration_factor_from_config(config)
+            return tuple(
+                apply_rotary_pos_emb(t, f, config, mscale=mscale, cp_group=cp_group)
+                for t, f in ((query, q_freqs), (key, k_freqs))
+            )
         q_freqs = packed_rotary_freqs(self.q_freqs, self.cu_seqlens_q, total)
         k_freqs = (
             q_freqs
@@ -119,18 +136,20 @@ def own_packed_rope(
 ) -> PackedRoPE | None:
     """The packed RoPE this module applies in megatron's place, or None (megatron's own path).
 
-    Ours only where megatron would take its unfused THD path with one context-parallel rank: RoPE
-    on a `thd` micro-batch without `apply_rope_fusion`. With fusion TE's kernel reads nothing on
-    the host; under context parallelism megatron's per-rank slicing of the table is kept (no
-    backend of ours packs with CP > 1).
+    Ours only where megatron would take its unfused THD path: RoPE on a `thd` micro-batch
+    without `apply_rope_fusion`. With fusion TE's kernel reads nothing on the host. Under context
+    parallelism only micro-batches split by `models.context_parallel` (`PackedRows.positions`
+    set) are ours: the angles are read at each token's position in its segment.
     """
     if (
         rotary_pos_emb is None
         or packed_seq_params is None
         or packed_seq_params.qkv_format != "thd"
         or config.apply_rope_fusion
-        or cp_size != 1
     ):
+        return None
+    positions = getattr(packed_seq_params, "positions", None)
+    if cp_size != 1 and positions is None:
         return None
     q_freqs, k_freqs = (
         rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
@@ -141,7 +160,7 @@ def own_packed_rope(
     p = packed_seq_params
     cu_q = p.cu_seqlens_q_padded if p.cu_seqlens_q_padded is not None else p.cu_seqlens_q
     cu_kv = p.cu_seqlens_kv_padded if p.cu_seqlens_kv_padded is not None else p.cu_seqlens_kv
-    return PackedRoPE(q_freqs, k_freqs, cu_q, cu_kv)
+    return PackedRoPE(q_freqs, k_freqs, cu_q, cu_kv, positions if cp_size != 1 else None)
 
 
 class PackedRoPESelfAttention(SelfAttention):

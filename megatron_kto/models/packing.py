@@ -66,6 +66,15 @@ class PackedRows(PackedSeqParams):
     """Rows packed (segments after them are padding)."""
     row_ids: torch.Tensor | None = None
     """[L] row of every packed position (`num_rows` for the padding segment)."""
+    cp_size: int = 1
+    """Context-parallel ranks the segments are split over (`models.context_parallel`): `seqlens`,
+    `cu_seqlens_*` and `max_seqlen_*` then describe the whole (global) segments, while `row_ids`
+    and `positions` describe this rank's positions."""
+    cp_rank: int = 0
+    """This rank in the context-parallel group."""
+    positions: torch.Tensor | None = None
+    """[L / cp_size] position of each of this rank's tokens within its segment (set under
+    context parallelism; None: derived from `cu_seqlens_q`)."""
 
 
 def kept_lengths(labels: torch.Tensor) -> torch.Tensor:
@@ -89,20 +98,32 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def packed_length(lengths: Sequence[int], multiple: int = 1) -> int:
-    """Length of the packed micro-batch of rows of `lengths`, rounded up to `multiple`."""
-    return _round_up(int(sum(lengths)), multiple)
+def segment_lengths(lengths: Sequence[int], row_multiple: int = 1) -> list[int]:
+    """The packed segment of each row: its kept length rounded up to `row_multiple` (context
+    parallelism splits every row into 2·CP equal chunks)."""
+    return [_round_up(int(n), row_multiple) for n in lengths]
 
 
-def pack_micro_batch(batch: dict, lengths: Sequence[int], length: int | None = None) -> dict:
+def packed_length(lengths: Sequence[int], multiple: int = 1, row_multiple: int = 1) -> int:
+    """Length of the packed micro-batch of rows of `lengths` (each rounded up to `row_multiple`),
+    rounded up to `multiple`."""
+    return _round_up(sum(segment_lengths(lengths, row_multiple)), multiple)
+
+
+def pack_micro_batch(
+    batch: dict, lengths: Sequence[int], length: int | None = None, row_multiple: int = 1
+) -> dict:
     """Pack a padded micro-batch into one row of concatenated rows.
 
     Args:
         batch: a micro-batch whose [rows, T] tensors are `tokens`, `labels`, `position_ids`
             (the keys of `PAD_VALUES`); other entries (per-row tensors, host ints) pass through.
         lengths: `kept_lengths` of its rows, as host ints.
-        length: total packed length (>= sum(lengths)); the rest becomes a padding segment.
-            None: exactly sum(lengths).
+        length: total packed length (>= the rows' segments); the rest becomes a padding segment.
+            None: exactly the rows' segments.
+        row_multiple: every row's segment is its kept length rounded up to this multiple: the
+            positions after the kept ones continue the row (its own right padding, or
+            `PAD_VALUES` past the batch's width) and carry no label.
 
     Returns:
         A new micro-batch: the [rows, T] keys as [1, length] tensors, `PACKED` the
@@ -111,17 +132,21 @@ def pack_micro_batch(batch: dict, lengths: Sequence[int], length: int | None = N
     Raises:
         ValueError: a [rows, T] tensor under a key with no fill value, a length that does not fit.
     """
-    labels = batch["labels"]
-    rows, width = labels.shape
+    rows, width = batch["labels"].shape
     if len(lengths) != rows:
         raise ValueError(f"{len(lengths)} row lengths for a micro-batch of {rows} rows")
-    real = int(sum(lengths))
+    segments = segment_lengths(lengths, row_multiple)
+    real = sum(segments)
     total = real if length is None else int(length)
     if total < real:
         raise ValueError(f"packed length {total} is shorter than the rows' {real} tokens")
     pad = total - real
-    device = labels.device
-    kept = kept_lengths(labels)
+    device = batch["labels"].device
+    kept = kept_lengths(batch["labels"])
+    if row_multiple > 1:
+        kept = (kept + row_multiple - 1) // row_multiple * row_multiple
+        batch = _widen(batch, max(segments) - width, rows, width)
+        width = max(width, max(segments))
     keep = torch.arange(width, device=device) < kept[:, None]
     # Static size: the host knows how many positions are kept, so selecting them never waits.
     flat = torch.nonzero_static(keep.reshape(-1), size=real).squeeze(1)
@@ -143,7 +168,7 @@ def pack_micro_batch(batch: dict, lengths: Sequence[int], length: int | None = N
         out[key] = packed.unsqueeze(0)
     row_ids = flat // width
     bounds = [torch.zeros(1, dtype=torch.int32, device=device), kept.cumsum(0).to(torch.int32)]
-    seqlens = tuple(int(n) for n in lengths)
+    seqlens = tuple(segments)
     if pad:
         row_ids = F.pad(row_ids, (0, pad), value=rows)
         bounds.append(torch.full((1,), total, dtype=torch.int32, device=device))
@@ -159,6 +184,19 @@ def pack_micro_batch(batch: dict, lengths: Sequence[int], length: int | None = N
         num_rows=rows,
         row_ids=row_ids,
     )
+    return out
+
+
+def _widen(batch: dict, extra: int, rows: int, width: int) -> dict:
+    """The micro-batch with its [rows, width] keys right-padded by `extra` columns."""
+    if extra <= 0:
+        return batch
+    out = dict(batch)
+    for key, value in batch.items():
+        if torch.is_tensor(value) and value.dim() == 2 and value.shape == (rows, width):
+            if key not in PAD_VALUES:
+                raise ValueError(f"cannot pack micro-batch key {key!r}: no fill value")
+            out[key] = F.pad(value, (0, extra), value=PAD_VALUES[key])
     return out
 
 
@@ -187,7 +225,10 @@ def segment_sums(
         row, col, num_rows, width = positions // seq, positions % seq, rows, seq
     else:
         row = packed.row_ids.index_select(0, positions)
-        col = positions - packed.cu_seqlens_q.index_select(0, row).to(positions.dtype)
+        if packed.positions is not None:
+            col = packed.positions.index_select(0, positions).to(positions.dtype)
+        else:
+            col = positions - packed.cu_seqlens_q.index_select(0, row).to(positions.dtype)
         num_rows, width = len(packed.seqlens), max(packed.seqlens)
     dense = values.new_zeros(num_rows * width, values.shape[-1])
     dense = dense.index_put((row * width + col,), values)

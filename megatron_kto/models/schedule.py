@@ -30,6 +30,11 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
+from megatron_kto.models.context_parallel import (
+    context_parallel_size,
+    row_multiple,
+    split_micro_batch,
+)
 from megatron_kto.models.logprobs import IGNORE_INDEX
 from megatron_kto.models.packing import (
     PAD_VALUES,
@@ -171,7 +176,18 @@ def sequence_multiple(model_chunk: torch.nn.Module) -> int:
     return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
 
-def pipeline_packed_length(lengths: Sequence[Sequence[int]], multiple: int) -> int:
+def context_parallel_multiple(model_chunk: torch.nn.Module) -> int:
+    """What every row must divide into under context parallelism (`context_parallel.
+    row_multiple`: 2·CP, × TP under sequence parallelism); 1 without CP."""
+    config = get_model_config(model_chunk)
+    return row_multiple(
+        config.context_parallel_size, config.tensor_model_parallel_size, config.sequence_parallel
+    )
+
+
+def pipeline_packed_length(
+    lengths: Sequence[Sequence[int]], multiple: int, row_multiple: int = 1
+) -> int:
     """The one packed length of all micro-batches of a pipelined pass: the longest.
 
     megatron-core's p2p buffers have one shape per schedule (`seq_length`). Its alternative,
@@ -181,15 +197,31 @@ def pipeline_packed_length(lengths: Sequence[Sequence[int]], multiple: int) -> i
     share (see `builder.make_transformer_config`, batch_p2p_comm). Padding each packed
     micro-batch of a pass to the longest costs at most what padding rows already cost.
     """
-    return max(packed_length(row, multiple) for row in lengths)
+    return max(packed_length(row, multiple, row_multiple) for row in lengths)
 
 
 def prepare_micro_batches(
     model_chunks: list[torch.nn.Module], micro_batches: list[Batch], pack: bool
 ) -> list[Batch]:
     """The micro-batches as the model takes them: packed (`pack`), else padded to a multiple of
-    TP under sequence parallelism. Packing needs each micro-batch's `ROW_LENGTHS`."""
-    multiple = sequence_multiple(model_chunks[0])
+    TP under sequence parallelism; under context parallelism every row is first padded to
+    `context_parallel_multiple` and then split (`context_parallel.split_micro_batch`).
+    Packing needs each micro-batch's `ROW_LENGTHS`."""
+    cp_multiple = context_parallel_multiple(model_chunks[0])
+    prepared = _pack_or_pad(model_chunks, micro_batches, pack, cp_multiple)
+    if cp_multiple == 1:
+        return prepared
+    cp_size = parallel_state.get_context_parallel_world_size()
+    cp_rank = parallel_state.get_context_parallel_rank()
+    return [split_micro_batch(b, cp_size, cp_rank) for b in prepared]
+
+
+def _pack_or_pad(
+    model_chunks: list[torch.nn.Module], micro_batches: list[Batch], pack: bool, row_multiple: int
+) -> list[Batch]:
+    # Rows that are multiples of `row_multiple` (which TP under SP divides) make any sum of rows
+    # a multiple of TP too.
+    multiple = max(sequence_multiple(model_chunks[0]), row_multiple)
     if not pack:
         if multiple > 1:
             micro_batches = [pad_sequence_dim(b, multiple) for b in micro_batches]
@@ -202,10 +234,13 @@ def prepare_micro_batches(
         )
     lengths = [b[ROW_LENGTHS] for b in micro_batches]
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        common = pipeline_packed_length(lengths, multiple)
-        return [pack_micro_batch(b, n, common) for b, n in zip(micro_batches, lengths)]
+        common = pipeline_packed_length(lengths, multiple, row_multiple)
+        return [
+            pack_micro_batch(b, n, common, row_multiple) for b, n in zip(micro_batches, lengths)
+        ]
     return [
-        pack_micro_batch(b, n, packed_length(n, multiple)) for b, n in zip(micro_batches, lengths)
+        pack_micro_batch(b, n, packed_length(n, multiple, row_multiple), row_multiple)
+        for b, n in zip(micro_batches, lengths)
     ]
 
 
@@ -236,7 +271,8 @@ def run_schedule(
     if not micro_batches:
         return []
     micro_batches = prepare_micro_batches(model_chunks, micro_batches, pack)
-    seq_length = micro_batches[0]["position_ids"].shape[1]
+    # megatron-core's p2p shapes take the whole sequence and divide it by CP (and TP under SP).
+    seq_length = micro_batches[0]["position_ids"].shape[1] * context_parallel_size()
     micro_batch_size = micro_batches[0]["position_ids"].shape[0]
     # Interleaved schedules take one iterator per model chunk over the same micro-batches.
     iterators: Any = [iter(micro_batches) for _ in model_chunks]

@@ -133,8 +133,15 @@ def run_inputs(
     run config, for its longest possible micro-batch (a DPO micro-batch holds `micro_batch_size`
     pairs: twice the rows)."""
     m = cfg.model
-    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    tp, pp, cp = (
+        m.tensor_model_parallel_size,
+        m.pipeline_model_parallel_size,
+        m.context_parallel_size,
+    )
+    # The gradient and distributed-optimizer groups span DP x CP (megatron-core's dp_cp group);
+    # the data is split over DP alone, and each row over CP.
     dp = max(1, world_size // (tp * pp))
+    data_dp = max(1, dp // cp)
     dims = ParallelDims(
         tp=tp,
         pp=pp,
@@ -153,17 +160,20 @@ def run_inputs(
     rows = 1 if algorithm == "kto" else 2
     mbs = m.micro_batch_size * rows
     fwd = loss.log_prob_forward_micro_batch_size or m.micro_batch_size
+    # Under CP a rank holds 1/CP of every row (`models.context_parallel`; the keys and values it
+    # gathers per layer, 2 x groups/TP x head dim per token, are not modelled).
+    per_rank = -(-max_length // cp)
     x = ActivationInputs(
-        tokens=mbs * max_length,
-        seq_len=max_length,
-        scored=mbs * max_length,
-        micro_batches=max(1, m.global_batch_size // (m.micro_batch_size * dp)),
+        tokens=mbs * per_rank,
+        seq_len=per_rank,
+        scored=mbs * per_rank,
+        micro_batches=max(1, m.global_batch_size // (m.micro_batch_size * data_dp)),
         packed=m.data.pack_sequences,
         recompute=m.activations_checkpoint_granularity,
         recompute_method=m.activations_checkpoint_method,
         recompute_num_layers=m.activations_checkpoint_num_layers,
         chunk_size=m.logprob_chunk_size,
-        forward_tokens=fwd * max_length,
+        forward_tokens=fwd * per_rank,
         native_gqa=device_type == "cpu" or dims.precision != "32",
         keep_pipeline_outputs=device_type != "cuda",
         gloo=device_type == "cpu",

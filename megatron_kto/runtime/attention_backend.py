@@ -27,14 +27,16 @@ group count, cuDNN's THD path takes GQA from cuDNN 9.6 (an older cuDNN is not mo
 Sequence parallelism touches only the linear layers; every backend sees whole sequences.
 
 Outside TE: `sdpa` (ours, `models/attention.py`) and `local` (megatron's `DotProductAttention`)
-run any precision and head dim on CPU and CUDA; `local` cannot keep packed rows apart; neither
-has context parallelism (megatron-core implements it only with TE).
+run any precision and head dim on CPU and CUDA; `local` cannot keep packed rows apart and has no
+context parallelism; `sdpa` has its own (keys and values all-gathered over the CP group,
+`models/cp_attention.py`), for padded and packed micro-batches.
 
 How `auto` decides: TE when it is usable and one of its fused kernels surely exists for the
 configuration (bf16/fp16, head dim a multiple of 8 up to 128); otherwise `sdpa` — in fp32 TE
 would only have its unfused attention, which materialises the [b, h, s, s] scores, where torch's
-SDPA has a memory-efficient kernel. Context parallelism needs TE, so with CP > 1 `auto` takes
-TE whenever any TE backend can run. Packed half precision has a kernel on Hopper or newer
+SDPA has a memory-efficient kernel. Context parallelism changes nothing in that rule: TE's CP
+attention (megatron-core's, `cp_comm_type="p2p"`) where a fused kernel surely exists, else our
+SDPA CP attention; only an explicit `te` that cannot run, or `local`, is an error. Packed half precision has a kernel on Hopper or newer
 (cuDNN's THD kernels) or with flash-attn installed: the GPU generation is read only once the
 device is set (reading it initialises CUDA), so the start-up check, which runs before that,
 assumes it, and the model builder decides again with the GPU known (`Accelerator.detect(
@@ -212,7 +214,7 @@ def choose_attention_backend(
         packed: micro-batches are packed (`model.data.pack_sequences`; THD for TE).
         accelerator: the machine (`Accelerator.detect()`, or stated by a test).
         head_dim: per-head dimension (`head_dim_of`).
-        context_parallel_size: CP degree (1 until the config has the key).
+        context_parallel_size: CP degree (`model.context_parallel_size`).
         sequence_parallel: megatron sequence parallelism; no backend restricts it (the module
             docstring says why), taken so that callers state the whole layout.
         names: how messages spell the settings (config keys by default).
@@ -243,12 +245,11 @@ def choose_attention_backend(
             f"{fix} another backend"
         )
     if request in ("sdpa", "local"):
-        if cp > 1:
+        if cp > 1 and request == "local":
             raise ValueError(
-                f"{key}: '{request}' has no context parallelism (context parallel size {cp}; "
-                "megatron-core implements it only with Transformer Engine): set "
-                f"{names.set(key, 'te')} on a CUDA machine with Transformer Engine, or context "
-                "parallel size 1"
+                f"{key}: 'local' (megatron's unfused attention) has no context parallelism "
+                f"(context parallel size {cp}): set {names.set(key, 'sdpa')} (or auto), or "
+                "context parallel size 1"
             )
         return AttentionChoice(request, "as configured")
     if request == "te":
@@ -265,22 +266,7 @@ def choose_attention_backend(
             "te", "as configured" if te.kernel_sure else f"as configured; {te.why_not}"
         )
 
-    # auto
-    if cp > 1:
-        if te is None or not te.runs:
-            cause = te.why_not if te is not None else _te_missing(accelerator)
-            fix = (
-                f"set {names.set(names.precision, 'bf16')} or context parallel size 1"
-                if te is not None
-                else "run on CUDA with Transformer Engine, or set context parallel size 1"
-            )
-            raise ValueError(
-                f"{key}: no attention backend runs {what}: context parallelism needs "
-                f"Transformer Engine ({cause}); {fix}"
-            )
-        return AttentionChoice(
-            "te", f"context parallelism needs Transformer Engine {accelerator.transformer_engine}"
-        )
+    # auto: the same rule with and without context parallelism (both backends have it).
     if te is None:
         return AttentionChoice("sdpa", _te_missing(accelerator))
     if te.kernel_sure:
@@ -294,9 +280,13 @@ def _fix_for_te(names: SettingNames, precision: str, cp: int) -> str:
     half = precision in _HALF
     if cp > 1:
         # Only a head dim outside the kernels' range (half) or fp32 lands here.
+        sdpa = f"{names.set(names.backend, 'sdpa')} (or auto; its context parallelism runs any)"
         if half:
-            return "no TE kernel takes this head dim under context parallelism; set context parallel size 1"
-        return f"set {names.set(names.precision, 'bf16')} (TE's fused attention has context parallelism)"
+            return f"no TE kernel takes this head dim under context parallelism; set {sdpa}"
+        return (
+            f"set {sdpa}, or {names.set(names.precision, 'bf16')} (TE's fused attention has "
+            "context parallelism)"
+        )
     fixes = [f"{names.set(names.backend, 'sdpa')} (or auto)"]
     if not half:
         fixes.append(names.set(names.precision, "bf16"))

@@ -70,6 +70,11 @@ def _cpu_device_factory(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory") and not torch.cuda.is_available():
+            # models/common/embeddings/rope_utils.py::get_pos_emb_on_this_cp_rank (context
+            # parallelism) pins its index for a non-blocking copy; there is no pinned memory
+            # without an accelerator, and nothing to overlap.
+            kwargs["pin_memory"] = False
         return fn(*args, **kwargs)
 
     wrapper._mkto_original = fn  # type: ignore[attr-defined]

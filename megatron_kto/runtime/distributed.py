@@ -37,6 +37,7 @@ class Runtime:
     pipeline_parallel_rank: int
     tensor_parallel_rank: int
     expert_parallel_size: int = 1
+    context_parallel_size: int = 1
 
     @property
     def is_rank0(self) -> bool:
@@ -97,6 +98,7 @@ def init_runtime(
     device: str = "auto",
     timeout_minutes: int = 30,
     expert_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> Runtime:
     """Initialise torch.distributed and megatron-core's parallel state for this process.
 
@@ -113,6 +115,7 @@ def init_runtime(
         timeout_minutes: collective timeout.
         expert_parallel_size: EP degree of MoE layers (ranks within the data-parallel group
             that split each layer's experts); 1 for dense models.
+        context_parallel_size: CP degree (ranks each row is split over along the sequence).
 
     Returns:
         The `Runtime` of this rank.
@@ -148,11 +151,12 @@ def init_runtime(
             **({"device_id": dev} if use_cuda else {}),
         )
     world_size = dist.get_world_size()
-    model_parallel = tensor_parallel_size * pipeline_parallel_size
+    model_parallel = tensor_parallel_size * pipeline_parallel_size * context_parallel_size
     if world_size % model_parallel != 0:
         raise ValueError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size "
             f"({tensor_parallel_size}) x pipeline_model_parallel_size ({pipeline_parallel_size})"
+            f" x context_parallel_size ({context_parallel_size})"
         )
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -161,6 +165,7 @@ def init_runtime(
         pipeline_model_parallel_size=pipeline_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_parallel_size,
         expert_model_parallel_size=expert_parallel_size,
+        context_parallel_size=context_parallel_size,
     )
     set_seed(seed)
     return Runtime(
@@ -176,6 +181,7 @@ def init_runtime(
         pipeline_parallel_rank=parallel_state.get_pipeline_model_parallel_rank(),
         tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
         expert_parallel_size=expert_parallel_size,
+        context_parallel_size=context_parallel_size,
     )
 
 
