@@ -31,8 +31,8 @@ pytestmark = pytest.mark.e2e
 CP2 = "model.context_parallel_size=2"
 #: name -> (processes, extra overrides)
 RUNS = {
-    "cp1": (1, []),
-    "cp2": (2, [CP2]),
+    "cp1": (1, ["exp_manager.save_hf=true"]),
+    "cp2": (2, [CP2, "exp_manager.save_hf=true"]),
     "cp2_padded": (2, [CP2, "model.data.pack_sequences=false"]),
     "cp2_precomputed": (2, [CP2, "model.kto.reference_policy=precomputed"]),
 }
@@ -69,6 +69,24 @@ def test_context_parallel_training_matches_cp1(runs, name):
     assert min(v for k, v in moved.items() if "weight" in k) > 10 * RTOL
     diffs = _weight_rel_diffs(runs["states"][name], runs["states"]["cp1"])
     assert max(diffs.values()) <= RTOL, diffs
+
+
+def test_hf_output_at_cp2_equals_cp1(runs):
+    """One writer per pipeline stage whatever the CP size: the CP=2 run's `hf/` has the CP=1
+    run's files and tensors (to the training tolerance)."""
+    from safetensors.torch import load_file
+
+    dirs = {name: runs["root"] / name / "hf" for name in ("cp1", "cp2")}
+    files = {name: sorted(p.name for p in d.iterdir()) for name, d in dirs.items()}
+    assert files["cp1"] == files["cp2"] and "config.json" in files["cp1"], files
+    want, got = (
+        {k: v for f in sorted(dirs[n].glob("*.safetensors")) for k, v in load_file(f).items()}
+        for n in ("cp1", "cp2")
+    )
+    assert want.keys() == got.keys() and want
+    for key, ref in want.items():
+        scale = ref.abs().max().clamp_min(1e-12)
+        assert ((got[key] - ref).abs().max() / scale).item() <= RTOL, key
 
 
 def test_eval_tool_at_cp2_equals_cp1(runs, tmp_path):

@@ -14,7 +14,7 @@ Layout under `exp_manager.explicit_log_dir`:
 
 Gathering: each pipeline stage converts its own layers with the conversion table
 (`mappings.to_hf` on `gather.StageTensors`: tensor/expert-parallel shards gathered one tensor at
-a time) and its writer (TP rank 0, DP rank 0) writes the stage's shard files; rank 0 then names
+a time) and its writer (TP rank 0, DP and CP rank 0) writes the stage's shard files; rank 0 then names
 the shards and writes the index and the small files. A rank holds at most one shard file's
 tensors (`exp_manager.save_hf_max_shard_mb`) plus one gathered tensor — never the whole model.
 
@@ -194,7 +194,10 @@ class HFOutput:
         from safetensors.torch import save_file
 
         stage = StageTensors(chunks, self.arch, self.model_type)
-        writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+        writer = (  # one writer per stage: context-parallel ranks hold the same weights too
+            ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        )
         part = ps.get_pipeline_model_parallel_rank()
         if self.lora is None:
             self._write_weights(stage.get, stage, tmps[0], writer, part)
