@@ -87,3 +87,23 @@ def test_impossible_explicit_backend_names_the_flags(monkeypatch, tmp_path):
     settings = _settings(_policy(tmp_path / "l", "32"), "--attention-backend", "local")
     with pytest.raises(tool.UsageError, match=r"^--attention-backend: packed micro-batches"):
         tool.choose_attention(settings)
+
+
+def test_run_hf_output_takes_the_runs_settings_and_its_own_tokenizer(tmp_path, monkeypatch):
+    """A run's `hf/` (exp_manager.save_hf) has no config.yaml: β, data and reference come from
+    the checkpoint its hf_export.json names, the tokenizer from the directory itself."""
+    _state(monkeypatch, Accelerator(cuda=False))
+    checkpoint = _policy(tmp_path, "bf16")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "tokenizer.json").write_text("{}")
+    (hf / "hf_export.json").write_text(json.dumps({"step": 3, "checkpoint": str(checkpoint)}))
+    s = _settings(hf)
+    assert (s["beta"], s["precision"], s["reference"]) == (0.1, "bf16", str(checkpoint))
+    assert s["data"] == [str(DATA.resolve())]
+    assert (s["tokenizer"], s["tokenizer_library"]) == (str(hf.resolve()), "huggingface")
+    # Without the record there is no run to read: --beta is asked for by name.
+    (hf / "hf_export.json").unlink()
+    with pytest.raises(tool.UsageError, match="--beta: required"):
+        _settings(hf, "--reference", str(checkpoint), "--data", str(DATA))

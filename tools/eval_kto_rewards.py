@@ -48,7 +48,11 @@ class UsageError(ValueError):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--policy", required=True, help="trained checkpoint or run directory")
+    p.add_argument(
+        "--policy",
+        required=True,
+        help="trained checkpoint, run directory or Hugging Face directory (a run's hf/ too)",
+    )
     p.add_argument("--reference", help="reference weights (default: the run's restore_from_path)")
     p.add_argument("--data", nargs="+", help="labelled data files (default: the run's validation)")
     p.add_argument("--algorithm", choices=("kto", "dpo"), default="kto", help="whose β to read")
@@ -89,12 +93,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _run_config(policy_dir: Path) -> Any | None:
-    path = policy_dir / files.CONFIG
-    if not path.is_file():
-        return None
+    """The training run's config: the checkpoint's, or for a run's Hugging Face output
+    (`exp_manager.save_hf`) the config of the checkpoint its `hf_export.json` names."""
+    import json
+
     from omegaconf import OmegaConf
 
-    return OmegaConf.load(path)
+    path = policy_dir / files.CONFIG
+    record = policy_dir / "hf_export.json"
+    if not path.is_file() and record.is_file():
+        checkpoint = json.loads(record.read_text()).get("checkpoint")
+        path = Path(checkpoint) / files.CONFIG if checkpoint else path
+    return OmegaConf.load(path) if path.is_file() else None
+
+
+def _own_tokenizer(policy_dir: Path) -> bool:
+    """Whether `policy_dir` is a Hugging Face directory carrying its tokenizer."""
+    return (policy_dir / "config.json").is_file() and any(
+        (policy_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
+    )
 
 
 def resolve_settings(args: argparse.Namespace, policy_dir: Path) -> dict[str, Any]:
@@ -122,7 +139,8 @@ def resolve_settings(args: argparse.Namespace, policy_dir: Path) -> dict[str, An
     algo = args.algorithm
     data = args.data or list(run_value("model.data.data_prefix.validation", []))
     beta = args.beta if args.beta is not None else run_value(f"model.{algo}.ref_policy_kl_penalty")
-    tokenizer = args.tokenizer or run_value("model.tokenizer.model")
+    own = args.tokenizer is None and _own_tokenizer(policy_dir)
+    tokenizer = args.tokenizer or (policy_dir if own else run_value("model.tokenizer.model"))
     reference = args.reference or run_value("pretrained_checkpoint.restore_from_path")
     settings = {
         "policy": str(policy_dir),
@@ -136,7 +154,7 @@ def resolve_settings(args: argparse.Namespace, policy_dir: Path) -> dict[str, An
             resolve_path(need(tokenizer, "--tokenizer", "model.tokenizer.model")).resolve()
         ),
         "tokenizer_library": args.tokenizer_library
-        or run_value("model.tokenizer.library", "sentencepiece"),
+        or ("huggingface" if own else run_value("model.tokenizer.library", "sentencepiece")),
         "chat_template": run_value("model.tokenizer.chat_template"),
         "max_length": args.max_length or run_value("model.data.max_length"),
         "max_prompt_length": run_value("model.data.max_prompt_length"),
