@@ -73,6 +73,8 @@ def _args(root, log_dir) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """(root, metrics): the imported model's directory and a mapping that runs each of `RUNS`
+    (and exports it) the first time a test asks for its metrics."""
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     from megatron_kto.data.tokenizers import load_tokenizer
@@ -103,14 +105,19 @@ def runs(tmp_path_factory):
                 p.normal_(0.0, 1.0)
     model.save_pretrained(root / "hf")
     run_script(TOOL, ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "mcore")])
-    out = {}
-    for name, (nproc, extra) in RUNS.items():
-        log_dir = root / name
-        run_script(KTO_SCRIPT, [*_args(root, log_dir), *extra], nproc=nproc, timeout=600)
-        if not name.startswith("aux"):
-            run_script(TOOL, ["export", "--ckpt", str(log_dir), "--out", str(root / f"{name}_hf")])
-        out[name] = read_metrics(log_dir)
-    return root, out
+
+    class Runs(dict):
+        def __missing__(self, name: str) -> list[dict]:
+            nproc, extra = RUNS[name]
+            log_dir = root / name
+            run_script(KTO_SCRIPT, [*_args(root, log_dir), *extra], nproc=nproc, timeout=600)
+            if not name.startswith("aux"):
+                out = root / f"{name}_hf"
+                run_script(TOOL, ["export", "--ckpt", str(log_dir), "--out", str(out)])
+            self[name] = read_metrics(log_dir)
+            return self[name]
+
+    return root, Runs()
 
 
 def _weights(directory):
@@ -119,9 +126,10 @@ def _weights(directory):
     return load_file(directory / "model.safetensors")
 
 
-def _hf_aux_losses(root) -> tuple[float, float]:
-    """Hugging Face's `aux_loss` on the first global batch's rows: (on the inputs our model runs —
-    each sequence without its final token —, on the whole sequences as TRL feeds them)."""
+def _hf_aux_loss(root) -> float:
+    """Hugging Face's `aux_loss` on the first global batch's rows as TRL feeds them: whole
+    sequences (prompt + completion, final token included), right-padded, with their attention
+    mask."""
     from transformers import AutoModelForCausalLM
 
     from megatron_kto.data.dataset import build_kto_dataset
@@ -130,34 +138,26 @@ def _hf_aux_losses(root) -> tuple[float, float]:
     tok = load_tokenizer("sentencepiece", str(TOKENIZER))
     dataset, _ = build_kto_dataset([TRAIN_DATA], tok, 64, use_cache=False)
     model = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
-    out = []
-    for drop in (1, 0):
-        rows = [
-            list(dataset[i]["prompt_ids"]) + list(dataset[i]["completion_ids"]) for i in range(8)
-        ]
-        rows = [r[: len(r) - drop] for r in rows]
-        ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
-        with torch.no_grad():
-            result = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
-        out.append(result.aux_loss.item())
-    return out[0], out[1]
+    rows = [list(dataset[i]["prompt_ids"]) + list(dataset[i]["completion_ids"]) for i in range(8)]
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    with torch.no_grad():
+        result = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    return result.aux_loss.item()
 
 
 @pytest.mark.parametrize("name", ["aux_padded", "aux_packed"])
 def test_aux_loss_and_loss_equal_transformers(runs, name):
     root, metrics = runs
-    ours, trl_full = _hf_aux_losses(root)
+    expected = _hf_aux_loss(root)
     first = metrics[name][0]
-    print(
-        f"{name}: aux {first['aux_loss']:.7f}, HF on our inputs {ours:.7f}, whole rows {trl_full:.7f}"
-    )
-    assert first["aux_loss"] == pytest.approx(ours, rel=1e-5)
+    print(f"{name}: aux {first['aux_loss']:.7f}, HF on the whole rows {expected:.7f}")
+    assert first["aux_loss"] == pytest.approx(expected, rel=1e-5)
     # Step 1: policy == reference and z0 = 0, so every KTO row loss is 1 - sigmoid(0) = 0.5;
     # the logged loss (as TRL's) adds the coefficient times the aux loss.
-    assert first["loss"] == pytest.approx(0.5 + AUX_COEF * ours, rel=1e-6)
+    assert first["loss"] == pytest.approx(0.5 + AUX_COEF * expected, rel=1e-6)
 
 
 @pytest.mark.parametrize("name", ["ep2", "ep2tp2", "ep2pp2"])
@@ -199,7 +199,8 @@ def test_eval_tool_at_ep2_equals_ep1(runs, tmp_path):
 
     from e2e_cli import EVAL_TOOL, VALIDATION_DATA
 
-    root, _ = runs
+    root, metrics = runs
+    metrics["ep2"]  # the run whose checkpoint is evaluated
     reports = {}
     for ep in (1, 2):
         out = tmp_path / f"eval{ep}.json"
@@ -254,7 +255,7 @@ def test_resume_under_ep2_is_bitwise_and_another_ep_is_one_error_line(runs, tmp_
 
 def test_dpo_aux_loss_equals_transformers(runs, tmp_path):
     """DPO: each micro-batch (its pairs' chosen and rejected rows in one forward, as TRL's
-    concatenated pass) adds coef x HF's aux loss; the step's aux_loss is the mean over the two
+    concatenated pass, whole sequences) adds coef x HF's aux loss; the step's aux_loss is the mean over the two
     micro-batches, and the step-1 loss is ln 2 + coef x aux_loss."""
     import math
 
@@ -288,7 +289,6 @@ def test_dpo_aux_loss_equals_transformers(runs, tmp_path):
             for k in ("chosen_ids", "rejected_ids")
             for it in items
         ]
-        rows = [r[:-1] for r in rows]  # the inputs our model runs
         ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, r in enumerate(rows):

@@ -41,6 +41,7 @@ from megatron_kto.models.router_stats import (
     RouterStatistics,
     add_aux_metrics,
     announce_micro_batches,
+    append_final_tokens,
     aux_scalars,
     with_aux_loss,
 )
@@ -249,6 +250,7 @@ class MegatronGPTKTOModel:
         else:
             if self.router_stats is not None:
                 step = announce_micro_batches(step, self.router_stats)
+                micro = [append_final_tokens(b) for b in micro]
             reported = run_schedule(self.chunks, micro, step, forward_only=False, pack=pack)
         local = torch.stack([r["sums"] for r in reported]).sum(0) if reported else None
         device = batch["samples"].device

@@ -48,6 +48,10 @@ DEFAULT_PACK_SEQUENCES: bool = DataConfig.pack_sequences
 PACKED = "packed_seq_params"
 #: Micro-batch key: per-row kept lengths (host ints) of a padded micro-batch, for packing.
 ROW_LENGTHS = "row_lengths"
+#: Micro-batch key (host int, default 0): positions each row keeps after its last scored one —
+#: 1 when a training pass also runs each sequence's final token (`router_stats.
+#: append_final_tokens`: its routing counts in the load-balancing loss, nothing is scored there).
+ROUTED_TAIL = "routed_tail"
 
 #: Fill values of the [rows, T] keys a micro-batch may carry when its length is padded (on the
 #: right, or as a packed micro-batch's padding segment): attention is causal, so real positions
@@ -68,16 +72,17 @@ class PackedRows(PackedSeqParams):
     """[L] row of every packed position (`num_rows` for the padding segment)."""
 
 
-def kept_lengths(labels: torch.Tensor) -> torch.Tensor:
+def kept_lengths(labels: torch.Tensor, tail: int = 0) -> torch.Tensor:
     """Positions of each row that a packed micro-batch keeps: its last scored position + 1
-    (at least 1), as a [rows] long tensor on the labels' device. No host sync.
+    (at least 1) + `tail`, as a [rows] long tensor on the labels' device. No host sync.
 
     Args:
         labels: [rows, T] next-token targets, `IGNORE_INDEX` where nothing is scored.
+        tail: unscored positions kept after the last scored one (`ROUTED_TAIL`).
     """
     columns = torch.arange(1, labels.shape[-1] + 1, device=labels.device)
     last = torch.where(labels != IGNORE_INDEX, columns, torch.zeros_like(columns))
-    return last.amax(dim=-1).clamp(min=1)
+    return last.amax(dim=-1).clamp(min=1) + tail
 
 
 def host_row_lengths(labels: torch.Tensor) -> list[int]:
@@ -100,7 +105,8 @@ def pack_micro_batch(batch: dict, lengths: Sequence[int], length: int | None = N
     Args:
         batch: a micro-batch whose [rows, T] tensors are `tokens`, `labels`, `position_ids`
             (the keys of `PAD_VALUES`); other entries (per-row tensors, host ints) pass through.
-        lengths: `kept_lengths` of its rows, as host ints.
+        lengths: `kept_lengths` of its rows (with the micro-batch's `ROUTED_TAIL`), as host
+            ints.
         length: total packed length (>= sum(lengths)); the rest becomes a padding segment.
             None: exactly sum(lengths).
 
@@ -121,7 +127,7 @@ def pack_micro_batch(batch: dict, lengths: Sequence[int], length: int | None = N
         raise ValueError(f"packed length {total} is shorter than the rows' {real} tokens")
     pad = total - real
     device = labels.device
-    kept = kept_lengths(labels)
+    kept = kept_lengths(labels, int(batch.get(ROUTED_TAIL, 0)))
     keep = torch.arange(width, device=device) < kept[:, None]
     # Static size: the host knows how many positions are kept, so selecting them never waits.
     flat = torch.nonzero_static(keep.reshape(-1), size=real).squeeze(1)

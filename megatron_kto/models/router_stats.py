@@ -1,7 +1,8 @@
 """Collects the router statistics of one micro-batch's forward pass for the load-balancing loss.
 
 `RouterStatistics(chunks)` hooks every megatron MoE router (`TopKRouter`) of the model chunks.
-For each micro-batch the forward step (`announce_micro_batches`) calls `begin(token_mask(batch))`
+A training pass runs each row's final token too (`append_final_tokens`), as TRL does. For each
+micro-batch the forward step (`announce_micro_batches`) calls `begin(token_mask(batch))`
 with the tokens that count (in the router's token order); each router then adds its `losses.router_aux.layer_sums` — recomputing
 its logits from its input, so the gradient reaches the router weights and the hidden states as
 in Hugging Face — and the loss function reads `loss()` (which also resets). Outside a
@@ -23,24 +24,56 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_kto.losses.router_aux import balance_loss, layer_sums
-from megatron_kto.models.packing import PACKED, kept_lengths
+from megatron_kto.models.packing import PACKED, PAD_VALUES, ROUTED_TAIL, ROW_LENGTHS, kept_lengths
+from megatron_kto.models.schedule import Batch
+
+
+def append_final_tokens(micro: Batch) -> Batch:
+    """A training micro-batch whose rows also run their sequence's final token.
+
+    A row's input is its sequence without the final token (`data.collate`: nothing is predicted
+    from it). Hugging Face's `aux_loss`, as TRL's KTOTrainer and DPOTrainer compute it, routes
+    the whole sequence, final token included; so the training pass appends it (it is the row's
+    last label) at the position after the row's last input, unscored, and keeps it when packing
+    (`packing.ROUTED_TAIL`). Causal attention: no scored position sees it, so the log-probs do
+    not change; the routers see exactly TRL's tokens.
+
+    Args:
+        micro: `tokens`, `labels`, `position_ids` [rows, T] (padded, before packing), optionally
+            `ROW_LENGTHS` (host ints); other entries pass through.
+
+    Returns:
+        A new micro-batch with [rows, T + 1] tensors, `ROW_LENGTHS` one longer per row and
+        `ROUTED_TAIL` 1.
+    """
+    tokens, labels, positions = micro["tokens"], micro["labels"], micro["position_ids"]
+    last = kept_lengths(labels)[:, None] - 1  # each row's last input position
+    out = dict(micro)
+    out["tokens"] = F.pad(tokens, (0, 1), value=PAD_VALUES["tokens"]).scatter(
+        1, last + 1, labels.gather(1, last)
+    )
+    out["position_ids"] = F.pad(positions, (0, 1), value=PAD_VALUES["position_ids"]).scatter(
+        1, last + 1, positions.gather(1, last) + 1
+    )
+    out["labels"] = F.pad(labels, (0, 1), value=PAD_VALUES["labels"])
+    if ROW_LENGTHS in micro:
+        out[ROW_LENGTHS] = [n + 1 for n in micro[ROW_LENGTHS]]
+    out[ROUTED_TAIL] = 1
+    return out
 
 
 def token_mask(batch: dict) -> Tensor:
     """[S, B] float mask of the micro-batch's input tokens, in megatron's [S, B] (sequence-major)
-    token order: each row's positions up to its last scored one (`packing.kept_lengths`), not
-    padding — packed or not, the same tokens.
-
-    A row's input is its sequence without the final token (`data.collate`: nothing is predicted
-    from it), so these are Hugging Face's attention-mask tokens of that input. TRL runs the whole
-    sequence, so its statistics also count each row's final token (see `losses.router_aux`).
+    token order: each row's positions up to its last scored one plus the micro-batch's
+    `ROUTED_TAIL` (`packing.kept_lengths`), not padding — packed or not, the same tokens: Hugging
+    Face's attention-mask tokens of the same rows.
     """
     packed = batch.get(PACKED)
     tokens = batch["tokens"]
     if packed is not None:
         return (packed.row_ids < packed.num_rows).to(torch.float32).reshape(-1, 1)
     b, s = tokens.shape
-    kept = kept_lengths(batch["labels"])
+    kept = kept_lengths(batch["labels"], int(batch.get(ROUTED_TAIL, 0)))
     real = torch.arange(s, device=tokens.device)[None, :] < kept[:, None]  # [B, S]
     return real.t().to(torch.float32)
 
