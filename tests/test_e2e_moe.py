@@ -3,8 +3,9 @@
 A tiny random `transformers` Qwen3-MoE (4 experts, 2 routed per token, decisive routers) with the
 bundled tokenizer's vocabulary is imported with `tools/convert_checkpoint.py`; `examples/
 train_gpt_kto.py` then trains 3 steps from it on 2 ranks (DP=2) with EP=1 and with EP=2, and on
-4 ranks with TP=2 x EP=2 (sequence parallel) and PP=2 x EP=2 (DP=2: the same global batch); the router
-load-balancing loss is on except under PP (which refuses it; compared with EP=1 without it).
+4 ranks with TP=2 x EP=2 (sequence parallel), PP=2 x EP=2 (DP=2: the same global batch) and
+TP=2 x PP=2 (sequence parallel, DP=1); the router load-balancing loss is on in all of them (under
+PP its statistics are shared between the stages: the logged value is the whole model's).
 Every logged training metric and every exported weight of the EP runs equals the EP=1 run's to
 fp32 round-off (the reduction order differs, nothing else). The aux loss itself equals
 `transformers`' on the same rows (KTO and DPO), a resume under EP is bitwise, and a launch
@@ -20,9 +21,8 @@ from e2e_cli import KTO_SCRIPT, QUIET, REPO, TOKENIZER, TRAIN_DATA, launch, read
 pytestmark = pytest.mark.e2e
 
 TOOL = REPO / "tools" / "convert_checkpoint.py"
-NO_AUX = "model.moe_aux_loss_coeff=0"
 #: name -> (ranks, extra overrides); EP=1 on the same 2 ranks is the reference. The router
-#: load-balancing loss (HF's router_aux_loss_coef) is on, except under PP, which refuses it.
+#: load-balancing loss (HF's router_aux_loss_coef) is on in every run.
 RUNS = {
     "ep1": (2, ["model.expert_model_parallel_size=1"]),
     "ep2": (2, ["model.expert_model_parallel_size=2"]),
@@ -34,16 +34,22 @@ RUNS = {
             "model.sequence_parallel=true",  # megatron-core trains MoE x TP only with SP
         ],
     ),
-    "ep1_noaux": (2, ["model.expert_model_parallel_size=1", NO_AUX]),
-    "ep2pp2": (
+    "ep2pp2": (4, ["model.expert_model_parallel_size=2", "model.pipeline_model_parallel_size=2"]),
+    # TP x PP on 4 ranks (DP=1: the same global batch in 4 micro-batches of 2, as EP=1's two
+    # ranks' 2 x 2): the balance statistics are summed over TP (sequence parallel) and stages.
+    "tp2pp2": (
         4,
-        ["model.expert_model_parallel_size=2", "model.pipeline_model_parallel_size=2", NO_AUX],
+        [
+            "model.tensor_model_parallel_size=2",
+            "model.sequence_parallel=true",
+            "model.pipeline_model_parallel_size=2",
+        ],
     ),
     # One micro-batch of the whole global batch, padded and packed, for the aux-loss value.
     "aux_padded": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=false"]),
     "aux_packed": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=true"]),
 }
-REFERENCE = {"ep2": "ep1", "ep2tp2": "ep1", "ep2pp2": "ep1_noaux"}
+REFERENCE = {"ep2": "ep1", "ep2tp2": "ep1", "ep2pp2": "ep1", "tp2pp2": "ep1"}
 AUX_COEF = 0.01
 #: fp32 round-off: the data-parallel gradient reduction order differs, so weights differ in their
 #: last bits and summed completion log-probs (~60, fp32 ulp ~4e-6) by an ulp or two; rewards and
@@ -160,7 +166,7 @@ def test_aux_loss_and_loss_equal_transformers(runs, name):
     assert first["loss"] == pytest.approx(0.5 + AUX_COEF * expected, rel=1e-6)
 
 
-@pytest.mark.parametrize("name", ["ep2", "ep2tp2", "ep2pp2"])
+@pytest.mark.parametrize("name", ["ep2", "ep2tp2", "ep2pp2", "tp2pp2"])
 def test_expert_parallel_training_equals_ep1(runs, name):
     root, metrics = runs
     reference, got = metrics[REFERENCE[name]], metrics[name]
@@ -169,7 +175,7 @@ def test_expert_parallel_training_equals_ep1(runs, name):
         # The numbers of the step (not timings, throughput or memory, which depend on layout).
         numeric = {k for k in ref_row if k.startswith(COMPARED)}
         assert {"loss", "grad_norm", "kl", "logps/chosen"} <= numeric
-        assert ("aux_loss" in numeric) == (name != "ep2pp2")
+        assert "aux_loss" in numeric
         for key in sorted(numeric):
             assert row[key] == pytest.approx(ref_row[key], rel=METRIC_RTOL, abs=METRIC_ATOL), key
     start, ref_w, got_w = (
