@@ -7,7 +7,8 @@ train_gpt_kto.py` then trains 3 steps from it on 2 ranks (DP=2) with EP=1 and wi
 TP=2 x PP=2 (sequence parallel, DP=1); the router load-balancing loss is on in all of them (under
 PP its statistics are shared between the stages: the logged value is the whole model's).
 Every logged training metric and every exported weight of the EP runs equals the EP=1 run's to
-fp32 round-off (the reduction order differs, nothing else). The aux loss itself equals
+fp32 round-off (the reduction order differs, nothing else), as do runs with the other two
+reference strategies (`separate`, `precomputed`; EP=1's is `cpu_swap`). The aux loss itself equals
 `transformers`' on the same rows (KTO and DPO), a resume under EP is bitwise, and a launch
 with an expert count EP does not divide fails with one `error:` line.
 """
@@ -45,11 +46,21 @@ RUNS = {
             "model.pipeline_model_parallel_size=2",
         ],
     ),
+    # The other two reference strategies (EP=1's is the default, cpu_swap): same steps.
+    "ref_separate": (2, ["model.kto.reference_policy=separate"]),
+    "ref_precomputed": (2, ["model.kto.reference_policy=precomputed"]),
     # One micro-batch of the whole global batch, padded and packed, for the aux-loss value.
     "aux_padded": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=false"]),
     "aux_packed": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=true"]),
 }
-REFERENCE = {"ep2": "ep1", "ep2tp2": "ep1", "ep2pp2": "ep1", "tp2pp2": "ep1"}
+REFERENCE = {
+    "ep2": "ep1",
+    "ep2tp2": "ep1",
+    "ep2pp2": "ep1",
+    "tp2pp2": "ep1",
+    "ref_separate": "ep1",
+    "ref_precomputed": "ep1",
+}
 AUX_COEF = 0.01
 #: fp32 round-off: the data-parallel gradient reduction order differs, so weights differ in their
 #: last bits and summed completion log-probs (~60, fp32 ulp ~4e-6) by an ulp or two; rewards and
@@ -166,8 +177,10 @@ def test_aux_loss_and_loss_equal_transformers(runs, name):
     assert first["loss"] == pytest.approx(0.5 + AUX_COEF * expected, rel=1e-6)
 
 
-@pytest.mark.parametrize("name", ["ep2", "ep2tp2", "ep2pp2", "tp2pp2"])
-def test_expert_parallel_training_equals_ep1(runs, name):
+@pytest.mark.parametrize(
+    "name", ["ep2", "ep2tp2", "ep2pp2", "tp2pp2", "ref_separate", "ref_precomputed"]
+)
+def test_layouts_and_reference_strategies_equal_ep1(runs, name):
     root, metrics = runs
     reference, got = metrics[REFERENCE[name]], metrics[name]
     assert len(got) == len(reference) == 3
