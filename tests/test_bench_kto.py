@@ -131,3 +131,42 @@ def test_make_bench_data_is_long_tailed_seeded_and_capped():
     assert labels[:10] != sorted(labels[:10], reverse=True) or labels[10:20] != sorted(
         labels[10:20], reverse=True
     ), "classes are shuffled, not in blocks"
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="trl not installed")
+def test_trl_baseline_mirrors_an_moe_shape_as_mixtral():
+    """`--preset longtail_moe`'s TRL side: a Mixtral of the run's experts, top-k and aux-loss
+    coefficient (TRL adds it to the loss from the config); routing it cannot mirror is refused."""
+    import trl_baseline
+    from bench_kto import LONGTAIL_MOE
+
+    from megatron_kto.models.architecture import GPTArchitecture
+
+    moe = dict(o.removeprefix("model.").split("=") for o in LONGTAIL_MOE)
+    arch = GPTArchitecture(
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_moe_experts=int(moe["num_moe_experts"]),
+        moe_router_topk=int(moe["moe_router_topk"]),
+        moe_ffn_hidden_size=int(moe["moe_ffn_hidden_size"]),
+        moe_aux_loss_coeff=float(moe["moe_aux_loss_coeff"]),
+        encoder_seq_length=64,
+    ).to_dict()
+    spec = {
+        "architecture": arch,
+        "padded_vocab": 128,
+        "seed": 0,
+        "precision": "32",
+        "tokenizer": {"bos_id": 1, "eos_id": 2, "pad_id": 0},
+    }
+    trl_baseline.check_llama_compatible(arch)
+    model = trl_baseline._llama(spec)
+    config = model.config
+    assert config.model_type == "mixtral"
+    assert (config.num_local_experts, config.num_experts_per_tok) == (8, 2)
+    assert config.intermediate_size == int(moe["moe_ffn_hidden_size"])
+    assert config.router_aux_loss_coef == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="MoE routing"):
+        trl_baseline.check_llama_compatible({**arch, "moe_router_pre_softmax": True})

@@ -309,3 +309,38 @@ def test_nemo_keys_on_our_config_say_what_they_are(override, message):
     except (ConfigCompositionException, ConfigKeyError) as e:
         line = composition_error_line(e)
     assert line.startswith(message), line
+
+
+MOE_AUX = ["model.num_moe_experts=4", "model.moe_aux_loss_coeff=0.01"]
+
+
+@pytest.mark.parametrize(
+    "overrides,world,refused",
+    [
+        # Pipeline stages share the balance statistics (models.router_stats): allowed.
+        (["model.pipeline_model_parallel_size=2", "model.num_layers=4"], 2, False),
+        (
+            [
+                "model.pipeline_model_parallel_size=2",
+                "model.virtual_pipeline_model_parallel_size=2",
+                "model.num_layers=4",
+                "model.global_batch_size=4",
+                "model.micro_batch_size=1",
+                "model.kto.log_prob_forward_micro_batch_size=2",
+            ],
+            2,
+            True,
+        ),
+        (["model.activations_checkpoint_granularity=full"], 1, True),
+        (["model.activations_checkpoint_granularity=selective"], 1, False),
+    ],
+)
+def test_moe_aux_loss_layouts(overrides, world, refused):
+    if not refused:
+        compose_run_config("gpt_kto", [*MOE_AUX, *overrides], "kto", world_size=world)
+        return
+    with pytest.raises(ConfigError) as info:
+        compose_run_config("gpt_kto", [*MOE_AUX, *overrides], "kto", world_size=world)
+    message = str(info.value)
+    assert message.startswith("model.moe_aux_loss_coeff:"), message
+    assert "\n" not in message

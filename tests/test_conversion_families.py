@@ -262,6 +262,8 @@ def test_router_settings_follow_the_config(converted):
 
 def _aux_gradient_worker(rank: int, world_size: int, root: str, name: str) -> dict:
     """Our model's load-balancing loss (router hooks) on padded rows, and its gradients."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     from megatron_kto.checkpointing.model_io import read_architecture
     from megatron_kto.checkpointing.pretrained import restore_pretrained
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
@@ -285,11 +287,15 @@ def _aux_gradient_worker(rank: int, world_size: int, root: str, name: str) -> di
         "labels": labels,
         "position_ids": torch.arange(SEQ).expand(BATCH, SEQ),
     }
-    stats = RouterStatistics([chunk])
+    stats = RouterStatistics([chunk], coeff=1.0)
     stats.begin(token_mask(batch))
-    model_call(chunk, batch)
-    loss = stats.loss()
-    loss.backward()
+    output = model_call(chunk, batch)
+    stats.finish()
+    loss = stats.step_values()[0]
+    # The loss's gradient rides on the routers' outputs (megatron's MoEAuxLossAutoScaler, scale 1
+    # here): a backward of the output with a zero gradient leaves exactly the loss's gradients.
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(()))
+    (output * 0).sum().backward()
     grads = {n: p.grad.clone() for n, p in chunk.named_parameters() if n.endswith("router.weight")}
     grads["embedding"] = chunk.embedding.word_embeddings.weight.grad[:VOCAB].clone()
     teardown()

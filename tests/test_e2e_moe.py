@@ -3,10 +3,12 @@
 A tiny random `transformers` Qwen3-MoE (4 experts, 2 routed per token, decisive routers) with the
 bundled tokenizer's vocabulary is imported with `tools/convert_checkpoint.py`; `examples/
 train_gpt_kto.py` then trains 3 steps from it on 2 ranks (DP=2) with EP=1 and with EP=2, and on
-4 ranks with TP=2 x EP=2 (sequence parallel) and PP=2 x EP=2 (DP=2: the same global batch); the router
-load-balancing loss is on except under PP (which refuses it; compared with EP=1 without it).
+4 ranks with TP=2 x EP=2 (sequence parallel), PP=2 x EP=2 (DP=2: the same global batch) and
+TP=2 x PP=2 (sequence parallel, DP=1); the router load-balancing loss is on in all of them (under
+PP its statistics are shared between the stages: the logged value is the whole model's).
 Every logged training metric and every exported weight of the EP runs equals the EP=1 run's to
-fp32 round-off (the reduction order differs, nothing else). The aux loss itself equals
+fp32 round-off (the reduction order differs, nothing else), as do runs with the other two
+reference strategies (`separate`, `precomputed`; EP=1's is `cpu_swap`). The aux loss itself equals
 `transformers`' on the same rows (KTO and DPO), a resume under EP is bitwise, and a launch
 with an expert count EP does not divide fails with one `error:` line.
 """
@@ -20,9 +22,8 @@ from e2e_cli import KTO_SCRIPT, QUIET, REPO, TOKENIZER, TRAIN_DATA, launch, read
 pytestmark = pytest.mark.e2e
 
 TOOL = REPO / "tools" / "convert_checkpoint.py"
-NO_AUX = "model.moe_aux_loss_coeff=0"
 #: name -> (ranks, extra overrides); EP=1 on the same 2 ranks is the reference. The router
-#: load-balancing loss (HF's router_aux_loss_coef) is on, except under PP, which refuses it.
+#: load-balancing loss (HF's router_aux_loss_coef) is on in every run.
 RUNS = {
     "ep1": (2, ["model.expert_model_parallel_size=1"]),
     "ep2": (2, ["model.expert_model_parallel_size=2"]),
@@ -34,16 +35,32 @@ RUNS = {
             "model.sequence_parallel=true",  # megatron-core trains MoE x TP only with SP
         ],
     ),
-    "ep1_noaux": (2, ["model.expert_model_parallel_size=1", NO_AUX]),
-    "ep2pp2": (
+    "ep2pp2": (4, ["model.expert_model_parallel_size=2", "model.pipeline_model_parallel_size=2"]),
+    # TP x PP on 4 ranks (DP=1: the same global batch in 4 micro-batches of 2, as EP=1's two
+    # ranks' 2 x 2): the balance statistics are summed over TP (sequence parallel) and stages.
+    "tp2pp2": (
         4,
-        ["model.expert_model_parallel_size=2", "model.pipeline_model_parallel_size=2", NO_AUX],
+        [
+            "model.tensor_model_parallel_size=2",
+            "model.sequence_parallel=true",
+            "model.pipeline_model_parallel_size=2",
+        ],
     ),
+    # The other two reference strategies (EP=1's is the default, cpu_swap): same steps.
+    "ref_separate": (2, ["model.kto.reference_policy=separate"]),
+    "ref_precomputed": (2, ["model.kto.reference_policy=precomputed"]),
     # One micro-batch of the whole global batch, padded and packed, for the aux-loss value.
     "aux_padded": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=false"]),
     "aux_packed": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=true"]),
 }
-REFERENCE = {"ep2": "ep1", "ep2tp2": "ep1", "ep2pp2": "ep1_noaux"}
+REFERENCE = {
+    "ep2": "ep1",
+    "ep2tp2": "ep1",
+    "ep2pp2": "ep1",
+    "tp2pp2": "ep1",
+    "ref_separate": "ep1",
+    "ref_precomputed": "ep1",
+}
 AUX_COEF = 0.01
 #: fp32 round-off: the data-parallel gradient reduction order differs, so weights differ in their
 #: last bits and summed completion log-probs (~60, fp32 ulp ~4e-6) by an ulp or two; rewards and
@@ -73,6 +90,8 @@ def _args(root, log_dir) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """(root, metrics): the imported model's directory and a mapping that runs each of `RUNS`
+    (and exports it) the first time a test asks for its metrics."""
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     from megatron_kto.data.tokenizers import load_tokenizer
@@ -103,14 +122,19 @@ def runs(tmp_path_factory):
                 p.normal_(0.0, 1.0)
     model.save_pretrained(root / "hf")
     run_script(TOOL, ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "mcore")])
-    out = {}
-    for name, (nproc, extra) in RUNS.items():
-        log_dir = root / name
-        run_script(KTO_SCRIPT, [*_args(root, log_dir), *extra], nproc=nproc, timeout=600)
-        if not name.startswith("aux"):
-            run_script(TOOL, ["export", "--ckpt", str(log_dir), "--out", str(root / f"{name}_hf")])
-        out[name] = read_metrics(log_dir)
-    return root, out
+
+    class Runs(dict):
+        def __missing__(self, name: str) -> list[dict]:
+            nproc, extra = RUNS[name]
+            log_dir = root / name
+            run_script(KTO_SCRIPT, [*_args(root, log_dir), *extra], nproc=nproc, timeout=600)
+            if not name.startswith("aux"):
+                out = root / f"{name}_hf"
+                run_script(TOOL, ["export", "--ckpt", str(log_dir), "--out", str(out)])
+            self[name] = read_metrics(log_dir)
+            return self[name]
+
+    return root, Runs()
 
 
 def _weights(directory):
@@ -119,9 +143,10 @@ def _weights(directory):
     return load_file(directory / "model.safetensors")
 
 
-def _hf_aux_losses(root) -> tuple[float, float]:
-    """Hugging Face's `aux_loss` on the first global batch's rows: (on the inputs our model runs —
-    each sequence without its final token —, on the whole sequences as TRL feeds them)."""
+def _hf_aux_loss(root) -> float:
+    """Hugging Face's `aux_loss` on the first global batch's rows as TRL feeds them: whole
+    sequences (prompt + completion, final token included), right-padded, with their attention
+    mask."""
     from transformers import AutoModelForCausalLM
 
     from megatron_kto.data.dataset import build_kto_dataset
@@ -130,38 +155,32 @@ def _hf_aux_losses(root) -> tuple[float, float]:
     tok = load_tokenizer("sentencepiece", str(TOKENIZER))
     dataset, _ = build_kto_dataset([TRAIN_DATA], tok, 64, use_cache=False)
     model = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
-    out = []
-    for drop in (1, 0):
-        rows = [
-            list(dataset[i]["prompt_ids"]) + list(dataset[i]["completion_ids"]) for i in range(8)
-        ]
-        rows = [r[: len(r) - drop] for r in rows]
-        ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
-        with torch.no_grad():
-            result = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
-        out.append(result.aux_loss.item())
-    return out[0], out[1]
+    rows = [list(dataset[i]["prompt_ids"]) + list(dataset[i]["completion_ids"]) for i in range(8)]
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    with torch.no_grad():
+        result = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    return result.aux_loss.item()
 
 
 @pytest.mark.parametrize("name", ["aux_padded", "aux_packed"])
 def test_aux_loss_and_loss_equal_transformers(runs, name):
     root, metrics = runs
-    ours, trl_full = _hf_aux_losses(root)
+    expected = _hf_aux_loss(root)
     first = metrics[name][0]
-    print(
-        f"{name}: aux {first['aux_loss']:.7f}, HF on our inputs {ours:.7f}, whole rows {trl_full:.7f}"
-    )
-    assert first["aux_loss"] == pytest.approx(ours, rel=1e-5)
+    print(f"{name}: aux {first['aux_loss']:.7f}, HF on the whole rows {expected:.7f}")
+    assert first["aux_loss"] == pytest.approx(expected, rel=1e-5)
     # Step 1: policy == reference and z0 = 0, so every KTO row loss is 1 - sigmoid(0) = 0.5;
     # the logged loss (as TRL's) adds the coefficient times the aux loss.
-    assert first["loss"] == pytest.approx(0.5 + AUX_COEF * ours, rel=1e-6)
+    assert first["loss"] == pytest.approx(0.5 + AUX_COEF * expected, rel=1e-6)
 
 
-@pytest.mark.parametrize("name", ["ep2", "ep2tp2", "ep2pp2"])
-def test_expert_parallel_training_equals_ep1(runs, name):
+@pytest.mark.parametrize(
+    "name", ["ep2", "ep2tp2", "ep2pp2", "tp2pp2", "ref_separate", "ref_precomputed"]
+)
+def test_layouts_and_reference_strategies_equal_ep1(runs, name):
     root, metrics = runs
     reference, got = metrics[REFERENCE[name]], metrics[name]
     assert len(got) == len(reference) == 3
@@ -169,7 +188,7 @@ def test_expert_parallel_training_equals_ep1(runs, name):
         # The numbers of the step (not timings, throughput or memory, which depend on layout).
         numeric = {k for k in ref_row if k.startswith(COMPARED)}
         assert {"loss", "grad_norm", "kl", "logps/chosen"} <= numeric
-        assert ("aux_loss" in numeric) == (name != "ep2pp2")
+        assert "aux_loss" in numeric
         for key in sorted(numeric):
             assert row[key] == pytest.approx(ref_row[key], rel=METRIC_RTOL, abs=METRIC_ATOL), key
     start, ref_w, got_w = (
@@ -199,7 +218,8 @@ def test_eval_tool_at_ep2_equals_ep1(runs, tmp_path):
 
     from e2e_cli import EVAL_TOOL, VALIDATION_DATA
 
-    root, _ = runs
+    root, metrics = runs
+    metrics["ep2"]  # the run whose checkpoint is evaluated
     reports = {}
     for ep in (1, 2):
         out = tmp_path / f"eval{ep}.json"
@@ -254,7 +274,7 @@ def test_resume_under_ep2_is_bitwise_and_another_ep_is_one_error_line(runs, tmp_
 
 def test_dpo_aux_loss_equals_transformers(runs, tmp_path):
     """DPO: each micro-batch (its pairs' chosen and rejected rows in one forward, as TRL's
-    concatenated pass) adds coef x HF's aux loss; the step's aux_loss is the mean over the two
+    concatenated pass, whole sequences) adds coef x HF's aux loss; the step's aux_loss is the mean over the two
     micro-batches, and the step-1 loss is ln 2 + coef x aux_loss."""
     import math
 
@@ -288,7 +308,6 @@ def test_dpo_aux_loss_equals_transformers(runs, tmp_path):
             for k in ("chosen_ids", "rejected_ids")
             for it in items
         ]
-        rows = [r[:-1] for r in rows]  # the inputs our model runs
         ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, r in enumerate(rows):

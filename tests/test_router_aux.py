@@ -60,3 +60,38 @@ def test_order_and_micro_layering_do_not_matter():
         _ours([t[perm] for t in logits], mask).item(), rel=1e-6
     )
     assert balance_loss(torch.zeros(EXPERTS), torch.zeros(EXPERTS), torch.tensor(0.0)) == 0
+
+
+def test_training_rows_run_the_whole_sequence():
+    """`append_final_tokens`: each row's input becomes its whole sequence (TRL's input ids), at
+    positions 0..len-1, nothing more scored; packing keeps exactly those tokens."""
+    from megatron_kto.data.collate import kto_custom_collate
+    from megatron_kto.models.packing import PACKED, pack_micro_batch
+    from megatron_kto.models.router_stats import append_final_tokens, token_mask
+
+    examples = [
+        {"prompt_ids": [5, 6, 7], "completion_ids": [8, 9], "label": True},
+        {"prompt_ids": [10], "completion_ids": [11, 12, 13, 14], "label": False},
+        {"prompt_ids": [15, 16], "completion_ids": [17], "label": True},
+    ]
+    batch = kto_custom_collate(examples, pad_id=0)
+    micro = {
+        "tokens": batch["samples"],
+        "labels": batch["sample_labels"],
+        "position_ids": batch["position_ids"],
+        "row_lengths": batch["sample_lengths"].tolist(),
+    }
+    out = append_final_tokens(micro)
+    sequences = [e["prompt_ids"] + e["completion_ids"] for e in examples]
+    assert out["row_lengths"] == [len(s) for s in sequences]
+    for row, seq in enumerate(sequences):
+        assert out["tokens"][row, : len(seq)].tolist() == seq
+        assert out["position_ids"][row, : len(seq)].tolist() == list(range(len(seq)))
+    assert torch.equal(out["labels"][:, :-1], micro["labels"])
+    assert (out["labels"][:, -1] == -100).all()
+    mask = token_mask(out).t()  # [rows, T + 1]
+    assert mask.sum(-1).tolist() == [len(s) for s in sequences]
+    packed = pack_micro_batch(out, out["row_lengths"])
+    assert packed["tokens"][0].tolist() == [t for s in sequences for t in s]
+    assert token_mask(packed).sum().item() == sum(map(len, sequences))
+    assert packed[PACKED].seqlens == tuple(len(s) for s in sequences)

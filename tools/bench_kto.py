@@ -1,14 +1,16 @@
 #!/usr/bin/env python
 """Benchmark KTO training steps: samples/s, tokens/s, MFU and peak memory, side by side with TRL.
 
-    python tools/bench_kto.py [--preset longtail|example] [--warmup 5] [--steps 20]
+    python tools/bench_kto.py [--preset longtail|longtail_moe|example] [--warmup 5] [--steps 20]
         [--repeat 1] [--threads N] [--trl | --no-trl] [--json OUT] [hydra overrides ...]
 
 What runs by default (``--preset longtail``) is the compute-dominated case on realistic data:
 a Llama-style model of 8 layers × hidden 512 (ffn 1536, 8 query / 4 KV heads, the bundled
 tokenizer's vocabulary) on a KTO set with long-tailed lengths and 2:1 desirable:undesirable
 labels (``tools/make_bench_data.py`` defaults, generated once, seeded, into the temporary
-directory), global batch 16, micro-batch 4. ``--preset example`` runs ``conf/gpt_kto.yaml`` as
+directory), global batch 16, micro-batch 4. ``--preset longtail_moe`` gives every layer a
+mixture-of-experts MLP (8 experts of width 768, top-2, router load-balancing loss 0.01; TRL's
+side is a ``MixtralForCausalLM`` of that shape). ``--preset example`` runs ``conf/gpt_kto.yaml`` as
 it is. Hydra overrides given on the command line come after the preset's and win.
 
 Our side is the real training path (``megatron_kto.run.run_alignment`` on the composed config)
@@ -89,6 +91,16 @@ LONGTAIL_MODEL = [
     f"model.data.max_length={LONGTAIL_DATA['max_length']}",
     "model.data.data_prefix.validation=[]",
 ]
+#: `--preset longtail_moe`: the same shape with a mixture-of-experts MLP in every layer, 8
+#: experts, 2 routed per token, each expert half the dense width (so a token's MLP FLOPs equal
+#: the dense model's, which is what the MFU count assumes), and the router load-balancing loss
+#: (coefficient 0.01) on both sides. Add model.expert_model_parallel_size=2 under torchrun for EP.
+LONGTAIL_MOE = [
+    "model.num_moe_experts=8",
+    "model.moe_router_topk=2",
+    "model.moe_ffn_hidden_size=768",
+    "model.moe_aux_loss_coeff=0.01",
+]
 
 
 def longtail_data() -> Path:
@@ -117,6 +129,7 @@ def preset_overrides(preset: str) -> list[str]:
     return [
         "example=tiny_kto",
         *LONGTAIL_MODEL,
+        *(LONGTAIL_MOE if preset == "longtail_moe" else []),
         f"model.data.data_prefix.train=[{longtail_data()}]",
     ]
 
@@ -353,9 +366,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--preset",
-        choices=("longtail", "example"),
+        choices=("longtail", "longtail_moe", "example"),
         default="longtail",
-        help="longtail (default): 8x512 model on long-tailed data; example: conf as it is",
+        help="longtail (default): 8x512 model on long-tailed data; longtail_moe: the same with "
+        "8 experts, top-2 (TRL: Mixtral); example: conf as it is",
     )
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")

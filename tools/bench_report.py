@@ -97,6 +97,17 @@ def render_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _experts(arch: dict[str, Any]) -> str:
+    """The MoE part of the model line ('' when dense)."""
+    if not arch.get("num_moe_experts"):
+        return ""
+    return (
+        f"; MoE: {arch['num_moe_experts']} experts of ffn "
+        f"{arch.get('moe_ffn_hidden_size') or arch['ffn_hidden_size']}, top-"
+        f"{arch['moe_router_topk']}, aux loss coef {arch['moe_aux_loss_coeff']}"
+    )
+
+
 def render_header(report: dict[str, Any]) -> str:
     ours = report["ours"]
     spec, arch = ours["spec"], ours["spec"]["architecture"]
@@ -107,7 +118,7 @@ def render_header(report: dict[str, Any]) -> str:
             f"  model: {arch['num_layers']} layers, hidden {arch['hidden_size']}, ffn "
             f"{arch['ffn_hidden_size']}, heads {arch['num_attention_heads']}/"
             f"{arch['num_query_groups'] or arch['num_attention_heads']} (q/kv), vocab "
-            f"{spec['padded_vocab']}, precision {spec['precision']}",
+            f"{spec['padded_vocab']}, precision {spec['precision']}{_experts(arch)}",
             f"  data ({report.get('preset', 'example')} preset): {', '.join(spec['train_files'])}; "
             f"global batch {spec['global_batch_size']} "
             f"(ours: micro-batch {spec['micro_batch_size']}, reference {spec['reference_policy']}), "

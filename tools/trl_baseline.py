@@ -25,7 +25,8 @@ _HF_SCHEDULERS = {
 
 
 def check_llama_compatible(arch: dict[str, Any]) -> None:
-    """Raise ValueError naming what a `LlamaForCausalLM` cannot mirror of `arch`."""
+    """Raise ValueError naming what a `LlamaForCausalLM` (or, for an MoE shape, a
+    `MixtralForCausalLM`) cannot mirror of `arch`."""
     problems = []
     if arch["normalization"] != "RMSNorm":
         problems.append(f"normalization={arch['normalization']}")
@@ -35,6 +36,12 @@ def check_llama_compatible(arch: dict[str, Any]) -> None:
         problems.append("position embeddings other than plain RoPE")
     if arch["add_bias_linear"] or arch["add_qkv_bias"]:
         problems.append("linear biases")
+    if arch.get("qk_layernorm"):
+        problems.append("Q/K layer norms")
+    if arch.get("num_moe_experts") and (
+        arch["moe_router_pre_softmax"] or arch["moe_shared_expert_intermediate_size"]
+    ):
+        problems.append("MoE routing other than Mixtral's (softmax, top-k, renormalise)")
     if problems:
         raise ValueError(
             f"the TRL baseline builds a LlamaForCausalLM, which cannot mirror {', '.join(problems)}"
@@ -91,31 +98,42 @@ def unpaired_dataset(files: list[str]):
 
 
 def _llama(spec: dict[str, Any]):
+    """The policy: a `LlamaForCausalLM` of the spec's shape, or a `MixtralForCausalLM` (experts
+    of `moe_ffn_hidden_size`, Mixtral's routing, the run's `router_aux_loss_coef`, which TRL adds
+    to the loss as we do) when the shape has experts. Random init, seeded."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     arch, tok = spec["architecture"], spec["tokenizer"]
     heads = arch["num_attention_heads"]
     torch.manual_seed(spec["seed"])
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=spec["padded_vocab"],
-            hidden_size=arch["hidden_size"],
-            intermediate_size=arch["ffn_hidden_size"],
-            num_hidden_layers=arch["num_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=arch["num_query_groups"] or heads,
-            head_dim=arch["kv_channels"] or arch["hidden_size"] // heads,
-            max_position_embeddings=arch["encoder_seq_length"],
-            rms_norm_eps=arch["layernorm_epsilon"],
-            rope_theta=float(arch["rotary_base"]),
-            tie_word_embeddings=arch["share_embeddings_and_output_weights"],
-            initializer_range=arch["init_method_std"],
-            bos_token_id=tok["bos_id"],
-            eos_token_id=tok["eos_id"],
-            pad_token_id=tok["pad_id"],
-        )
+    common = dict(
+        vocab_size=spec["padded_vocab"],
+        hidden_size=arch["hidden_size"],
+        num_hidden_layers=arch["num_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=arch["num_query_groups"] or heads,
+        head_dim=arch["kv_channels"] or arch["hidden_size"] // heads,
+        max_position_embeddings=arch["encoder_seq_length"],
+        rms_norm_eps=arch["layernorm_epsilon"],
+        rope_theta=float(arch["rotary_base"]),
+        tie_word_embeddings=arch["share_embeddings_and_output_weights"],
+        initializer_range=arch["init_method_std"],
+        bos_token_id=tok["bos_id"],
+        eos_token_id=tok["eos_id"],
+        pad_token_id=tok["pad_id"],
     )
+    if arch.get("num_moe_experts"):
+        config = MixtralConfig(
+            **common,
+            intermediate_size=arch["moe_ffn_hidden_size"] or arch["ffn_hidden_size"],
+            num_local_experts=arch["num_moe_experts"],
+            num_experts_per_tok=arch["moe_router_topk"],
+            router_aux_loss_coef=arch["moe_aux_loss_coeff"],
+        )
+        model = MixtralForCausalLM(config)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common, intermediate_size=arch["ffn_hidden_size"]))
     return model.to(torch.bfloat16 if spec["precision"] == "bf16" else torch.float32)
 
 
@@ -161,7 +179,8 @@ def _kto_config(spec: dict[str, Any], max_steps: int, output_dir: Path):
 def run_trl_kto(spec: dict[str, Any], max_steps: int) -> dict[str, Any]:
     """Train `trl.KTOTrainer` for `max_steps` steps on the run described by `spec`.
 
-    A `LlamaForCausalLM` of the spec's shape (random init, seeded) is the policy and a deep copy
+    A `LlamaForCausalLM` (`MixtralForCausalLM` for an MoE shape) of the spec's shape (random
+    init, seeded) is the policy and a deep copy
     of it the reference. Each step is timed from the end of the previous one, so data loading
     and collation are inside it (as in our trainer's ``step_time``).
 

@@ -310,13 +310,21 @@ def validate(
     )
     if m.num_moe_experts and m.moe_aux_loss_coeff:
         _need(m.moe_aux_loss_coeff > 0, "model.moe_aux_loss_coeff", "must be >= 0")
-        # The balance statistics span every layer's router of a micro-batch.
+        # The balance statistics of a micro-batch span every layer's router: each rank's
+        # model chunk must run a micro-batch's layers in one forward (`models.router_stats`).
         _need(
-            pp == 1,
+            vpp is None or vpp == 1,
             "model.moe_aux_loss_coeff",
             f"{m.moe_aux_loss_coeff}: the router load-balancing loss is not supported with "
-            "pipeline_model_parallel_size > 1 (layers on several stages); set "
-            "model.moe_aux_loss_coeff=0 to train without it",
+            "virtual_pipeline_model_parallel_size > 1 (a rank's layers run its micro-batches "
+            "interleaved); set model.moe_aux_loss_coeff=0 to train without it",
+        )
+        _need(
+            m.activations_checkpoint_granularity != "full",
+            "model.moe_aux_loss_coeff",
+            f"{m.moe_aux_loss_coeff}: the router load-balancing loss is not supported with "
+            "activations_checkpoint_granularity=full (the routers re-run in the backward "
+            "pass); use selective or no recompute, or set model.moe_aux_loss_coeff=0",
         )
     _need(
         not (m.num_moe_experts and tp > 1) or m.sequence_parallel,

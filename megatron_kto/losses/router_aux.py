@@ -11,11 +11,10 @@ with N the non-padding tokens, L the MoE layers, E the experts. f carries no gra
 an average of per-layer losses (a product of sums over layers), and it does not divide by k — so
 megatron-core's per-layer `switch_load_balancing_loss_func` (which divides by k and averages
 layers) cannot give it; the per-layer sums below can, added up in any order.
-TRL's `KTOTrainer` adds `router_aux_loss_coef · loss` of the policy's forward over each
-micro-batch to that micro-batch's training loss; so do we (`models.router_stats`), with one
-difference: our model's input is each sequence without its final token (nothing is predicted from
-it), so that token's routing is not counted, while TRL feeds and counts whole sequences. Our value
-is exactly Hugging Face's `aux_loss` on the inputs we run (one token fewer per row).
+TRL's `KTOTrainer` (and `DPOTrainer`) adds `router_aux_loss_coef · loss` of the policy's forward
+over each micro-batch — whole sequences, final token included, under their attention mask — to
+that micro-batch's training loss; so do we (`models.router_stats`, which runs the final token in
+training passes for it), with the same tokens counted.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ from megatron_kto.models.router_stats import (
     RouterStatistics,
     add_aux_metrics,
     announce_micro_batches,
+    append_final_tokens,
     aux_scalars,
-    with_aux_loss,
 )
 from megatron_kto.models.schedule import (
     NUM_SCORED,
@@ -81,7 +81,8 @@ class MegatronGPTDPOModel:
         self.chunks = chunks
         self.reference = reference
         self.settings = settings
-        self.router_stats = RouterStatistics(chunks) if settings.router_aux_loss_coeff else None
+        coeff = settings.router_aux_loss_coeff
+        self.router_stats = RouterStatistics(chunks, coeff) if coeff else None
 
     def forward_logprobs(
         self, batch: Batch, chunks: list[torch.nn.Module], micro_batch_size: int | None = None
@@ -145,9 +146,7 @@ class MegatronGPTDPOModel:
             stats[n:, NUM_TOKENS],
             out.per_example,
         )
-        return with_aux_loss(
-            self.router_stats, self.settings.router_aux_loss_coeff, out.loss, {"sums": sums}
-        )
+        return out.loss, {"sums": sums}
 
     def _micro_batches(self, batch: Batch) -> list[Batch]:
         mbs = self.settings.micro_batch_size
@@ -194,6 +193,7 @@ class MegatronGPTDPOModel:
         else:
             if self.router_stats is not None:
                 step = announce_micro_batches(step, self.router_stats)
+                micro = [append_final_tokens(b) for b in micro]
             reported = run_schedule(self.chunks, micro, step, forward_only=False, pack=pack)
         local = torch.stack([r["sums"] for r in reported]).sum(0) if reported else None
         sums = broadcast_from_last_stage(
@@ -201,7 +201,8 @@ class MegatronGPTDPOModel:
         )
         data_parallel_all_reduce(sums)
         if self.router_stats is not None and not forward_only:
-            return sums, aux_scalars(reported, s.router_aux_loss_coeff)  # PP = 1 (validate)
+            values = self.router_stats.step_values()  # on every stage
+            return sums, aux_scalars(values, s.router_aux_loss_coeff)
         return sums, {}
 
     @staticmethod

@@ -41,8 +41,8 @@ from megatron_kto.models.router_stats import (
     RouterStatistics,
     add_aux_metrics,
     announce_micro_batches,
+    append_final_tokens,
     aux_scalars,
-    with_aux_loss,
 )
 from megatron_kto.models.schedule import (
     Batch,
@@ -102,7 +102,8 @@ class MegatronGPTKTOModel:
         self.chunks = chunks
         self.reference = reference
         self.settings = settings
-        self.router_stats = RouterStatistics(chunks) if settings.router_aux_loss_coeff else None
+        coeff = settings.router_aux_loss_coeff
+        self.router_stats = RouterStatistics(chunks, coeff) if coeff else None
 
     def forward_logprobs(
         self, batch: Batch, chunks: list[torch.nn.Module], micro_batch_size: int | None = None
@@ -208,7 +209,7 @@ class MegatronGPTKTOModel:
             num_tokens,
             out.per_example,
         )
-        return with_aux_loss(self.router_stats, s.router_aux_loss_coeff, out.loss, {"sums": sums})
+        return out.loss, {"sums": sums}
 
     def get_loss_and_metric_sums(
         self, batch: Batch, forward_only: bool
@@ -249,6 +250,7 @@ class MegatronGPTKTOModel:
         else:
             if self.router_stats is not None:
                 step = announce_micro_batches(step, self.router_stats)
+                micro = [append_final_tokens(b) for b in micro]
             reported = run_schedule(self.chunks, micro, step, forward_only=False, pack=pack)
         local = torch.stack([r["sums"] for r in reported]).sum(0) if reported else None
         device = batch["samples"].device
@@ -256,8 +258,8 @@ class MegatronGPTKTOModel:
         data_parallel_all_reduce(sums)
         scalars = {"kl": z0}
         if self.router_stats is not None and not forward_only:
-            # PP = 1 whenever the loss is on (config.validate), so `reported` is this rank's.
-            scalars.update(aux_scalars(reported, s.router_aux_loss_coeff))
+            values = self.router_stats.step_values()  # on every stage
+            scalars.update(aux_scalars(values, s.router_aux_loss_coeff))
         return sums, scalars
 
     @staticmethod

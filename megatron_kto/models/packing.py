@@ -48,6 +48,10 @@ DEFAULT_PACK_SEQUENCES: bool = DataConfig.pack_sequences
 PACKED = "packed_seq_params"
 #: Micro-batch key: per-row kept lengths (host ints) of a padded micro-batch, for packing.
 ROW_LENGTHS = "row_lengths"
+#: Micro-batch key (host int, default 0): positions each row keeps after its last scored one —
+#: 1 when a training pass also runs each sequence's final token (`router_stats.
+#: append_final_tokens`: its routing counts in the load-balancing loss, nothing is scored there).
+ROUTED_TAIL = "routed_tail"
 
 #: Fill values of the [rows, T] keys a micro-batch may carry when its length is padded (on the
 #: right, or as a packed micro-batch's padding segment): attention is causal, so real positions
@@ -77,16 +81,17 @@ class PackedRows(PackedSeqParams):
     context parallelism; None: derived from `cu_seqlens_q`)."""
 
 
-def kept_lengths(labels: torch.Tensor) -> torch.Tensor:
+def kept_lengths(labels: torch.Tensor, tail: int = 0) -> torch.Tensor:
     """Positions of each row that a packed micro-batch keeps: its last scored position + 1
-    (at least 1), as a [rows] long tensor on the labels' device. No host sync.
+    (at least 1) + `tail`, as a [rows] long tensor on the labels' device. No host sync.
 
     Args:
         labels: [rows, T] next-token targets, `IGNORE_INDEX` where nothing is scored.
+        tail: unscored positions kept after the last scored one (`ROUTED_TAIL`).
     """
     columns = torch.arange(1, labels.shape[-1] + 1, device=labels.device)
     last = torch.where(labels != IGNORE_INDEX, columns, torch.zeros_like(columns))
-    return last.amax(dim=-1).clamp(min=1)
+    return last.amax(dim=-1).clamp(min=1) + tail
 
 
 def host_row_lengths(labels: torch.Tensor) -> list[int]:
@@ -118,7 +123,8 @@ def pack_micro_batch(
     Args:
         batch: a micro-batch whose [rows, T] tensors are `tokens`, `labels`, `position_ids`
             (the keys of `PAD_VALUES`); other entries (per-row tensors, host ints) pass through.
-        lengths: `kept_lengths` of its rows, as host ints.
+        lengths: `kept_lengths` of its rows (with the micro-batch's `ROUTED_TAIL`), as host
+            ints.
         length: total packed length (>= the rows' segments); the rest becomes a padding segment.
             None: exactly the rows' segments.
         row_multiple: every row's segment is its kept length rounded up to this multiple: the
@@ -142,7 +148,7 @@ def pack_micro_batch(
         raise ValueError(f"packed length {total} is shorter than the rows' {real} tokens")
     pad = total - real
     device = batch["labels"].device
-    kept = kept_lengths(batch["labels"])
+    kept = kept_lengths(batch["labels"], int(batch.get(ROUTED_TAIL, 0)))
     if row_multiple > 1:
         kept = (kept + row_multiple - 1) // row_multiple * row_multiple
         batch = _widen(batch, max(segments) - width, rows, width)

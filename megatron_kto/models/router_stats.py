@@ -1,17 +1,26 @@
-"""Collects the router statistics of one micro-batch's forward pass for the load-balancing loss.
+"""The router load-balancing loss of each training micro-batch, across pipeline stages.
 
-`RouterStatistics(chunks)` hooks every megatron MoE router (`TopKRouter`) of the model chunks.
-For each micro-batch the forward step (`announce_micro_batches`) calls `begin(token_mask(batch))`
-with the tokens that count (in the router's token order); each router then adds its `losses.router_aux.layer_sums` — recomputing
-its logits from its input, so the gradient reaches the router weights and the hidden states as
-in Hugging Face — and the loss function reads `loss()` (which also resets). Outside a
-`begin` ... `loss` window, and whenever autograd is off (reference and KL passes, validation),
-the hooks do nothing: forward-only passes add nothing and cost nothing.
+`RouterStatistics(chunks, coeff)` hooks every megatron MoE router (`TopKRouter`) of the model
+chunks. A training pass runs each row's final token too (`append_final_tokens`), as TRL does. For
+each micro-batch the forward step (`announce_micro_batches`) calls `begin(token_mask(batch))`
+with the tokens that count (in the router's token order); each router then adds its
+`losses.router_aux.layer_sums` — recomputing its logits from its input, so the gradient reaches
+the router weights and the hidden states as in Hugging Face — and `finish()` ends the micro-batch
+on this stage. Outside a `begin` ... `finish` window, and whenever autograd is off (reference and
+KL passes, validation), the hooks do nothing: forward-only passes add nothing and cost nothing.
 
-The statistics span all layers of the micro-batch, so the model must not be pipelined
-(`config.validate` refuses a non-zero coefficient with PP > 1). With sequence parallelism (which
-megatron requires for MoE training with TP > 1) each TP rank routes a slice of the sequence; the
-statistics are then summed over the TP group.
+Hugging Face's loss is joint over all layers (a product of sums over layers and tokens), so with
+pipeline parallelism (and under sequence parallelism, where each TP rank routes a slice of the
+sequence) the ranks holding parts of a micro-batch share their statistics: `finish` starts an
+asynchronous all-reduce of this rank's [counts, probability sums, tokens] over them — the later
+stages have not run the micro-batch yet — and its result is read when this stage runs the
+micro-batch's backward (every stage has run its forward by then), and for the logged value
+(`step_values`, the whole model's, on every rank). Each router's share of the gradient,
+E · C / T² per expert with the global counts C and token total T, enters through megatron-core's
+`MoEAuxLossAutoScaler` on the router's output (how megatron attaches its own MoE losses on every
+stage, with the main loss's scale). Virtual pipelining (several chunks per rank, their micro-
+batches interleaved) and full activation recompute (routers re-run in backward) are refused
+with the loss (`config.validate`).
 """
 
 from __future__ import annotations
@@ -23,30 +32,63 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron_kto.losses.router_aux import balance_loss, layer_sums
-from megatron_kto.models.packing import PACKED, kept_lengths
+from megatron_kto.models.packing import PACKED, PAD_VALUES, ROUTED_TAIL, ROW_LENGTHS, kept_lengths
+from megatron_kto.models.schedule import Batch
+
+
+def append_final_tokens(micro: Batch) -> Batch:
+    """A training micro-batch whose rows also run their sequence's final token.
+
+    A row's input is its sequence without the final token (`data.collate`: nothing is predicted
+    from it). Hugging Face's `aux_loss`, as TRL's KTOTrainer and DPOTrainer compute it, routes
+    the whole sequence, final token included; so the training pass appends it (it is the row's
+    last label) at the position after the row's last input, unscored, and keeps it when packing
+    (`packing.ROUTED_TAIL`). Causal attention: no scored position sees it, so the log-probs do
+    not change; the routers see exactly TRL's tokens.
+
+    Args:
+        micro: `tokens`, `labels`, `position_ids` [rows, T] (padded, before packing), optionally
+            `ROW_LENGTHS` (host ints); other entries pass through.
+
+    Returns:
+        A new micro-batch with [rows, T + 1] tensors, `ROW_LENGTHS` one longer per row and
+        `ROUTED_TAIL` 1.
+    """
+    tokens, labels, positions = micro["tokens"], micro["labels"], micro["position_ids"]
+    last = kept_lengths(labels)[:, None] - 1  # each row's last input position
+    out = dict(micro)
+    out["tokens"] = F.pad(tokens, (0, 1), value=PAD_VALUES["tokens"]).scatter(
+        1, last + 1, labels.gather(1, last)
+    )
+    out["position_ids"] = F.pad(positions, (0, 1), value=PAD_VALUES["position_ids"]).scatter(
+        1, last + 1, positions.gather(1, last) + 1
+    )
+    out["labels"] = F.pad(labels, (0, 1), value=PAD_VALUES["labels"])
+    if ROW_LENGTHS in micro:
+        out[ROW_LENGTHS] = [n + 1 for n in micro[ROW_LENGTHS]]
+    out[ROUTED_TAIL] = 1
+    return out
 
 
 def token_mask(batch: dict) -> Tensor:
     """[S, B] float mask of the micro-batch's input tokens, in megatron's [S, B] (sequence-major)
-    token order: each row's positions up to its last scored one (`packing.kept_lengths`), not
-    padding — packed or not, the same tokens.
-
-    A row's input is its sequence without the final token (`data.collate`: nothing is predicted
-    from it), so these are Hugging Face's attention-mask tokens of that input. TRL runs the whole
-    sequence, so its statistics also count each row's final token (see `losses.router_aux`).
+    token order: each row's positions up to its last scored one plus the micro-batch's
+    `ROUTED_TAIL` (`packing.kept_lengths`), not padding — packed or not, the same tokens: Hugging
+    Face's attention-mask tokens of the same rows.
     """
     packed = batch.get(PACKED)
     tokens = batch["tokens"]
     if packed is not None:
         return (packed.row_ids < packed.num_rows).to(torch.float32).reshape(-1, 1)
     b, s = tokens.shape
-    kept = kept_lengths(batch["labels"])
+    kept = kept_lengths(batch["labels"], int(batch.get(ROUTED_TAIL, 0)))
     real = torch.arange(s, device=tokens.device)[None, :] < kept[:, None]  # [B, S]
     return real.t().to(torch.float32)
 
 
 def announce_micro_batches(forward_step: Callable, stats: RouterStatistics) -> Callable:
-    """`forward_step` that first tells `stats` which tokens of each micro-batch count."""
+    """`forward_step` that first tells `stats` which tokens of each micro-batch count and, once
+    this stage's forward of the micro-batch has run, hands its statistics on (`finish`)."""
 
     class _Announcing:
         def __init__(self, iterator: Iterator[dict]):
@@ -61,28 +103,85 @@ def announce_micro_batches(forward_step: Callable, stats: RouterStatistics) -> C
             return batch
 
     def step(data_iterator, model):
-        return forward_step(_Announcing(data_iterator), model)
+        result = forward_step(_Announcing(data_iterator), model)
+        stats.finish()
+        return result
 
     return step
 
 
-class RouterStatistics:
-    """Forward hooks on the routers of `chunks` accumulating one micro-batch's statistics."""
+class _Totals:
+    """One micro-batch's statistics [counts E, probability sums E, tokens], summed over the ranks
+    that route parts of it (pipeline stages; TP ranks under sequence parallelism). Filled when
+    this stage's forward of the micro-batch ends (an asynchronous all-reduce: the later stages
+    have not run it yet); read in its backward, when every stage has."""
 
-    def __init__(self, chunks: list[torch.nn.Module]):
+    def __init__(self) -> None:
+        self.buffer: Tensor | None = None
+        self.work = None
+
+    def result(self) -> Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        assert self.buffer is not None, "read before the micro-batch's forward ended"
+        return self.buffer
+
+
+class _BalanceGradient(torch.autograd.Function):
+    """d(balance loss of the whole model)/d(one router's probability sums) = E · C / T², with C
+    the micro-batch's selection counts and T its token total over all layers and ranks
+    (`losses.router_aux.balance_loss`; C carries no gradient). Both are known only once every
+    stage has run the micro-batch, so they are read in backward. The forward value is 0: the
+    loss's value is `RouterStatistics.step_values`, its gradient enters through megatron's
+    `MoEAuxLossAutoScaler`, which gives this term the main loss's scale."""
+
+    @staticmethod
+    def forward(ctx, prob_sums: Tensor, totals: _Totals) -> Tensor:
+        ctx.totals = totals
+        return prob_sums.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        buffer = ctx.totals.result()
+        experts = (buffer.numel() - 1) // 2
+        counts, tokens = buffer[:experts], buffer[-1].clamp(min=1.0)
+        return grad * experts * counts / tokens**2, None
+
+
+class RouterStatistics:
+    """Forward hooks on the routers of `chunks` that add the balance loss of each training
+    micro-batch: its value (`step_values`) and gradient, across pipeline stages."""
+
+    def __init__(self, chunks: list[torch.nn.Module], coeff: float):
+        """
+        Args:
+            chunks: this rank's model chunks (one: virtual pipelining is refused with the loss).
+            coeff: weight of the loss in the training loss (`router_aux_loss_coef`).
+        """
         from megatron.core import parallel_state
         from megatron.core.transformer.moe.router import TopKRouter
+        from megatron.core.utils import get_model_config
 
+        config = get_model_config(chunks[0])
+        self._experts = int(config.num_moe_experts)
+        self._coeff = coeff
         self._mask: Tensor | None = None
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        # Under sequence parallelism each TP rank routes its slice of the sequence: the counts
-        # and probability sums are summed over the TP group (see `loss`).
-        self._tp = 1
         self._sums: list[Tensor] | None = None
+        self._totals: _Totals | None = None
+        self._done: list[_Totals] = []
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        # Under sequence parallelism each TP rank routes its slice of the sequence; each stage
+        # routes its own layers: the statistics are summed over those ranks (TP x PP).
+        self._tp = tp if config.sequence_parallel and tp > 1 else 1
+        self._group = None
+        if self._tp > 1:
+            self._group = parallel_state.get_model_parallel_group()
+        elif pp > 1:
+            self._group = parallel_state.get_pipeline_model_parallel_group()
         self.routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
         self._handles = [r.register_forward_hook(self._hook) for r in self.routers]
-        if self.routers and self.routers[0].config.sequence_parallel and tp > 1:
-            self._tp = tp
 
     def begin(self, mask: Tensor) -> None:
         """Start a micro-batch whose counted tokens are `mask` ([S, B], `token_mask`)."""
@@ -91,36 +190,52 @@ class RouterStatistics:
 
             rank = parallel_state.get_tensor_model_parallel_rank()
             mask = mask.chunk(self._tp, dim=0)[rank]
-        self._mask, self._sums = mask.reshape(-1), None
+        self._mask, self._sums, self._totals = mask.reshape(-1), None, _Totals()
 
-    def _hook(self, router: torch.nn.Module, args: tuple, output: tuple) -> None:
+    def _hook(self, router: torch.nn.Module, args: tuple, output: tuple) -> tuple | None:
         if self._mask is None or not torch.is_grad_enabled():
-            return
-        hidden = args[0]
-        logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), router.weight)
-        _, routing_map = output
-        sums = layer_sums(logits, routing_map.reshape(logits.shape), self._mask)
-        self._sums = list(sums) if self._sums is None else [a + b for a, b in zip(self._sums, sums)]
-
-    def loss(self) -> Tensor | None:
-        """This micro-batch's balance loss (None if no router ran with autograd); resets."""
-        sums, self._mask, self._sums = self._sums, None, None
-        if sums is None:
             return None
-        if self._tp > 1:
-            from megatron.core import parallel_state
-            from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-            counts, prob_sums, tokens = sums
-            group = parallel_state.get_tensor_model_parallel_group()
-            totals = torch.cat([counts.detach(), tokens.detach().reshape(1)])
-            torch.distributed.all_reduce(totals, group=group)
-            # Forward: the sum over the TP ranks; backward: identity, so each rank's gradient
-            # reaches its own tokens (the replicated router's gradients are then summed over
-            # TP by megatron, as for every sequence-parallel parameter).
-            prob_sums = reduce_from_tensor_model_parallel_region(prob_sums)
-            sums = [totals[:-1], prob_sums, totals[-1]]
-        return balance_loss(*sums)
+        hidden = args[0]
+        # Recomputed from the router's input, so the gradient reaches the router weights and
+        # the hidden states as in Hugging Face.
+        logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), router.weight)
+        probs, routing_map = output
+        counts, prob_sums, tokens = layer_sums(
+            logits, routing_map.reshape(logits.shape), self._mask
+        )
+        sums = [counts, prob_sums.detach(), tokens]
+        self._sums = sums if self._sums is None else [a + b for a, b in zip(self._sums, sums)]
+        term = _BalanceGradient.apply(prob_sums, self._totals)
+        # megatron's own way to give a loss term computed inside a layer the main loss's scale
+        # (set by its schedule: loss scale / micro-batches) on every pipeline stage.
+        return MoEAuxLossAutoScaler.apply(probs, self._coeff * term), routing_map
+
+    def finish(self) -> None:
+        """End of this stage's forward of the micro-batch: start summing its statistics over the
+        ranks that share it. Every stage calls it for every training micro-batch, in order, so
+        the collectives match (a stage whose routers did not run contributes zeros)."""
+        if self._mask is None:
+            return
+        device = self._mask.device
+        zeros = [torch.zeros(self._experts, device=device)] * 2 + [torch.zeros((), device=device)]
+        sums = self._sums or zeros
+        totals = self._totals
+        totals.buffer = torch.cat([t.detach().float().reshape(-1) for t in sums])
+        if self._group is not None:
+            totals.work = torch.distributed.all_reduce(
+                totals.buffer, group=self._group, async_op=True
+            )
+        self._done.append(totals)
+        self._mask = self._sums = self._totals = None
+
+    def step_values(self) -> list[Tensor]:
+        """The whole model's balance loss of every micro-batch trained since the last call, in
+        order, on every stage and rank of the micro-batch; resets."""
+        done, self._done = self._done, []
+        e = self._experts
+        return [balance_loss(b[:e], b[e : 2 * e], b[-1]) for b in (t.result() for t in done)]
 
     def remove(self) -> None:
         """Detach the hooks."""
@@ -128,23 +243,12 @@ class RouterStatistics:
             handle.remove()
 
 
-def with_aux_loss(
-    stats: RouterStatistics | None, coeff: float, loss: Tensor, reported: dict[str, Tensor]
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """A training micro-batch's loss plus `coeff` x its balance loss (the aux value reported
-    under "aux"); unchanged when `stats` is None or no router ran with autograd."""
-    aux = stats.loss() if stats is not None else None
-    if aux is None:
-        return loss, reported
-    return loss + coeff * aux, {**reported, "aux": aux.detach()}
-
-
-def aux_scalars(reported: list[dict[str, Tensor]], coeff: float) -> dict[str, Tensor]:
+def aux_scalars(values: list[Tensor], coeff: float) -> dict[str, Tensor]:
     """Per-step scalars `aux_loss` (mean over every micro-batch of every data-parallel rank, as
-    TRL's gathered mean) and `aux_loss_term` (x `coeff`); empty without aux values."""
+    TRL's gathered mean) and `aux_loss_term` (x `coeff`) from `RouterStatistics.step_values`;
+    empty without values."""
     from megatron_kto.models.forward import data_parallel_all_reduce
 
-    values = [r["aux"] for r in reported if "aux" in r]
     if not values:
         return {}
     aux = torch.stack(values).to(torch.float64)

@@ -1,0 +1,193 @@
+"""KTO on a tiny Qwen3-MoE against TRL 1.16's `KTOTrainer`: 8 steps, router load-balancing loss on.
+
+One tiny random `transformers` Qwen3-MoE (2 layers, 4 experts, 2 routed per token, decisive
+routers so that round-off never flips a routing choice) with a byte-level BPE tokenizer
+(`hf_tiny.make_tokenizer`) is the start of both runs; its config's `router_aux_loss_coef` is the
+coefficient of both (TRL reads it from the config, we from the imported checkpoint).
+
+TRL adds `coef · aux_loss` of the policy's forward over each batch — whole sequences, each row's
+final token included, under the attention mask (`trl.trainer.utils.add_fused_lm_head`) — to the
+batch's loss and logs `aux_loss`. Its KL and reference passes add nothing. Ours must give the
+same `aux_loss` at every step and the same losses and weights, packed and padded.
+
+Batches are taken in data order, 8 rows a step in one micro-batch (TRL's aux is joint over its
+batch of 8), each batch's rows reversed for TRL: TRL 1.16's collator pairs prompt i with the
+completion of row i-1, ours with row i+1 (DESIGN §1), so reversed batches give both sides the same
+KL rows. Same β, constant lr, Adam (ε 1e-5, see `test_e2e_lora.py`), gradient clip 1.0. Step
+losses, aux losses and the final weights (ours exported with `tools/convert_checkpoint.py`) must
+agree to fp32 round-off, and the weights must have moved well beyond it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from e2e_cli import KTO_SCRIPT, QUIET, REPO, read_metrics, run_script
+from hf_tiny import make_tokenizer, write_kto_rows
+
+pytestmark = pytest.mark.e2e
+trl = pytest.importorskip("trl")
+
+TOOL = REPO / "tools" / "convert_checkpoint.py"
+STEPS, BATCH, ROWS = 8, 8, 64
+BETA, LR, EPS, CLIP, AUX_COEF = 0.1, 1e-3, 1e-5, 1.0, 0.1
+LOSS_RTOL = 1e-5
+WEIGHT_ATOL = 2e-6
+
+
+def _make_hf_moe(directory: Path) -> None:
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    vocab = make_tokenizer(directory)
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=vocab,
+        max_position_embeddings=128,
+        initializer_range=0.1,
+        router_aux_loss_coef=AUX_COEF,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # decisive routers: top-k choices far from ties
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.normal_(0.0, 1.0)
+    model.save_pretrained(directory)
+
+
+def _trl(root: Path) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    from datasets import Dataset
+    from torch.utils.data import SequentialSampler
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import KTOConfig, KTOTrainer
+
+    from megatron_kto.data.formats import iter_kto_examples
+
+    rows = list(iter_kto_examples(root / "train.jsonl"))
+    # TRL pairs prompt i with completion i-1 of its batch, we with completion i+1 (DESIGN §1).
+    rows = [r for b in range(0, len(rows), BATCH) for r in reversed(rows[b : b + BATCH])]
+    data = Dataset.from_dict(
+        {
+            "prompt": [r.prompt for r in rows],
+            "completion": [r.completion for r in rows],
+            "label": [bool(r.label) for r in rows],
+        }
+    )
+    model = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(root / "hf")
+
+    class InOrder(KTOTrainer):
+        def _get_train_sampler(self, train_dataset=None):
+            return SequentialSampler(train_dataset or self.train_dataset)
+
+    args = KTOConfig(
+        output_dir=str(root / "trl"),
+        per_device_train_batch_size=BATCH,
+        max_steps=STEPS,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=EPS,
+        max_grad_norm=CLIP,
+        beta=BETA,
+        max_length=128,
+        gradient_checkpointing=False,
+        bf16=False,
+        seed=0,
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_drop_last=True,
+    )
+    trainer = InOrder(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == AUX_COEF
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return [e["loss"] for e in logged], [e["aux_loss"] for e in logged], state
+
+
+def _ours(root: Path, name: str, pack: bool) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+
+    log_dir = root / name
+    run_script(
+        KTO_SCRIPT,
+        [
+            *QUIET,
+            f"pretrained_checkpoint.restore_from_path={root / 'mcore'}",
+            f"model.data.data_prefix.train=[{root / 'train.jsonl'}]",
+            "model.data.data_prefix.validation=[]",
+            "model.data.shuffle=false",
+            "model.data.max_length=128",
+            f"model.data.pack_sequences={str(pack).lower()}",
+            "trainer.precision=32",
+            f"exp_manager.explicit_log_dir={log_dir}",
+            f"trainer.kto.max_steps={STEPS}",
+            f"trainer.kto.gradient_clip_val={CLIP}",
+            f"model.global_batch_size={BATCH}",
+            f"model.micro_batch_size={BATCH}",
+            f"model.kto.ref_policy_kl_penalty={BETA}",
+            "model.optim.sched.name=Constant",
+            "model.optim.sched.warmup_steps=0",
+            f"model.optim.lr={LR}",
+            f"model.optim.eps={EPS}",
+            "model.optim.betas=[0.9,0.999]",
+            "model.optim.weight_decay=0.0",
+        ],
+        timeout=900,
+    )
+    out = root / f"{name}_hf"
+    run_script(TOOL, ["export", "--ckpt", str(log_dir), "--out", str(out)])
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    return read_metrics(log_dir), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("moe_trl")
+    _make_hf_moe(root / "hf")
+    write_kto_rows(root / "train.jsonl", 0, ROWS)
+    run_script(TOOL, ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "mcore")])
+    start = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).state_dict()
+    return root, _trl(root), {k: v.clone() for k, v in start.items()}
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])
+def test_trajectory_equals_trl(prepared, pack):
+    root, (trl_losses, trl_aux, trl_state), start = prepared
+    metrics, ours = _ours(root, "packed" if pack else "padded", pack)
+    losses = [r["loss"] for r in metrics]
+    aux = [r["aux_loss"] for r in metrics]
+    print(f"\nours loss {losses}\ntrl  loss {trl_losses}\nours aux {aux}\ntrl  aux {trl_aux}")
+    assert len(losses) == len(trl_losses) == STEPS
+    assert aux == pytest.approx(trl_aux, rel=LOSS_RTOL)
+    assert losses == pytest.approx(trl_losses, rel=LOSS_RTOL)
+    assert ours.keys() == trl_state.keys()
+    worst = max((ours[k] - trl_state[k]).abs().max().item() for k in ours)
+    moved = {k: (trl_state[k] - start[k]).abs().max().item() for k in ours}
+    print(f"weights: max |ours - trl| {worst:.1e}; smallest move {min(moved.values()):.1e}")
+    assert worst <= WEIGHT_ATOL
+    routers = [k for k in ours if k.endswith("mlp.gate.weight")]
+    assert routers and all(moved[k] > 100 * WEIGHT_ATOL for k in routers)
