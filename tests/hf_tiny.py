@@ -91,3 +91,25 @@ def write_kto_rows(path: Path, start: int, count: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def tiny_qwen3_moe_config(vocab: int, **extra):
+    """A 2-layer Qwen3-MoE config (hidden 64, 4 experts of 48, top-2, GQA 4/2, head_dim 16)."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=vocab,
+        max_position_embeddings=128,
+        initializer_range=0.1,
+        **extra,
+    )

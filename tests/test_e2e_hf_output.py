@@ -26,7 +26,13 @@ from pathlib import Path
 import pytest
 import torch
 from e2e_cli import KTO_SCRIPT, QUIET, REPO, run_script
-from hf_tiny import CHATML, make_hf_chat_model, make_tokenizer, write_kto_rows
+from hf_tiny import (
+    CHATML,
+    make_hf_chat_model,
+    make_tokenizer,
+    tiny_qwen3_moe_config,
+    write_kto_rows,
+)
 from multirank import run_multirank
 
 pytestmark = pytest.mark.e2e
@@ -67,27 +73,11 @@ RUNS = {
 
 
 def _make_moe(directory: Path) -> None:
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
     vocab = make_tokenizer(directory)
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=48,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=vocab,
-        max_position_embeddings=128,
-        initializer_range=0.1,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config = tiny_qwen3_moe_config(vocab, bos_token_id=1, eos_token_id=2)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 from e2e_cli import KTO_SCRIPT, QUIET, REPO, TOKENIZER, TRAIN_DATA, launch, read_metrics, run_script
+from hf_tiny import tiny_qwen3_moe_config
 
 pytestmark = pytest.mark.e2e
 
@@ -92,29 +93,14 @@ def _args(root, log_dir) -> list[str]:
 def runs(tmp_path_factory):
     """(root, metrics): the imported model's directory and a mapping that runs each of `RUNS`
     (and exports it) the first time a test asks for its metrics."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
     from megatron_kto.data.tokenizers import load_tokenizer
 
     root = tmp_path_factory.mktemp("moe")
     vocab = load_tokenizer("sentencepiece", str(TOKENIZER)).vocab_size
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=48,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=vocab,
-        max_position_embeddings=128,
-        initializer_range=0.1,
-        router_aux_loss_coef=AUX_COEF,
-    )
+    config = tiny_qwen3_moe_config(vocab, router_aux_loss_coef=AUX_COEF)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, p in model.named_parameters():

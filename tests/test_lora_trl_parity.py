@@ -39,6 +39,7 @@ import pytest
 import torch
 from e2e_cli import KTO_SCRIPT, QUIET, REPO, read_metrics, run_script
 from hf_tiny import make_hf_chat_model, write_kto_rows
+from trl_harness import in_order_trainer, kl_aligned_dataset, kto_args
 
 pytestmark = pytest.mark.e2e
 trl = pytest.importorskip("trl")
@@ -70,57 +71,15 @@ def _initial_adapter(root: Path) -> Path:
 
 
 def _trl(root: Path, adapter: Path, reference: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    from datasets import Dataset
     from peft import LoraConfig, PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
     from safetensors.torch import load_file
-    from torch.utils.data import SequentialSampler
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import KTOConfig, KTOTrainer
 
-    from megatron_kto.data.formats import iter_kto_examples
-
-    rows = list(iter_kto_examples(root / "train.jsonl"))
-    # TRL pairs prompt i with completion i-1 of its batch, we with completion i+1 (DESIGN §1):
-    # TRL gets each batch's rows in reverse order, so both sides form the same KL rows.
-    rows = [r for b in range(0, len(rows), BATCH) for r in reversed(rows[b : b + BATCH])]
-    data = Dataset.from_dict(
-        {
-            "prompt": [r.prompt for r in rows],
-            "completion": [r.completion for r in rows],
-            "label": [bool(r.label) for r in rows],
-        }
-    )
+    data = kl_aligned_dataset(root / "train.jsonl", BATCH)
     base = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(root / "hf")
-
-    class InOrder(KTOTrainer):
-        def _get_train_sampler(self, train_dataset=None):
-            return SequentialSampler(train_dataset or self.train_dataset)
-
-    args = KTOConfig(
-        output_dir=str(root / "trl"),
-        per_device_train_batch_size=BATCH,
-        max_steps=STEPS,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        adam_beta1=0.9,
-        adam_beta2=0.999,
-        adam_epsilon=EPS,
-        max_grad_norm=CLIP,
-        beta=BETA,
-        max_length=128,
-        gradient_checkpointing=False,
-        bf16=False,
-        seed=0,
-        logging_steps=1,
-        save_strategy="no",
-        eval_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        dataloader_drop_last=True,
-    )
+    InOrder = in_order_trainer()  # noqa: N806 (a class)
+    args = kto_args(root / "trl", batch=BATCH, steps=STEPS, lr=LR, eps=EPS, clip=CLIP, beta=BETA)
     if reference == "start":
         # A wrapped PeftModel without peft_config / ref_model: TRL's reference is base + a
         # frozen "ref" copy of the starting adapter.

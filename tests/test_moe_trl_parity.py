@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 from e2e_cli import KTO_SCRIPT, QUIET, REPO, read_metrics, run_script
-from hf_tiny import make_tokenizer, write_kto_rows
+from hf_tiny import make_tokenizer, tiny_qwen3_moe_config, write_kto_rows
+from trl_harness import in_order_trainer, kl_aligned_dataset, kto_args
 
 pytestmark = pytest.mark.e2e
 trl = pytest.importorskip("trl")
@@ -38,24 +39,12 @@ WEIGHT_ATOL = 2e-6
 
 
 def _make_hf_moe(directory: Path) -> None:
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
     vocab = make_tokenizer(directory)
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=48,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=vocab,
-        max_position_embeddings=128,
-        initializer_range=0.1,
+    config = tiny_qwen3_moe_config(
+        vocab,
         router_aux_loss_coef=AUX_COEF,
         tie_word_embeddings=False,
         bos_token_id=1,
@@ -70,55 +59,15 @@ def _make_hf_moe(directory: Path) -> None:
 
 
 def _trl(root: Path) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    from datasets import Dataset
-    from torch.utils.data import SequentialSampler
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import KTOConfig, KTOTrainer
 
-    from megatron_kto.data.formats import iter_kto_examples
-
-    rows = list(iter_kto_examples(root / "train.jsonl"))
-    # TRL pairs prompt i with completion i-1 of its batch, we with completion i+1 (DESIGN §1).
-    rows = [r for b in range(0, len(rows), BATCH) for r in reversed(rows[b : b + BATCH])]
-    data = Dataset.from_dict(
-        {
-            "prompt": [r.prompt for r in rows],
-            "completion": [r.completion for r in rows],
-            "label": [bool(r.label) for r in rows],
-        }
-    )
+    data = kl_aligned_dataset(root / "train.jsonl", BATCH)
     model = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(root / "hf")
-
-    class InOrder(KTOTrainer):
-        def _get_train_sampler(self, train_dataset=None):
-            return SequentialSampler(train_dataset or self.train_dataset)
-
-    args = KTOConfig(
-        output_dir=str(root / "trl"),
-        per_device_train_batch_size=BATCH,
-        max_steps=STEPS,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        adam_beta1=0.9,
-        adam_beta2=0.999,
-        adam_epsilon=EPS,
-        max_grad_norm=CLIP,
-        beta=BETA,
-        max_length=128,
-        gradient_checkpointing=False,
-        bf16=False,
-        seed=0,
-        logging_steps=1,
-        save_strategy="no",
-        eval_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        dataloader_drop_last=True,
+    args = kto_args(root / "trl", batch=BATCH, steps=STEPS, lr=LR, eps=EPS, clip=CLIP, beta=BETA)
+    trainer = in_order_trainer()(
+        model=model, args=args, train_dataset=data, processing_class=tokenizer
     )
-    trainer = InOrder(model=model, args=args, train_dataset=data, processing_class=tokenizer)
     assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == AUX_COEF
     trainer.train()
     logged = [e for e in trainer.state.log_history if "loss" in e]

@@ -1,0 +1,71 @@
+"""TRL 1.16 `KTOTrainer` set up to see what our trainer sees, for the trajectory parity tests.
+
+Same rows in the same order (`SequentialSampler`), the same KL rows — TRL pairs prompt i with
+completion i−1 of its batch, we pair it with completion i+1 (DESIGN §1), so TRL gets each batch's
+rows in reverse order — and a constant learning rate without warm-up or weight decay.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def kl_aligned_dataset(train_jsonl: Path, batch: int):
+    """The rows of `train_jsonl` as a `datasets.Dataset`, each batch of `batch` reversed."""
+    from datasets import Dataset
+
+    from megatron_kto.data.formats import iter_kto_examples
+
+    rows = list(iter_kto_examples(train_jsonl))
+    rows = [r for b in range(0, len(rows), batch) for r in reversed(rows[b : b + batch])]
+    return Dataset.from_dict(
+        {
+            "prompt": [r.prompt for r in rows],
+            "completion": [r.completion for r in rows],
+            "label": [bool(r.label) for r in rows],
+        }
+    )
+
+
+def in_order_trainer():
+    """`KTOTrainer` that takes its rows in dataset order."""
+    from torch.utils.data import SequentialSampler
+    from trl import KTOTrainer
+
+    class InOrder(KTOTrainer):
+        def _get_train_sampler(self, train_dataset=None):
+            return SequentialSampler(train_dataset or self.train_dataset)
+
+    return InOrder
+
+
+def kto_args(
+    output_dir: Path, *, batch: int, steps: int, lr: float, eps: float, clip: float, beta: float
+):
+    """`KTOConfig` of a fp32 run: constant lr, Adam (0.9, 0.999, `eps`), no weight decay."""
+    from trl import KTOConfig
+
+    return KTOConfig(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=batch,
+        max_steps=steps,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=eps,
+        max_grad_norm=clip,
+        beta=beta,
+        max_length=128,
+        gradient_checkpointing=False,
+        bf16=False,
+        seed=0,
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_drop_last=True,
+    )
