@@ -1,12 +1,12 @@
 """What a user runs, from a Hugging Face chat model to a trained, evaluated checkpoint.
 
 A tiny `transformers` Llama with grouped-query attention (6 heads over 3 key/value groups) and a
-ChatML-style tokenizer, made here (`hf_tiny.py`), is converted with `tools/convert_checkpoint.py`.
-Then, as a user would:
+ChatML-style tokenizer, made here (`hf_tiny.py`), as a Hugging Face directory (and a copy
+converted with `tools/convert_checkpoint.py`). Then, as a user would:
 
-- the README's GPU command — read from README.md, verbatim except sizes and paths — trains it
-  under `torchrun --nproc_per_node 2` (PP=2, bf16), and `tools/eval_kto_rewards.py` evaluates
-  the result;
+- the README's GPU command — read from README.md, verbatim except sizes and paths — trains the
+  Hugging Face directory itself under `torchrun --nproc_per_node 2` (PP=2, bf16) and writes its
+  `hf/` output, and `tools/eval_kto_rewards.py` evaluates the result;
 - the same command with TP=2 (which does not divide the checkpoint's 3 query groups), and the
   evaluation tool with `--tensor-model-parallel-size 2`, stop with one `error:` line printed once
   (rank 0), exit code 2, before megatron-core is imported;
@@ -62,13 +62,12 @@ def adapted_readme_command(ckpt: Path, train: Path, val: Path, run: Path, tp: in
     }
     paths = {
         "pretrained_checkpoint.restore_from_path": str(ckpt),
-        "model.tokenizer.model": str(ckpt),
         "model.data.data_prefix.train": f"[{train}]",
         "model.data.data_prefix.validation": f"[{val}]",
         "exp_manager.explicit_log_dir": str(run),
     }
     kept = {"trainer.precision": "bf16", "model.micro_batch_size": "1",
-            "model.tokenizer.library": "huggingface"}  # fmt: skip
+            "exp_manager.save_hf": "true"}  # fmt: skip
     assert argv[:3] == ["torchrun", "--nproc_per_node", "8"] and argv[3].endswith(KTO_SCRIPT.name)
     overrides = []
     for arg in argv[4:]:
@@ -103,7 +102,7 @@ def paths(tmp_path_factory):
                ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "mcore")])  # fmt: skip
     train = write_kto_rows(root / "data" / "train.jsonl", 0, 16)  # 2 global batches of 8
     val = write_kto_rows(root / "data" / "val.jsonl", 900, 8)
-    return root, root / "mcore", train, val
+    return root, root / "hf", train, val
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +115,8 @@ def results(paths):
         "readme_tp2": (
             [script, *adapted_readme_command(ckpt, train, val, root / "run_tp2", tp=2, pp=1)], 2),
         "eval_tp2": (
-            [str(EVAL_TOOL), "--policy", str(ckpt), "--reference", str(ckpt), "--data", str(val),
-             "--tokenizer", str(ckpt), "--tokenizer-library", "huggingface", "--beta", "0.1",
+            [str(EVAL_TOOL), "--policy", str(root / "mcore"), "--reference", str(root / "mcore"),
+             "--data", str(val), "--tokenizer", str(root / "mcore"), "--tokenizer-library", "huggingface", "--beta", "0.1",
              "--tensor-model-parallel-size", "2"], 2),
         "example": (
             [script, f"exp_manager.explicit_log_dir={root / 'example'}", "trainer.kto.max_steps=2",
@@ -144,7 +143,7 @@ def _clean(text: str) -> None:
         assert noise not in text, f"{noise!r} in:\n{text[-3000:]}"
 
 
-def test_readme_gpu_command_trains_a_converted_gqa_model(results):
+def test_readme_gpu_command_trains_a_hugging_face_gqa_model(results):
     root, out = results
     result = out["readme"]
     assert result["returncode"] == 0, result["stderr"][-3000:]
@@ -160,6 +159,7 @@ def test_readme_gpu_command_trains_a_converted_gqa_model(results):
     assert train[0]["rewards/chosen"] == 0.0  # policy == reference before the first update
     assert "mfu" not in train[0]  # CPU: no known peak, no MFU
     assert (root / "run" / "checkpoints" / "latest").exists()
+    assert (root / "run" / "hf" / "config.json").is_file()  # exp_manager.save_hf=true
 
 
 def test_evaluating_the_trained_run(results):
@@ -175,16 +175,16 @@ def test_evaluating_the_trained_run(results):
     "name,expected",
     [
         ("readme_tp2", "error: model.tensor_model_parallel_size: 2 does not divide the 3 query "
-                       "groups in {ckpt}/architecture.json"),
+                       "groups in {root}/hf/config.json"),
         ("eval_tp2", "error: --tensor-model-parallel-size: 2 does not divide the 3 query groups "
-                     "in {ckpt}/architecture.json"),
+                     "in {root}/mcore/architecture.json"),
     ],
 )  # fmt: skip
 def test_layout_errors_are_one_line_printed_once(results, name, expected):
     root, out = results
     result = out[name]
     (stdout0, stderr0), (stdout1, stderr1) = result["ranks"]
-    assert stderr0.strip().splitlines() == [expected.format(ckpt=root / "mcore")]
+    assert stderr0.strip().splitlines() == [expected.format(root=root)]
     assert stderr1.strip() == "" and "Traceback" not in stdout0 + stdout1
     assert "exitcode  : 2" in result["stderr"]  # torchrun's report of rank 0
     assert not (root / "run_tp2").exists()  # stopped before writing anything
