@@ -9,7 +9,8 @@ PP its statistics are shared between the stages: the logged value is the whole m
 Every logged training metric and every exported weight of the EP runs equals the EP=1 run's to
 fp32 round-off (the reduction order differs, nothing else), as do runs with the other two
 reference strategies (`separate`, `precomputed`; EP=1's is `cpu_swap`). The aux loss itself equals
-`transformers`' on the same rows (KTO and DPO), a resume under EP is bitwise, and a launch
+`transformers`' on the same rows (KTO and DPO), a resume under EP is bitwise, one at another EP
+continues the run (EP 2 -> 1 and 1 -> 2, either optimizer), and a launch
 with an expert count EP does not divide fails with one `error:` line.
 """
 
@@ -218,44 +219,99 @@ def test_eval_tool_at_ep2_equals_ep1(runs, tmp_path):
         assert reports[2][key] == pytest.approx(reports[1][key], rel=1e-5, abs=1e-6), key
 
 
-def test_resume_under_ep2_is_bitwise_and_another_ep_is_one_error_line(runs, tmp_path):
-    """EP=2 with the distributed optimizer, 4 steps saving every 2; a copy holding only the
-    step-2 checkpoint resumes to step 4 with bitwise-equal metrics and weights; resuming it at
-    EP=1 is refused in one line (optimizer state does not convert between EP sizes)."""
+def _run_and_copy(root, tmp_path, extra: list[str]) -> list[str]:
+    """Train 4 steps saving every 2 into `straight`; copy only its step-2 checkpoint into
+    `resumed`. Returns the same arguments pointing at `resumed`."""
     import shutil
 
-    root, _ = runs
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     args = [
-        *_args(root, tmp_path / "straight"),
+        *_args(root, straight),
         "trainer.kto.max_steps=4",
         "trainer.kto.save_interval=2",
         "exp_manager.checkpoint_callback_params.save_top_k=-1",
-        "model.optim.name=distributed_fused_adam",
+        *extra,
     ]
-    ep2 = "model.expert_model_parallel_size=2"
-    run_script(KTO_SCRIPT, [*args, ep2], nproc=2, timeout=600)
-    straight = tmp_path / "straight"
-    resumed = tmp_path / "resumed"
+    run_script(KTO_SCRIPT, args, nproc=2, timeout=600)
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(straight / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
     (resumed / "checkpoints" / "latest").write_text("step_2\n")
-    redirected = [a.replace(str(straight), str(resumed)) for a in args]
-    refused, _ = launch([str(KTO_SCRIPT), *redirected, "model.expert_model_parallel_size=1"], 2)
-    assert refused.returncode != 0
-    assert "cannot convert optimizer state between expert-parallel sizes" in refused.stderr
-    run_script(KTO_SCRIPT, [*redirected, ep2], nproc=2, timeout=600)
-    want = {r["step"]: r for r in read_metrics(straight)}
-    got = read_metrics(resumed)
-    assert [r["step"] for r in got] == [3, 4]
-    for row in got:
-        for key in ("loss", "aux_loss", "grad_norm", "kl", "logps/chosen", "rewards/rejected"):
-            assert row[key] == want[row["step"]][key], key
+    return [a.replace(str(straight), str(resumed)) for a in args]
+
+
+def _resumed_rows_and_weights(tmp_path):
+    """(uninterrupted metrics by step, resumed metrics, uninterrupted weights, resumed weights)."""
     from megatron_kto.conversion.convert import export_hf
 
     for name in ("straight", "resumed"):
         export_hf(tmp_path / name, tmp_path / f"{name}_hf")
-    a, b = _weights(tmp_path / "straight_hf"), _weights(tmp_path / "resumed_hf")
+    want = {r["step"]: r for r in read_metrics(tmp_path / "straight")}
+    got = read_metrics(tmp_path / "resumed")
+    assert [r["step"] for r in got] == [3, 4]
+    return want, got, _weights(tmp_path / "straight_hf"), _weights(tmp_path / "resumed_hf")
+
+
+RESUME_KEYS = ("loss", "aux_loss", "grad_norm", "kl", "logps/chosen", "rewards/rejected")
+
+
+def test_resume_under_ep2_is_bitwise(runs, tmp_path):
+    """EP=2 with the distributed optimizer, 4 steps saving every 2; a copy holding only the
+    step-2 checkpoint resumes to step 4 with bitwise-equal metrics and weights."""
+    root, _ = runs
+    extra = ["model.optim.name=distributed_fused_adam", "model.expert_model_parallel_size=2"]
+    run_script(KTO_SCRIPT, _run_and_copy(root, tmp_path, extra), nproc=2, timeout=600)
+    want, got, a, b = _resumed_rows_and_weights(tmp_path)
+    for row in got:
+        for key in RESUME_KEYS:
+            assert row[key] == want[row["step"]][key], key
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(
+    ("saved_ep", "resumed_ep", "optim"),
+    [(2, 1, "distributed_fused_adam"), (1, 2, "fused_adam")],
+)
+def test_resume_at_another_ep_continues_the_run(runs, tmp_path, saved_ep, resumed_ep, optim):
+    """A step-2 checkpoint saved at one EP size resumes at the other (experts have their own
+    optimizer at every EP size, so dist_checkpointing reshards their Adam state like their
+    weights): steps 3-4 and the final weights equal the uninterrupted run's to fp32 round-off
+    (the data-parallel reduction order differs)."""
+    root, _ = runs
+    saved = f"model.expert_model_parallel_size={saved_ep}"
+    redirected = _run_and_copy(root, tmp_path, [f"model.optim.name={optim}", saved])
+    resumed = [
+        f"model.expert_model_parallel_size={resumed_ep}" if a == saved else a for a in redirected
+    ]
+    run_script(KTO_SCRIPT, resumed, nproc=2, timeout=600)
+    want, got, a, b = _resumed_rows_and_weights(tmp_path)
+    for row in got:
+        for key in RESUME_KEYS:
+            assert row[key] == pytest.approx(
+                want[row["step"]][key], rel=METRIC_RTOL, abs=METRIC_ATOL
+            ), (row["step"], key)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=WEIGHT_ATOL, msg=k)
+
+
+def test_ep1_checkpoint_with_experts_in_the_dense_optimizer_is_one_error_line(runs, tmp_path):
+    """An EP=1 checkpoint written before experts had their own optimizer (its checkpoint.json
+    lacks `experts_own_optimizer`) is refused in one line instead of failing in megatron-core."""
+    import json
+
+    from megatron_kto.checkpointing import files
+
+    root, _ = runs
+    redirected = _run_and_copy(root, tmp_path, ["model.expert_model_parallel_size=1"])
+    meta_file = tmp_path / "resumed" / "checkpoints" / "step_2" / "checkpoint.json"
+    meta = json.loads(meta_file.read_text())
+    assert meta.pop("experts_own_optimizer") is True
+    meta_file.write_text(json.dumps(meta))
+    files.write_manifest(meta_file.parent)  # as the older version wrote it: a whole checkpoint
+    refused, _ = launch([str(KTO_SCRIPT), *redirected], 2)
+    assert refused.returncode != 0  # torchrun reports the ranks' exit code 2 as 1
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "kept the experts in the dense optimizer" in errors[0], errors
 
 
 def test_dpo_aux_loss_equals_transformers(runs, tmp_path):

@@ -236,6 +236,9 @@ class CheckpointManager:
                         else None
                     ),
                     "model_chunks": len(model_chunks),
+                    # Routed experts in their own optimizer at every EP size (training_setup.
+                    # mark_experts_expert_parallel): the state has one structure for all EPs.
+                    "experts_own_optimizer": True,
                     "megatron_core_version": package_info.__version__,
                 }
                 files.write_json(tmp / files.CHECKPOINT_META, meta)
@@ -419,15 +422,15 @@ class CheckpointManager:
                 f"{path}: holds LoRA adapters only; resume it with model.peft.peft_scheme=lora"
             )
         saved_ep = saved_layout.get("expert_model_parallel_size", 1)  # absent before EP existed
-        if optimizer is not None and saved_ep != layout["expert_model_parallel_size"]:
-            # Measured: expert parameters sit in other optimizer groups (expert-data-parallel)
-            # at another EP, and loading fails inside megatron-core (KeyError 'pre_wd_mult' /
-            # 'optimizer'); the weights themselves reshard.
+        # Before experts got their own optimizer at EP = 1 too, an EP = 1 checkpoint of an MoE
+        # model holds them in the dense optimizer's state (EP > 1 ones already had it split).
+        split_saved = meta.get("experts_own_optimizer", saved_ep > 1)
+        split_now = len(optimizer_state.inner_optimizers(optimizer)) > 1
+        if optimizer is not None and split_now and not split_saved:
             raise _Incompatible(
-                f"{path}: saved with {_describe(saved_layout, saved_kind)}; this run has "
-                f"{_describe(layout, kind)}. megatron-core 0.16.1 cannot convert optimizer state "
-                "between expert-parallel sizes: resume with model.expert_model_parallel_size="
-                f"{saved_ep}, or start a new run from these weights with "
+                f"{path}: saved with {_describe(saved_layout, saved_kind)} by an older "
+                "megatron_kto that kept the experts in the dense optimizer; its optimizer state "
+                "does not load into this one: start a new run from these weights with "
                 f"pretrained_checkpoint.restore_from_path={path}"
             )
         same_layout = all(

@@ -15,10 +15,34 @@ from megatron.core.distributed import (
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
 
 from megatron_kto.runtime.gpu_settings import ddp_overlap_settings
 
+#: megatron-core's routed-expert containers (shared experts are dense: not among them).
+_EXPERT_MODULES = (GroupedMLP, SequentialMLP, TEGroupedMLP)
 _DECAY_STYLE = {"CosineAnnealing": "cosine", "Constant": "constant", "Linear": "linear"}
+
+
+def mark_experts_expert_parallel(chunk: torch.nn.Module) -> int:
+    """Give every routed-expert parameter megatron-core's expert-parallel mark at any EP size.
+
+    megatron-core marks expert weights `allreduce=False` only when EP > 1; DDP and
+    `get_megatron_optimizer` then put them in their own gradient buffers and their own optimizer
+    (reduced over the expert-data-parallel group), while at EP = 1 they share the dense one. The
+    optimizer's state would then have a different structure at each EP size and a checkpoint
+    could not resume at another one. Marked at EP = 1 too, the experts always get their own
+    optimizer; the expert-data-parallel group is then the data-parallel group, so gradients and
+    updates are the same (megatron-core's own EP = 1 grouping only sums in another order).
+    Returns the number of parameters marked.
+    """
+    marked = 0
+    for module in chunk.modules():
+        if isinstance(module, _EXPERT_MODULES):
+            for param in module.parameters():
+                param.allreduce = False
+                marked += 1
+    return marked
 
 
 def wrap_ddp(
@@ -50,6 +74,8 @@ def wrap_ddp(
         ),
     )
     config = chunks[0].config
+    for chunk in chunks:
+        mark_experts_expert_parallel(chunk)
     wrapped = [
         DistributedDataParallel(
             config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0
