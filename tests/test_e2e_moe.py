@@ -9,12 +9,15 @@ PP its statistics are shared between the stages: the logged value is the whole m
 Every logged training metric and every exported weight of the EP runs equals the EP=1 run's to
 fp32 round-off (the reduction order differs, nothing else), as do runs with the other two
 reference strategies (`separate`, `precomputed`; EP=1's is `cpu_swap`). The aux loss itself equals
-`transformers`' on the same rows (KTO and DPO), a resume under EP is bitwise, one at another EP
-continues the run (EP 2 -> 1 and 1 -> 2, either optimizer), and a launch
-with an expert count EP does not divide fails with one `error:` line.
+`transformers`' on the same rows (KTO and DPO); EP=2 in bf16 follows the fp32 run to bf16
+precision; a resume under EP is bitwise, one at another EP continues the run (EP 2 -> 1 and
+1 -> 2, either optimizer), and a launch with an expert count EP does not divide fails with one
+`error:` line.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -51,6 +54,15 @@ RUNS = {
     # The other two reference strategies (EP=1's is the default, cpu_swap): same steps.
     "ref_separate": (2, ["model.kto.reference_policy=separate"]),
     "ref_precomputed": (2, ["model.kto.reference_policy=precomputed"]),
+    # bf16 weights with fp32 master weights in the distributed optimizer, at EP=2.
+    "ep2_bf16": (
+        2,
+        [
+            "model.expert_model_parallel_size=2",
+            "trainer.precision=bf16",
+            "model.optim.name=distributed_fused_adam",
+        ],
+    ),
     # One micro-batch of the whole global batch, padded and packed, for the aux-loss value.
     "aux_padded": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=false"]),
     "aux_packed": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=true"]),
@@ -189,6 +201,26 @@ def test_layouts_and_reference_strategies_equal_ep1(runs, name):
         assert diff <= WEIGHT_ATOL, (key, diff)
     experts = [k for k in ref_w if ".experts." in k]
     assert experts and all(not torch.equal(ref_w[k], start[k]) for k in experts)  # all trained
+
+
+#: bf16 against fp32: bf16 keeps 8 mantissa bits (relative step 2**-8 = 3.9e-3 per value); sums
+#: of ~60 token log-probs and the aux loss's averages of router probabilities stay within a few
+#: steps of that. A router computed on wrongly rounded logits moves the aux loss by far more.
+BF16_RTOL = 2e-2
+
+
+def test_bf16_at_ep2_follows_fp32(runs):
+    """EP=2 in bf16 (distributed optimizer, fp32 master weights) trains the same steps as the
+    fp32 EP=1 run to bf16 precision: loss, aux loss, log-probs; kl (a clamped mean of
+    differences near 0) to an absolute tolerance of the same size."""
+    _, metrics = runs
+    reference, got = metrics["ep1"], metrics["ep2_bf16"]
+    assert len(got) == len(reference) == 3
+    for ref_row, row in zip(reference, got, strict=True):
+        for key in ("loss", "aux_loss", "logps/chosen", "logps/rejected", "kl"):
+            assert math.isfinite(row[key]), key
+            tolerance = {"abs": BF16_RTOL} if key == "kl" else {"rel": BF16_RTOL}
+            assert row[key] == pytest.approx(ref_row[key], **tolerance), (row["step"], key)
 
 
 def test_ep_not_dividing_the_experts_is_one_error_line(runs, tmp_path):
