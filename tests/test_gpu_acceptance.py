@@ -58,8 +58,8 @@ def test_without_cuda_every_check_skips_and_the_script_exits_0(tmp_path) -> None
 
 @cpu_only
 @pytest.mark.e2e
-def test_cpu_mode_runs_the_quick_start_and_resumes_it(tmp_path) -> None:
-    proc = _run("--cpu", "--checks", "quickstart,attention_te,resume", "--work", str(tmp_path))
+def test_cpu_mode_runs_the_quick_start_resumes_it_and_the_moe_check(tmp_path) -> None:
+    proc = _run("--cpu", "--checks", "quickstart,attention_te,resume,moe", "--work", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = _lines(proc.stdout)
     assert lines["quickstart"].startswith("PASS quickstart"), proc.stdout
@@ -67,7 +67,9 @@ def test_cpu_mode_runs_the_quick_start_and_resumes_it(tmp_path) -> None:
     assert re.search(r"tokens/s [\d,]+, MFU - \(no known peak\), peak memory", lines["quickstart"])
     assert lines["attention_te"] == "SKIP attention_te: TE needs CUDA"
     assert lines["resume"].startswith("PASS resume") and "resumed at step 2" in lines["resume"]
-    assert "summary: 2 PASS, 0 FAIL, 1 SKIP" in proc.stdout
+    # A tiny Qwen3-MoE from its HF directory: hf/ reloads in transformers with our log-probs.
+    assert lines["moe"].startswith("PASS moe") and "EP=1, local experts" in lines["moe"]
+    assert "summary: 3 PASS, 0 FAIL, 1 SKIP" in proc.stdout
     steps = [r["step"] for r in ac.read_metrics(tmp_path / "quickstart")]
     assert steps == [1, 2, 3, 4]
 

@@ -215,10 +215,9 @@ def conversion(ctx: Context) -> str:
     if importlib.util.find_spec("transformers") is None:
         raise Skip("transformers is not installed")
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from megatron_kto.data.dataset import build_kto_dataset
     from megatron_kto.data.tokenizers import load_tokenizer
 
     hf_logging.disable_progress_bar()
@@ -251,8 +250,27 @@ def conversion(ctx: Context) -> str:
         "--max-length", max_length, "--per-example", per_example, "--no-cache",
     ])  # fmt: skip
     ours = [json.loads(line)["policy_logps"] for line in per_example.read_text().splitlines()]
+    worst = _worst_logp_difference(ctx, root / "export", ours, max_length)
+    tolerance = 1e-3 if ctx.cuda else 1e-4
+    if not ours or worst > tolerance:
+        raise CheckFailed(f"exported model's log-probs differ from ours: rel {worst:.2e}")
+    ctx.runs["conversion"] = run_dir
+    return f"{len(ours)} examples, largest relative log-prob difference {worst:.1e}"
+
+
+def _worst_logp_difference(ctx: Context, hf_dir: Path, ours: list[float], max_length: int) -> float:
+    """Largest relative difference between `ours` (the eval tool's per-example policy log-probs
+    on the validation set) and the completion log-probs `transformers` computes in fp32 with
+    the model in `hf_dir`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_kto.data.dataset import build_kto_dataset
+    from megatron_kto.data.tokenizers import load_tokenizer
+
+    tok = load_tokenizer("sentencepiece", str(TOKENIZER))
     device = "cuda" if ctx.cuda else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(root / "export").float().to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).float().to(device).eval()
     dataset, _ = build_kto_dataset([str(VALIDATION)], tok, max_length, use_cache=False)
     worst = 0.0
     with torch.no_grad():
@@ -262,11 +280,64 @@ def conversion(ctx: Context) -> str:
             logp = torch.log_softmax(model(tokens).logits[0, :-1].double(), dim=-1)
             got = logp.gather(-1, tokens[0, 1:, None])[len(prompt) - 1 :].sum().item()
             worst = max(worst, abs(got - expected) / max(abs(expected), 1e-6))
+    return worst
+
+
+def moe(ctx: Context) -> str:
+    """A tiny Qwen3-MoE trained straight from its Hugging Face directory (bf16 on CUDA: TE's
+    grouped experts when TE imports, else megatron's local experts; EP=2 when 2 GPUs exist),
+    writing hf/; the eval tool then loads the checkpoint in the local spec in fp32 (SequentialMLP
+    experts: a TE-grouped checkpoint crosses layouts) and its log-probs equal `transformers`' on
+    the written hf/."""
+    if importlib.util.find_spec("transformers") is None:
+        raise Skip("transformers is not installed")
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from megatron_kto.data.tokenizers import load_tokenizer
+
+    hf_logging.disable_progress_bar()
+    root, max_length = ctx.work / "moe", 64
+    ep = 2 if ctx.gpus >= 2 else 1
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, vocab_size=load_tokenizer("sentencepiece", str(TOKENIZER)).vocab_size,
+        max_position_embeddings=128, initializer_range=0.1, router_aux_loss_coef=0.01,
+    )  # fmt: skip
+    Qwen3MoeForCausalLM(config).save_pretrained(root / "hf")
+    run_dir = root / "run"
+    launch(ctx, "moe_train", [
+        KTO, f"pretrained_checkpoint.restore_from_path={root / 'hf'}",
+        f"model.data.data_prefix.train=[{TRAIN}]", "model.data.data_prefix.validation=[]",
+        "model.tokenizer.library=sentencepiece", f"model.tokenizer.model={TOKENIZER}",
+        f"trainer.precision={'bf16' if ctx.cuda else 32}", f"exp_manager.explicit_log_dir={run_dir}",
+        f"trainer.kto.max_steps={ctx.steps}", "model.global_batch_size=8",
+        "model.micro_batch_size=2", f"model.data.max_length={max_length}",
+        f"model.expert_model_parallel_size={ep}", "exp_manager.save_hf=true",
+    ], nproc=ep)  # fmt: skip
+    rows = read_metrics(run_dir)
+    check_trained(rows, ctx.steps)
+    if not all(math.isfinite(r.get("aux_loss", math.nan)) for r in rows):
+        raise CheckFailed("aux_loss not logged (finite) at every step")
+    per_example = root / "eval.jsonl"
+    launch(ctx, "moe_eval", [
+        TOOLS / "eval_kto_rewards.py", "--policy", run_dir / "checkpoints", "--data", VALIDATION,
+        "--max-length", max_length, "--per-example", per_example, "--no-cache",
+        "--precision", "32", "--attention-backend", "sdpa",
+    ])  # fmt: skip
+    ours = [json.loads(line)["policy_logps"] for line in per_example.read_text().splitlines()]
+    worst = _worst_logp_difference(ctx, run_dir / "hf", ours, max_length)
     tolerance = 1e-3 if ctx.cuda else 1e-4
     if not ours or worst > tolerance:
-        raise CheckFailed(f"exported model's log-probs differ from ours: rel {worst:.2e}")
-    ctx.runs["conversion"] = run_dir
-    return f"{len(ours)} examples, largest relative log-prob difference {worst:.1e}"
+        raise CheckFailed(f"hf/ log-probs differ from the eval tool's: rel {worst:.2e}")
+    experts = "TE grouped" if ctx.transformer_engine else "local"
+    return (
+        f"EP={ep}, {experts} experts; {format_figures(figures(rows))}; eval (local spec, fp32) "
+        f"= transformers on hf/ to {worst:.1e}"
+    )
 
 
 def eval_tool(ctx: Context) -> str:
@@ -329,6 +400,7 @@ CHECKS: dict[str, Callable[[Context], str]] = {
     "attention_te": attention_te,
     "te_local_checkpoint": te_local_checkpoint,
     "conversion": conversion,
+    "moe": moe,
     "eval": eval_tool,
     "resume": resume,
     "bench_trl": bench_trl,

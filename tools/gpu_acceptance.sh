@@ -2,7 +2,9 @@
 # The first thing to run on a GPU machine or inside the image: every user path on CUDA in a few
 # minutes — the quick start (fp32), a bf16 packed run (TP=2 under torchrun when 2 GPUs exist),
 # the SDPA and Transformer Engine attention backends and a checkpoint moved between their layer
-# specs, the eval tool, an HF -> megatron -> HF conversion round trip, a resume, and a short
+# specs, the eval tool, an HF -> megatron -> HF conversion round trip, a tiny Qwen3-MoE trained
+# from its HF directory (TE's grouped experts when TE imports; EP=2 on 2 GPUs) whose checkpoint
+# the local spec reads back and whose hf/ transformers reloads, a resume, and a short
 # benchmark against TRL. One PASS / FAIL / SKIP line per check, with tokens/s, MFU and peak
 # memory from each run's metrics.jsonl, then a summary; exit code 1 if any check failed.
 #
