@@ -353,13 +353,19 @@ TP2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
 @pytest.mark.parametrize(
     "overrides,world,message",
     [
-        # ETP x EP x expert-DP x PP tiles the world: at TP=2, ETP=1 the two TP ranks hold
-        # whole experts (expert-DP 2), or split the experts between them (EP=2, DP=1).
-        ([*MOE, *TP2, "model.expert_tensor_parallel_size=1"], 2, None),
+        # ETP x EP x expert-DP x PP tiles the world: at TP=2, ETP=1, EP=2 the two TP ranks
+        # split the experts between them (DP=1); at TP=1, ETP=2, EP=2 on 4 ranks each expert
+        # is split over two data-parallel ranks.
         ([*MOE, *TP2, "model.expert_tensor_parallel_size=1", "model.expert_model_parallel_size=2"], 2, None),
-        ([*MOE, "model.expert_tensor_parallel_size=2"], 2, None),  # ETP > TP: DP ranks
+        ([*MOE, "model.expert_tensor_parallel_size=2", "model.expert_model_parallel_size=2"], 4, None),
         ([*MOE, "model.expert_tensor_parallel_size=1"], 1, None),  # = TP: nothing to say
         (["model.expert_tensor_parallel_size=1"], 1, None),  # a dense model at ETP = TP
+        (
+            [*MOE, *TP2, "model.expert_tensor_parallel_size=1"],
+            2,
+            "model.expert_tensor_parallel_size: 1 (not TP=2) trains only with "
+            "model.expert_model_parallel_size > 1",
+        ),
         (
             ["model.expert_tensor_parallel_size=2"],
             2,
@@ -371,8 +377,8 @@ TP2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
             "model.expert_tensor_parallel_size: must be >= 1, got 0",
         ),
         (
-            [*MOE, "model.expert_tensor_parallel_size=3"],
-            3,
+            [*MOE, "model.expert_tensor_parallel_size=3", "model.expert_model_parallel_size=2"],
+            6,
             "model.expert_tensor_parallel_size: 3 does not divide the experts' hidden size 128",
         ),
         (

@@ -4,13 +4,17 @@ A tiny random `transformers` Qwen3-MoE (4 experts, 2 routed per token, decisive 
 bundled tokenizer's vocabulary is imported with `tools/convert_checkpoint.py`; `examples/
 train_gpt_kto.py` then trains 3 steps from it on 2 ranks (DP=2) with EP=1 and with EP=2, and on
 4 ranks with TP=2 x EP=2 (sequence parallel), PP=2 x EP=2 (DP=2: the same global batch) and
-TP=2 x PP=2 (sequence parallel, DP=1); the router load-balancing loss is on in all of them (under
+TP=2 x PP=2 (sequence parallel, DP=1), and with an expert tensor parallelism of its own: TP=2
+(sequence parallel) x EP=2 x ETP=1 on 2 ranks (the TP ranks split the whole experts) and
+TP=1 x EP=2 x ETP=2 on 4 ranks (each expert split over two data-parallel ranks); the router
+load-balancing loss is on in all of them (under
 PP its statistics are shared between the stages: the logged value is the whole model's).
 Every logged training metric and every exported weight of the EP runs equals the EP=1 run's to
 fp32 round-off (the reduction order differs, nothing else), as do runs with the other two
 reference strategies (`separate`, `precomputed`; EP=1's is `cpu_swap`). The aux loss itself equals
 `transformers`' on the same rows (KTO and DPO), a resume under EP is bitwise, and a launch
-with an expert count EP does not divide fails with one `error:` line.
+with an expert count EP does not divide, or with ETP != TP at EP=1 (which megatron-core 0.16.1
+would train wrongly), fails with one `error:` line.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from hf_tiny import tiny_qwen3_moe_config
 pytestmark = pytest.mark.e2e
 
 TOOL = REPO / "tools" / "convert_checkpoint.py"
+TP2SP = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
 #: name -> (ranks, extra overrides); EP=1 on the same 2 ranks is the reference. The router
 #: load-balancing loss (HF's router_aux_loss_coef) is on in every run.
 RUNS = {
@@ -37,6 +42,14 @@ RUNS = {
         ],
     ),
     "ep2pp2": (4, ["model.expert_model_parallel_size=2", "model.pipeline_model_parallel_size=2"]),
+    # Expert tensor parallelism apart from TP: EP=2 across the two TP ranks, each holding two
+    # whole experts (ETP=1, DP=1, as tp2pp2); and each expert split over two data-parallel
+    # ranks (TP=1, ETP=2, EP=2, DP=4).
+    "tp2ep2etp1": (
+        2,
+        [*TP2SP, "model.expert_tensor_parallel_size=1", "model.expert_model_parallel_size=2"],
+    ),
+    "etp2ep2": (4, ["model.expert_tensor_parallel_size=2", "model.expert_model_parallel_size=2"]),
     # TP x PP on 4 ranks (DP=1: the same global batch in 4 micro-batches of 2, as EP=1's two
     # ranks' 2 x 2): the balance statistics are summed over TP (sequence parallel) and stages.
     "tp2pp2": (
@@ -59,6 +72,8 @@ REFERENCE = {
     "ep2tp2": "ep1",
     "ep2pp2": "ep1",
     "tp2pp2": "ep1",
+    "tp2ep2etp1": "ep1",
+    "etp2ep2": "ep1",
     "ref_separate": "ep1",
     "ref_precomputed": "ep1",
 }
@@ -164,7 +179,17 @@ def test_aux_loss_and_loss_equal_transformers(runs, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["ep2", "ep2tp2", "ep2pp2", "tp2pp2", "ref_separate", "ref_precomputed"]
+    "name",
+    [
+        "ep2",
+        "ep2tp2",
+        "ep2pp2",
+        "tp2pp2",
+        "tp2ep2etp1",
+        "etp2ep2",
+        "ref_separate",
+        "ref_precomputed",
+    ],
 )
 def test_layouts_and_reference_strategies_equal_ep1(runs, name):
     root, metrics = runs
@@ -190,13 +215,28 @@ def test_layouts_and_reference_strategies_equal_ep1(runs, name):
     assert experts and all(not torch.equal(ref_w[k], start[k]) for k in experts)  # all trained
 
 
-def test_ep_not_dividing_the_experts_is_one_error_line(runs, tmp_path):
+@pytest.mark.parametrize(
+    "override,line",
+    [
+        (
+            "model.expert_model_parallel_size=3",
+            "model.expert_model_parallel_size: 3 does not divide",
+        ),
+        # megatron-core 0.16.1 would reduce the split experts' gradients as dense ones at EP=1.
+        (
+            "model.expert_tensor_parallel_size=2",
+            "model.expert_tensor_parallel_size: 2 (not TP=1) trains only with "
+            "model.expert_model_parallel_size > 1",
+        ),
+    ],
+)
+def test_an_expert_layout_that_does_not_fit_is_one_error_line(runs, tmp_path, override, line):
     root, _ = runs
-    args = [str(KTO_SCRIPT), *_args(root, tmp_path / "bad"), "model.expert_model_parallel_size=3"]
+    args = [str(KTO_SCRIPT), *_args(root, tmp_path / "bad"), override]
     proc, _ = launch(args, nproc=1, timeout=300)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert lines[-1].startswith("error: model.expert_model_parallel_size: 3 does not divide")
+    assert lines[-1].startswith(f"error: {line}")
 
 
 def test_eval_tool_at_ep2_equals_ep1(runs, tmp_path):
