@@ -298,6 +298,41 @@ def test_resume_under_ep2_is_bitwise_and_another_ep_is_one_error_line(runs, tmp_
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_resume_at_another_expert_tensor_parallel_size(runs, tmp_path):
+    """The step-3 checkpoint of the TP=1 x EP=2 x ETP=2 run (experts and their Adam moments
+    split two ways) resumes on 4 ranks at ETP=1 (whole experts): megatron-core's
+    dist_checkpointing reshards weights and optimizer state, so step 4 equals the EP=1 run's
+    own resumed step 4 (metrics and weights) to fp32 round-off."""
+    import shutil
+
+    from megatron_kto.conversion.convert import export_hf
+
+    root, metrics = runs
+    metrics["ep1"], metrics["etp2ep2"]  # noqa: B018 (the runs whose checkpoints resume)
+    rows = {}
+    for name, nproc, layout in (
+        ("ep1", 2, ["model.expert_model_parallel_size=1"]),
+        (
+            "etp2ep2",
+            4,
+            ["model.expert_model_parallel_size=2", "model.expert_tensor_parallel_size=1"],
+        ),
+    ):
+        log_dir = tmp_path / name
+        shutil.copytree(root / name / "checkpoints", log_dir / "checkpoints")
+        args = [*_args(root, log_dir), "trainer.kto.max_steps=4", *layout]
+        run_script(KTO_SCRIPT, args, nproc=nproc, timeout=600)
+        rows[name] = read_metrics(log_dir)
+        export_hf(log_dir, tmp_path / f"{name}_hf")
+    assert [r["step"] for r in rows["etp2ep2"]] == [r["step"] for r in rows["ep1"]] == [4]
+    want, got = rows["ep1"][0], rows["etp2ep2"][0]
+    for key in sorted(k for k in want if k.startswith(COMPARED)):
+        assert got[key] == pytest.approx(want[key], rel=METRIC_RTOL, abs=METRIC_ATOL), key
+    a, b = _weights(tmp_path / "ep1_hf"), _weights(tmp_path / "etp2ep2_hf")
+    for key in a:
+        assert (a[key] - b[key]).abs().max().item() <= WEIGHT_ATOL, key
+
+
 def test_dpo_aux_loss_equals_transformers(runs, tmp_path):
     """DPO: each micro-batch (its pairs' chosen and rejected rows in one forward, as TRL's
     concatenated pass, whole sequences) adds coef x HF's aux loss; the step's aux_loss is the mean over the two
