@@ -12,7 +12,8 @@ PP its statistics are shared between the stages: the logged value is the whole m
 Every logged training metric and every exported weight of the EP runs equals the EP=1 run's to
 fp32 round-off (the reduction order differs, nothing else), as do runs with the other two
 reference strategies (`separate`, `precomputed`; EP=1's is `cpu_swap`). The aux loss itself equals
-`transformers`' on the same rows (KTO and DPO), a resume under EP is bitwise, and a launch
+`transformers`' on the same rows (KTO and DPO), a resume under EP is bitwise, a checkpoint saved
+at ETP=2 resumes at ETP=1 (weights and optimizer state, standard and distributed), and a launch
 with an expert count EP does not divide, or with ETP != TP at EP=1 (which megatron-core 0.16.1
 would train wrongly), fails with one `error:` line.
 """
@@ -298,37 +299,42 @@ def test_resume_under_ep2_is_bitwise_and_another_ep_is_one_error_line(runs, tmp_
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_resume_at_another_expert_tensor_parallel_size(runs, tmp_path):
-    """The step-3 checkpoint of the TP=1 x EP=2 x ETP=2 run (experts and their Adam moments
-    split two ways) resumes on 4 ranks at ETP=1 (whole experts): megatron-core's
-    dist_checkpointing reshards weights and optimizer state, so step 4 equals the EP=1 run's
-    own resumed step 4 (metrics and weights) to fp32 round-off."""
+@pytest.mark.parametrize("optimizer", ["fused_adam", "distributed_fused_adam"])
+def test_resume_at_another_expert_tensor_parallel_size(runs, tmp_path, optimizer):
+    """A checkpoint saved with experts (and their Adam moments) split two ways resumes with
+    whole experts: 3 steps at TP=1 x EP=2 x ETP=2 saving every step, the step-1 checkpoint
+    resumed at ETP=1 for steps 2-3 (step 3 is the first whose numbers depend on the resharded
+    moments); megatron-core's dist_checkpointing reshards weights and optimizer state (the
+    distributed optimizer's too), so metrics and exported weights equal the EP=1 run's to fp32
+    round-off."""
     import shutil
 
     from megatron_kto.conversion.convert import export_hf
 
     root, metrics = runs
-    metrics["ep1"], metrics["etp2ep2"]  # noqa: B018 (the runs whose checkpoints resume)
-    rows = {}
-    for name, nproc, layout in (
-        ("ep1", 2, ["model.expert_model_parallel_size=1"]),
-        (
-            "etp2ep2",
-            4,
-            ["model.expert_model_parallel_size=2", "model.expert_tensor_parallel_size=1"],
-        ),
-    ):
-        log_dir = tmp_path / name
-        shutil.copytree(root / name / "checkpoints", log_dir / "checkpoints")
-        args = [*_args(root, log_dir), "trainer.kto.max_steps=4", *layout]
-        run_script(KTO_SCRIPT, args, nproc=nproc, timeout=600)
-        rows[name] = read_metrics(log_dir)
-        export_hf(log_dir, tmp_path / f"{name}_hf")
-    assert [r["step"] for r in rows["etp2ep2"]] == [r["step"] for r in rows["ep1"]] == [4]
-    want, got = rows["ep1"][0], rows["etp2ep2"][0]
-    for key in sorted(k for k in want if k.startswith(COMPARED)):
-        assert got[key] == pytest.approx(want[key], rel=METRIC_RTOL, abs=METRIC_ATOL), key
-    a, b = _weights(tmp_path / "ep1_hf"), _weights(tmp_path / "etp2ep2_hf")
+    reference = metrics["ep1"]
+    optim = f"model.optim.name={optimizer}"
+    ep2 = "model.expert_model_parallel_size=2"
+    saved, resumed = tmp_path / "saved", tmp_path / "resumed"
+    every_step = [
+        "trainer.kto.save_interval=1",
+        "exp_manager.checkpoint_callback_params.save_top_k=-1",
+    ]
+    args = [*_args(root, saved), *every_step, optim, ep2]
+    run_script(KTO_SCRIPT, [*args, "model.expert_tensor_parallel_size=2"], nproc=4, timeout=600)
+    # Resumed with the same max_steps as the saved run: the LR schedule is the same.
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(saved / "checkpoints" / "step_1", resumed / "checkpoints" / "step_1")
+    (resumed / "checkpoints" / "latest").write_text("step_1\n")
+    args = [*_args(root, resumed), optim, ep2, "model.expert_tensor_parallel_size=1"]
+    run_script(KTO_SCRIPT, args, nproc=4, timeout=600)
+    got = read_metrics(resumed)
+    assert [r["step"] for r in got] == [2, 3]
+    for ref_row, row in zip(reference[1:], got, strict=True):
+        for key in sorted(k for k in ref_row if k.startswith(COMPARED)):
+            assert row[key] == pytest.approx(ref_row[key], rel=METRIC_RTOL, abs=METRIC_ATOL), key
+    export_hf(resumed, tmp_path / "resumed_hf")
+    a, b = _weights(root / "ep1_hf"), _weights(tmp_path / "resumed_hf")
     for key in a:
         assert (a[key] - b[key]).abs().max().item() <= WEIGHT_ATOL, key
 
