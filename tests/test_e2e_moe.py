@@ -240,7 +240,7 @@ def test_an_expert_layout_that_does_not_fit_is_one_error_line(runs, tmp_path, ov
     assert lines[-1].startswith(f"error: {line}")
 
 
-def test_eval_tool_at_ep2_equals_ep1(runs, tmp_path):
+def test_eval_tool_at_ep2_and_etp1_equals_ep1(runs, tmp_path):
     import json
 
     from e2e_cli import EVAL_TOOL, VALIDATION_DATA
@@ -248,15 +248,23 @@ def test_eval_tool_at_ep2_equals_ep1(runs, tmp_path):
     root, metrics = runs
     metrics["ep2"]  # the run whose checkpoint is evaluated
     reports = {}
-    for ep in (1, 2):
-        out = tmp_path / f"eval{ep}.json"
+    # EP=1, EP=2, and TP=2 with whole experts per rank (ETP=1; forward passes need no EP).
+    layouts = {
+        "ep1": ["--expert-model-parallel-size", "1"],
+        "ep2": ["--expert-model-parallel-size", "2"],
+        "tp2etp1": ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
+    }
+    for name, flags in layouts.items():
+        out = tmp_path / f"{name}.json"
         args = ["--policy", str(root / "ep2"), "--data", str(VALIDATION_DATA), "--json", str(out)]
-        run_script(EVAL_TOOL, [*args, "--expert-model-parallel-size", str(ep)], nproc=2)
-        reports[ep] = json.loads(out.read_text())
-    numbers = {k for k, v in reports[1].items() if isinstance(v, float)}
-    assert {"auc", "accuracy", "margin", "mean_reward_desirable"} <= numbers, reports[1]
-    for key in numbers:
-        assert reports[2][key] == pytest.approx(reports[1][key], rel=1e-5, abs=1e-6), key
+        run_script(EVAL_TOOL, [*args, *flags], nproc=2)
+        reports[name] = json.loads(out.read_text())
+    numbers = {k for k, v in reports["ep1"].items() if isinstance(v, float)}
+    assert {"auc", "accuracy", "margin", "mean_reward_desirable"} <= numbers, reports["ep1"]
+    for name in ("ep2", "tp2etp1"):
+        for key in numbers:
+            want = reports["ep1"][key]
+            assert reports[name][key] == pytest.approx(want, rel=1e-5, abs=1e-6), (name, key)
 
 
 def test_resume_under_ep2_is_bitwise_and_another_ep_is_one_error_line(runs, tmp_path):
