@@ -59,6 +59,7 @@ def _layout(cfg: Any) -> ParallelLayout:
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=m.expert_model_parallel_size,
+        expert_tensor_parallel_size=m.expert_tensor_parallel_size,
         context_parallel_size=m.context_parallel_size,
         sequence_parallel=m.sequence_parallel,
         precision=str(cfg.trainer.precision),
@@ -339,6 +340,7 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
             seed=m.seed,
             expert_parallel_size=m.expert_model_parallel_size,
             context_parallel_size=m.context_parallel_size,
+            expert_tensor_parallel_size=m.expert_tensor_parallel_size,
         )
         rank0 = runtime.is_rank0
         try:

@@ -67,3 +67,18 @@ def test_vpp_is_part_of_the_layout(tmp_path) -> None:
 )
 def test_reproducible_references_pass(tmp_path, overrides) -> None:
     _check_reference_reproducible(_cfg(overrides), "kto", _checkpoint(tmp_path, pp=1, vpp=None))
+
+
+def test_layouts_saved_before_the_expert_keys_read_as_their_defaults() -> None:
+    """checkpoint.json written before EP / expert TP were recorded: EP was 1 and expert TP was
+    the attention's TP (megatron-core's default), so such a layout still compares equal to the
+    same layout recorded today (and its RNG states are restored)."""
+    from megatron_kto.checkpointing.manager import _describe, _saved
+
+    old = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1}
+    assert _saved(old, "expert_model_parallel_size") == 1
+    assert _saved(old, "expert_tensor_parallel_size") == 2
+    assert _saved(old | {"expert_tensor_parallel_size": 1}, "expert_tensor_parallel_size") == 1
+    assert "ETP" not in _describe(old, "standard")
+    etp1 = old | {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1}
+    assert "EP=2 ETP=1" in _describe(etp1, "standard")

@@ -344,3 +344,63 @@ def test_moe_aux_loss_layouts(overrides, world, refused):
     message = str(info.value)
     assert message.startswith("model.moe_aux_loss_coeff:"), message
     assert "\n" not in message
+
+
+MOE = ["model.num_moe_experts=4"]
+TP2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
+
+
+@pytest.mark.parametrize(
+    "overrides,world,message",
+    [
+        # ETP x EP x expert-DP x PP tiles the world: at TP=2, ETP=1, EP=2 the two TP ranks
+        # split the experts between them (DP=1); at TP=1, ETP=2, EP=2 on 4 ranks each expert
+        # is split over two data-parallel ranks.
+        ([*MOE, *TP2, "model.expert_tensor_parallel_size=1", "model.expert_model_parallel_size=2"], 2, None),
+        ([*MOE, "model.expert_tensor_parallel_size=2", "model.expert_model_parallel_size=2"], 4, None),
+        ([*MOE, "model.expert_tensor_parallel_size=1"], 1, None),  # = TP: nothing to say
+        (["model.expert_tensor_parallel_size=1"], 1, None),  # a dense model at ETP = TP
+        (
+            [*MOE, *TP2, "model.expert_tensor_parallel_size=1"],
+            2,
+            "model.expert_tensor_parallel_size: 1 (not TP=2) trains only with "
+            "model.expert_model_parallel_size > 1",
+        ),
+        (
+            ["model.expert_tensor_parallel_size=2"],
+            2,
+            "model.expert_tensor_parallel_size: 2 (not TP=1) needs a mixture-of-experts model",
+        ),
+        (
+            [*MOE, "model.expert_tensor_parallel_size=0"],
+            1,
+            "model.expert_tensor_parallel_size: must be >= 1, got 0",
+        ),
+        (
+            [*MOE, "model.expert_tensor_parallel_size=3", "model.expert_model_parallel_size=2"],
+            6,
+            "model.expert_tensor_parallel_size: 3 does not divide the experts' hidden size 128",
+        ),
+        (
+            [*MOE, *TP2, "model.expert_tensor_parallel_size=1", "model.expert_model_parallel_size=4"],
+            2,
+            "model.expert_tensor_parallel_size: ETP x EP = 1 x 4 does not divide the 2 ranks",
+        ),
+        (
+            [*MOE, "model.expert_tensor_parallel_size=2", "model.expert_model_parallel_size=2"],
+            2,
+            "model.expert_tensor_parallel_size: ETP x EP = 2 x 2 does not divide the 2 ranks",
+        ),
+    ],
+)  # fmt: skip
+def test_expert_tensor_parallel_layouts(overrides, world, message):
+    """ETP is checked on the experts' own grid (ETP x EP x expert-DP x PP = world), one line
+    naming the key; the EP checks keep their meaning at ETP = TP."""
+    if message is None:
+        compose_run_config("gpt_kto", overrides, "kto", world_size=world)
+        return
+    with pytest.raises(ConfigError) as info:
+        compose_run_config("gpt_kto", overrides, "kto", world_size=world)
+    line = str(info.value)
+    assert line.startswith(message), line
+    assert "\n" not in line

@@ -8,13 +8,15 @@ Norms are moved away from 1 and routers get large weights, so every tensor and e
 decision matters. Shown here:
 
 * import -> our full logits and per-token log-probs through megatron-core's schedule equal
-  `transformers`' to 1e-4 at TP=1, TP=2, PP=2 and, for MoE, EP=2 and EP=2 x TP=2;
+  `transformers`' to 1e-4 at TP=1, TP=2, PP=2 and, for MoE, EP=2, EP=2 x TP=2 and with expert
+  tensor parallelism apart from TP: TP=2 with whole experts (ETP=1), experts split over the
+  data-parallel ranks (TP=1, ETP=2), and EP=2 x TP=2 x ETP=1 (EP spans the TP ranks);
 * export -> the safetensors equal the source bit for bit, and `transformers` loads them with
   identical logits;
 * the MoE router settings (top-k, softmax placement) follow the config.
 
 Process spawns are grouped: one single-process worker (import, TP=1, export), one 2-rank worker
-(TP=2, PP=2, EP=2) and one 4-rank worker (EP=2 x TP=2).
+(TP=2, PP=2, EP=2, ETP) and one 4-rank worker (EP=2 x TP=2, ETP=1 or 2).
 """
 
 from __future__ import annotations
@@ -29,8 +31,16 @@ VOCAB, SEQ, BATCH = 100, 24, 4
 TOLERANCE = 1e-4
 MODELS = ("qwen3", "qwen3_tied", "qwen3_moe", "mixtral", "qwen2_moe")
 MOE = ("qwen3_moe", "mixtral", "qwen2_moe")
-#: layout name -> (TP, PP, EP), on 2 ranks
-LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "ep2": (1, 1, 2)}
+#: layout name -> (TP, PP, EP, ETP (None: TP)), on 2 ranks; ETP != TP for MoE models only
+LAYOUTS = {
+    "tp2": (2, 1, 1, None),
+    "pp2": (1, 2, 1, None),
+    "ep2": (1, 1, 2, None),
+    "tp2etp1": (2, 1, 1, 1),
+    "etp2": (1, 1, 1, 2),
+}
+#: on 4 ranks
+LAYOUTS4 = {"ep2tp2": (2, 1, 2, None), "ep2tp2etp1": (2, 1, 2, 1)}
 
 
 def _hf_configs() -> dict[str, object]:
@@ -136,7 +146,7 @@ def _forward(arch, chunks):
     return torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
 
 
-def _restore_and_run(root: str, name: str, tp: int, pp: int, ep: int, rt):
+def _restore_and_run(root: str, name: str, tp: int, pp: int, ep: int, rt, etp: int | None = None):
     from megatron_kto.checkpointing.model_io import read_architecture
     from megatron_kto.checkpointing.pretrained import restore_pretrained
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
@@ -147,6 +157,7 @@ def _restore_and_run(root: str, name: str, tp: int, pp: int, ep: int, rt):
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
     )
     chunks = build_gpt_chunks(arch, layout, rt.device)
     restore_pretrained(ckpt, chunks)
@@ -171,14 +182,15 @@ def _convert_worker(rank: int, world_size: int, root: str) -> dict:
 
 
 def _layout_worker(rank: int, world_size: int, root: str, layouts: dict) -> dict:
-    """Every converted model restored under each layout (MoE models only for EP > 1)."""
+    """Every converted model restored under each layout (MoE models only for EP > 1 or an
+    expert TP of its own)."""
     from megatron_kto.runtime import init_runtime, teardown
 
     out = {}
-    for layout, (tp, pp, ep) in layouts.items():
-        rt = init_runtime(tp, pp, seed=9, expert_parallel_size=ep)
-        for name in MOE if ep > 1 else MODELS:
-            out[layout, name] = _restore_and_run(root, name, tp, pp, ep, rt)
+    for layout, (tp, pp, ep, etp) in layouts.items():
+        rt = init_runtime(tp, pp, seed=9, expert_parallel_size=ep, expert_tensor_parallel_size=etp)
+        for name in MOE if ep > 1 or etp is not None else MODELS:
+            out[layout, name] = _restore_and_run(root, name, tp, pp, ep, rt, etp)
     teardown()
     return out
 
@@ -202,7 +214,7 @@ def converted(tmp_path_factory):
         reference[name] = _hf_logits(root / name / "hf")
     results = run_multirank(_convert_worker, 1, str(root), timeout=600)[0]
     for rank_out in run_multirank(_layout_worker, 2, str(root), LAYOUTS, timeout=600) + (
-        run_multirank(_layout_worker, 4, str(root), {"ep2tp2": (2, 1, 2)}, timeout=600)
+        run_multirank(_layout_worker, 4, str(root), LAYOUTS4, timeout=600)
     ):
         for key, value in rank_out.items():
             if value is not None:  # one last-stage rank's result suffices (TP/EP ranks agree)
@@ -211,7 +223,8 @@ def converted(tmp_path_factory):
 
 
 CASES = [(layout, name) for layout in ("tp1", *LAYOUTS) for name in MODELS]
-CASES = [c for c in CASES if c[0] != "ep2" or c[1] in MOE] + [("ep2tp2", n) for n in MOE]
+CASES = [c for c in CASES if c[0] in ("tp1", "tp2", "pp2") or c[1] in MOE]
+CASES += [(layout, n) for layout in LAYOUTS4 for n in MOE]
 
 
 @pytest.mark.parametrize("layout,name", CASES, ids=[f"{n}-{lay}" for lay, n in CASES])

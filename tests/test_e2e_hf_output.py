@@ -9,7 +9,7 @@ final checkpoint (one process, TP=1, loaded through dist_checkpointing), and our
 model rebuilt from that checkpoint at TP=1.
 
 * TP=1, TP=2 (every save, small shards: an index), PP=2 x VPP=2 (a chat template override),
-  Qwen3-MoE at EP=2 (DP=2): `hf/` holds the same tensors as the tool's export, bit for bit, and the same config.json;
+  Qwen3-MoE at EP=2 (DP=2) and at TP=2 x EP=2 x ETP=1 (DP=1): `hf/` holds the same tensors as the tool's export, bit for bit, and the same config.json;
 * `AutoModelForCausalLM.from_pretrained(run/hf)` gives the trained policy's per-token log-probs
   (our TP=1 model from the checkpoint) to 1e-5, and they differ from the starting model's;
 * `AutoTokenizer.from_pretrained(run/hf)` has the run's chat template (the override where given);
@@ -69,6 +69,17 @@ RUNS = {
     "lora_tp2": ("dense", 2, ["model.tensor_model_parallel_size=2", *LORA]),
     "lora_pp2": ("dense", 2, ["model.pipeline_model_parallel_size=2", *LORA]),
     "moe_ep2": ("moe", 2, ["model.expert_model_parallel_size=2", "model.micro_batch_size=2"]),
+    # EP across the two TP ranks, whole experts on each (ETP=1): experts gathered over EP only.
+    "moe_tp2ep2etp1": (
+        "moe",
+        2,
+        [
+            "model.tensor_model_parallel_size=2",
+            "model.sequence_parallel=true",
+            "model.expert_model_parallel_size=2",
+            "model.expert_tensor_parallel_size=1",
+        ],
+    ),
 }
 
 
@@ -199,7 +210,7 @@ def _hf_logps(directory: Path, adapter: Path | None = None) -> torch.Tensor:
         return _logps(model.eval()(_tokens()).logits, _tokens())
 
 
-FULL = ("tp1", "tp2", "pp2", "moe_ep2")
+FULL = ("tp1", "tp2", "pp2", "moe_ep2", "moe_tp2ep2etp1")
 
 
 @pytest.mark.parametrize("name", FULL)

@@ -4,15 +4,19 @@ A tiny random `transformers` Qwen3-MoE (4 experts, 2 routed per token, decisive 
 bundled tokenizer's vocabulary is imported with `tools/convert_checkpoint.py`; `examples/
 train_gpt_kto.py` then trains 3 steps from it on 2 ranks (DP=2) with EP=1 and with EP=2, and on
 4 ranks with TP=2 x EP=2 (sequence parallel), PP=2 x EP=2 (DP=2: the same global batch) and
-TP=2 x PP=2 (sequence parallel, DP=1); the router load-balancing loss is on in all of them (under
+TP=2 x PP=2 (sequence parallel, DP=1), and with an expert tensor parallelism of its own: TP=2
+(sequence parallel) x EP=2 x ETP=1 on 2 ranks (the TP ranks split the whole experts) and
+TP=1 x EP=2 x ETP=2 on 4 ranks (each expert split over two data-parallel ranks); the router
+load-balancing loss is on in all of them (under
 PP its statistics are shared between the stages: the logged value is the whole model's).
 Every logged training metric and every exported weight of the EP runs equals the EP=1 run's to
 fp32 round-off (the reduction order differs, nothing else), as do runs with the other two
 reference strategies (`separate`, `precomputed`; EP=1's is `cpu_swap`). The aux loss itself equals
 `transformers`' on the same rows (KTO and DPO); EP=2 in bf16 follows the fp32 run to bf16
 precision; a resume under EP is bitwise, one at another EP continues the run (EP 2 -> 1 and
-1 -> 2, either optimizer), and a launch with an expert count EP does not divide fails with one
-`error:` line.
+1 -> 2, either optimizer), a checkpoint saved at ETP=2 resumes at ETP=1 (weights and optimizer
+state, standard and distributed), and a launch with an expert count EP does not divide, or with
+ETP != TP at EP=1 (which megatron-core 0.16.1 would train wrongly), fails with one `error:` line.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from hf_tiny import tiny_qwen3_moe_config
 pytestmark = pytest.mark.e2e
 
 TOOL = REPO / "tools" / "convert_checkpoint.py"
+TP2SP = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
 #: name -> (ranks, extra overrides); EP=1 on the same 2 ranks is the reference. The router
 #: load-balancing loss (HF's router_aux_loss_coef) is on in every run.
 RUNS = {
@@ -41,6 +46,14 @@ RUNS = {
         ],
     ),
     "ep2pp2": (4, ["model.expert_model_parallel_size=2", "model.pipeline_model_parallel_size=2"]),
+    # Expert tensor parallelism apart from TP: EP=2 across the two TP ranks, each holding two
+    # whole experts (ETP=1, DP=1, as tp2pp2); and each expert split over two data-parallel
+    # ranks (TP=1, ETP=2, EP=2, DP=4).
+    "tp2ep2etp1": (
+        2,
+        [*TP2SP, "model.expert_tensor_parallel_size=1", "model.expert_model_parallel_size=2"],
+    ),
+    "etp2ep2": (4, ["model.expert_tensor_parallel_size=2", "model.expert_model_parallel_size=2"]),
     # TP x PP on 4 ranks (DP=1: the same global batch in 4 micro-batches of 2, as EP=1's two
     # ranks' 2 x 2): the balance statistics are summed over TP (sequence parallel) and stages.
     "tp2pp2": (
@@ -72,6 +85,8 @@ REFERENCE = {
     "ep2tp2": "ep1",
     "ep2pp2": "ep1",
     "tp2pp2": "ep1",
+    "tp2ep2etp1": "ep1",
+    "etp2ep2": "ep1",
     "ref_separate": "ep1",
     "ref_precomputed": "ep1",
 }
@@ -177,7 +192,17 @@ def test_aux_loss_and_loss_equal_transformers(runs, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["ep2", "ep2tp2", "ep2pp2", "tp2pp2", "ref_separate", "ref_precomputed"]
+    "name",
+    [
+        "ep2",
+        "ep2tp2",
+        "ep2pp2",
+        "tp2pp2",
+        "tp2ep2etp1",
+        "etp2ep2",
+        "ref_separate",
+        "ref_precomputed",
+    ],
 )
 def test_layouts_and_reference_strategies_equal_ep1(runs, name):
     root, metrics = runs
@@ -223,16 +248,31 @@ def test_bf16_at_ep2_follows_fp32(runs):
             assert row[key] == pytest.approx(ref_row[key], **tolerance), (row["step"], key)
 
 
-def test_ep_not_dividing_the_experts_is_one_error_line(runs, tmp_path):
+@pytest.mark.parametrize(
+    "override,line",
+    [
+        (
+            "model.expert_model_parallel_size=3",
+            "model.expert_model_parallel_size: 3 does not divide",
+        ),
+        # megatron-core 0.16.1 would reduce the split experts' gradients as dense ones at EP=1.
+        (
+            "model.expert_tensor_parallel_size=2",
+            "model.expert_tensor_parallel_size: 2 (not TP=1) trains only with "
+            "model.expert_model_parallel_size > 1",
+        ),
+    ],
+)
+def test_an_expert_layout_that_does_not_fit_is_one_error_line(runs, tmp_path, override, line):
     root, _ = runs
-    args = [str(KTO_SCRIPT), *_args(root, tmp_path / "bad"), "model.expert_model_parallel_size=3"]
+    args = [str(KTO_SCRIPT), *_args(root, tmp_path / "bad"), override]
     proc, _ = launch(args, nproc=1, timeout=300)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert lines[-1].startswith("error: model.expert_model_parallel_size: 3 does not divide")
+    assert lines[-1].startswith(f"error: {line}")
 
 
-def test_eval_tool_at_ep2_equals_ep1(runs, tmp_path):
+def test_eval_tool_at_ep2_and_etp1_equals_ep1(runs, tmp_path):
     import json
 
     from e2e_cli import EVAL_TOOL, VALIDATION_DATA
@@ -240,15 +280,23 @@ def test_eval_tool_at_ep2_equals_ep1(runs, tmp_path):
     root, metrics = runs
     metrics["ep2"]  # the run whose checkpoint is evaluated
     reports = {}
-    for ep in (1, 2):
-        out = tmp_path / f"eval{ep}.json"
+    # EP=1, EP=2, and TP=2 with whole experts per rank (ETP=1; forward passes need no EP).
+    layouts = {
+        "ep1": ["--expert-model-parallel-size", "1"],
+        "ep2": ["--expert-model-parallel-size", "2"],
+        "tp2etp1": ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
+    }
+    for name, flags in layouts.items():
+        out = tmp_path / f"{name}.json"
         args = ["--policy", str(root / "ep2"), "--data", str(VALIDATION_DATA), "--json", str(out)]
-        run_script(EVAL_TOOL, [*args, "--expert-model-parallel-size", str(ep)], nproc=2)
-        reports[ep] = json.loads(out.read_text())
-    numbers = {k for k, v in reports[1].items() if isinstance(v, float)}
-    assert {"auc", "accuracy", "margin", "mean_reward_desirable"} <= numbers, reports[1]
-    for key in numbers:
-        assert reports[2][key] == pytest.approx(reports[1][key], rel=1e-5, abs=1e-6), key
+        run_script(EVAL_TOOL, [*args, *flags], nproc=2)
+        reports[name] = json.loads(out.read_text())
+    numbers = {k for k, v in reports["ep1"].items() if isinstance(v, float)}
+    assert {"auc", "accuracy", "margin", "mean_reward_desirable"} <= numbers, reports["ep1"]
+    for name in ("ep2", "tp2etp1"):
+        for key in numbers:
+            want = reports["ep1"][key]
+            assert reports[name][key] == pytest.approx(want, rel=1e-5, abs=1e-6), (name, key)
 
 
 def _run_and_copy(root, tmp_path, extra: list[str]) -> list[str]:
@@ -344,6 +392,46 @@ def test_ep1_checkpoint_with_experts_in_the_dense_optimizer_is_one_error_line(ru
     assert refused.returncode != 0  # torchrun reports the ranks' exit code 2 as 1
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "kept the experts in the dense optimizer" in errors[0], errors
+
+
+@pytest.mark.parametrize("optimizer", ["fused_adam", "distributed_fused_adam"])
+def test_resume_at_another_expert_tensor_parallel_size(runs, tmp_path, optimizer):
+    """A checkpoint saved with experts (and their Adam moments) split two ways resumes with
+    whole experts: 3 steps at TP=1 x EP=2 x ETP=2 saving every step, the step-1 checkpoint
+    resumed at ETP=1 for steps 2-3 (step 3 is the first whose numbers depend on the resharded
+    moments); megatron-core's dist_checkpointing reshards weights and optimizer state (the
+    distributed optimizer's too), so metrics and exported weights equal the EP=1 run's to fp32
+    round-off."""
+    import shutil
+
+    from megatron_kto.conversion.convert import export_hf
+
+    root, metrics = runs
+    reference = metrics["ep1"]
+    optim = f"model.optim.name={optimizer}"
+    ep2 = "model.expert_model_parallel_size=2"
+    saved, resumed = tmp_path / "saved", tmp_path / "resumed"
+    every_step = [
+        "trainer.kto.save_interval=1",
+        "exp_manager.checkpoint_callback_params.save_top_k=-1",
+    ]
+    args = [*_args(root, saved), *every_step, optim, ep2]
+    run_script(KTO_SCRIPT, [*args, "model.expert_tensor_parallel_size=2"], nproc=4, timeout=600)
+    # Resumed with the same max_steps as the saved run: the LR schedule is the same.
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(saved / "checkpoints" / "step_1", resumed / "checkpoints" / "step_1")
+    (resumed / "checkpoints" / "latest").write_text("step_1\n")
+    args = [*_args(root, resumed), optim, ep2, "model.expert_tensor_parallel_size=1"]
+    run_script(KTO_SCRIPT, args, nproc=4, timeout=600)
+    got = read_metrics(resumed)
+    assert [r["step"] for r in got] == [2, 3]
+    for ref_row, row in zip(reference[1:], got, strict=True):
+        for key in sorted(k for k in ref_row if k.startswith(COMPARED)):
+            assert row[key] == pytest.approx(ref_row[key], rel=METRIC_RTOL, abs=METRIC_ATOL), key
+    export_hf(resumed, tmp_path / "resumed_hf")
+    a, b = _weights(root / "ep1_hf"), _weights(tmp_path / "resumed_hf")
+    for key in a:
+        assert (a[key] - b[key]).abs().max().item() <= WEIGHT_ATOL, key
 
 
 def test_dpo_aux_loss_equals_transformers(runs, tmp_path):

@@ -21,7 +21,7 @@ Bad input is one line naming the file: no config.json, an unsupported model type
 supported ones), a missing tensor (naming it and the file), a tensor of the wrong shape.
 
 Spawns: one single-process worker (imports, TP=1, bad input) and one 2-rank worker (TP=2, PP=2,
-EP=2, VPP).
+EP=2, VPP, and expert TP apart from TP: TP=2 x ETP=1, TP=1 x ETP=2).
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ MOE = ("qwen3_moe", "mixtral", "qwen2_moe")
 LAYOUTS = {"tp2": (2, 1, 1, None), "pp2": (1, 2, 1, None), "ep2": (1, 1, 2, None)}
 #: Interleaved pipeline (two chunks per stage), for one model.
 VPP = {"pp2_vpp2": (1, 2, 1, 2)}
+#: Expert tensor parallelism apart from TP, for the MoE models: layout -> (TP, ETP) on 2 ranks.
+#: TP=2 with whole experts on each rank; TP=1 with every expert split over both (DP) ranks.
+ETP = {"tp2etp1": (2, 1), "etp2": (1, 2)}
 
 
 def _hf_configs() -> dict[str, object]:
@@ -91,7 +94,9 @@ def _state(chunks) -> dict[str, torch.Tensor]:
     return out
 
 
-def _both_ways(root: Path, name: str, layout: tuple, rt, precision: str = "32") -> dict:
+def _both_ways(
+    root: Path, name: str, layout: tuple, rt, precision: str = "32", etp: int | None = None
+) -> dict:
     """This rank's parameters restored from the converted checkpoint and from the HF directory."""
     from megatron_kto.checkpointing.hf_source import load_hf_model
     from megatron_kto.checkpointing.locate import read_architecture
@@ -105,6 +110,7 @@ def _both_ways(root: Path, name: str, layout: tuple, rt, precision: str = "32") 
         expert_model_parallel_size=ep,
         virtual_pipeline_model_parallel_size=vpp,
         precision=precision,
+        expert_tensor_parallel_size=etp,
     )
     hf_arch = read_architecture(root / name / "hf")
     assert hf_arch == read_architecture(root / name / "mcore")
@@ -119,7 +125,17 @@ def _both_ways(root: Path, name: str, layout: tuple, rt, precision: str = "32") 
     want, got = _state(converted), _state(direct)
     assert want.keys() == got.keys()
     unequal = [k for k in want if not torch.equal(want[k], got[k])]
-    return {"unequal": unequal, "count": len(want), "bytes": stats.bytes_read}
+    # The local shapes of an expert's and the attention's row-parallel weight (layer 0): the
+    # expert's input dimension is split by ETP, the attention's by TP.
+    shapes = {
+        kind: tuple(next(v.shape for k, v in got.items() if k.endswith(suffix)))
+        for kind, suffix in (
+            ("expert", "layers.0.mlp.experts.local_experts.0.linear_fc2.weight"),
+            ("attention", "layers.0.self_attention.linear_proj.weight"),
+        )
+        if any(k.endswith(suffix) for k in got)
+    }
+    return {"unequal": unequal, "count": len(want), "bytes": stats.bytes_read, "shapes": shapes}
 
 
 def _errors(root: Path, rt) -> dict[str, str]:
@@ -193,6 +209,10 @@ def _layout_worker(rank: int, world_size: int, root: str) -> dict:
         rt = init_runtime(tp, pp, vpp, seed=9, expert_parallel_size=ep)
         for name in MOE if ep > 1 else ("qwen3_moe",) if vpp else MODELS:
             out[layout, name] = _both_ways(Path(root), name, (tp, pp, ep, vpp), rt)
+    for layout, (tp, etp) in ETP.items():
+        rt = init_runtime(tp, 1, seed=9, expert_tensor_parallel_size=etp)
+        for name in MOE:
+            out[layout, name] = _both_ways(Path(root), name, (tp, 1, 1, None), rt, etp=etp)
     teardown()
     return out
 
@@ -230,6 +250,7 @@ CASES = (
     + [("tp1_bf16", "qwen2")]
     + [(lay, n) for lay in LAYOUTS for n in MODELS if lay != "ep2" or n in MOE]
     + [("pp2_vpp2", "qwen3_moe")]
+    + [(lay, n) for lay in ETP for n in MOE]
 )
 
 
@@ -241,6 +262,19 @@ def test_direct_load_equals_import_then_restore(loaded, layout, name):
     for rank, result in enumerate(results):
         assert result["count"] > 0
         assert result["unequal"] == [], f"rank {rank}: {result['unequal'][:4]}"
+
+
+@pytest.mark.parametrize("layout", list(ETP))
+def test_expert_tensor_parallelism_splits_the_experts_not_the_attention(loaded, layout):
+    """The layouts above really are ETP != TP: an expert's fc2 input (moe_intermediate_size 48)
+    is split ETP ways, the attention output projection's input (heads x head dim) TP ways."""
+    tp, etp = ETP[layout]
+    for rank in loaded[2]:
+        for name in MOE:
+            shapes = rank[layout, name]["shapes"]
+            assert shapes["expert"] == (64, 48 // etp), (name, shapes)
+            width = 4 * (32 if name == "qwen3_moe" else 64 // 4)  # heads x head dim
+            assert shapes["attention"] == (64, width // tp), (name, shapes)
 
 
 def _hf_sizes(model_dir: Path) -> dict[str, int]:

@@ -94,7 +94,8 @@ LONGTAIL_MODEL = [
 #: `--preset longtail_moe`: the same shape with a mixture-of-experts MLP in every layer, 8
 #: experts, 2 routed per token, each expert half the dense width (so a token's MLP FLOPs equal
 #: the dense model's, which is what the MFU count assumes), and the router load-balancing loss
-#: (coefficient 0.01) on both sides. Add model.expert_model_parallel_size=2 under torchrun for EP.
+#: (coefficient 0.01) on both sides. Add model.expert_model_parallel_size=2 under torchrun for EP
+#: (and model.expert_tensor_parallel_size for an expert TP apart from TP).
 LONGTAIL_MOE = [
     "model.num_moe_experts=8",
     "model.moe_router_topk=2",

@@ -86,6 +86,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help="EP of mixture-of-experts models (divides the experts and world / (TP x PP))",
     )
+    p.add_argument(
+        "--expert-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="expert TP of mixture-of-experts models (default: the same as TP; "
+        "ETP x EP divides world / PP)",
+    )
     p.add_argument("--no-cache", action="store_true", help="do not write tokenised caches")
     p.add_argument("--json", type=Path, help="write the summary (and settings) as JSON here")
     p.add_argument("--per-example", type=Path, help="write one JSON line per example here")
@@ -252,6 +259,10 @@ def check_layout(args: argparse.Namespace, settings: dict[str, Any]) -> None:
                 world // (tp * pp),  # megatron-core's expert layout spans DP x CP
                 architecture_file=str(ckpt / ARCH_FILE),
                 key="--expert-model-parallel-size",
+                tp=tp,
+                etp=args.expert_tensor_parallel_size,
+                etp_key="--expert-tensor-parallel-size",
+                training=False,
             )
         except ConfigError as e:
             raise UsageError(str(e)) from None
@@ -277,6 +288,7 @@ def evaluate(args: argparse.Namespace) -> int:
         args.pipeline_model_parallel_size,
         expert_parallel_size=args.expert_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
     try:
         tokenizer = load_tokenizer(

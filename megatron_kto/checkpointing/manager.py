@@ -65,11 +65,23 @@ def current_layout() -> dict[str, int | None]:
         ),
         "data_parallel_size": parallel_state.get_data_parallel_world_size(),
         "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
+        "expert_tensor_parallel_size": parallel_state.get_expert_tensor_parallel_world_size(),
     }
+
+
+def _saved(layout: dict[str, Any], key: str) -> Any:
+    """A saved layout's `key`, with the value it had before the key was recorded: EP 1, and
+    expert TP = the attention's TP (megatron-core's default)."""
+    if key == "expert_model_parallel_size":
+        return layout.get(key, 1)
+    if key == "expert_tensor_parallel_size":
+        return layout.get(key, layout.get("tensor_model_parallel_size"))
+    return layout.get(key)
 
 
 def _describe(layout: dict[str, Any], kind: str | None) -> str:
     vpp = layout.get("virtual_pipeline_model_parallel_size")
+    tp = layout.get("tensor_model_parallel_size")
     text = (
         f"TP={layout.get('tensor_model_parallel_size')} PP={layout.get('pipeline_model_parallel_size')}"
         + (f" VPP={vpp}" if vpp else "")
@@ -79,6 +91,7 @@ def _describe(layout: dict[str, Any], kind: str | None) -> str:
             if layout.get("expert_model_parallel_size", 1) > 1
             else ""
         )
+        + (f" ETP={etp}" if (etp := _saved(layout, "expert_tensor_parallel_size")) != tp else "")
     )
     return f"{text}, {kind or 'no'} optimizer"
 
@@ -433,10 +446,7 @@ class CheckpointManager:
                 "does not load into this one: start a new run from these weights with "
                 f"pretrained_checkpoint.restore_from_path={path}"
             )
-        same_layout = all(
-            saved_layout.get(k, 1 if k == "expert_model_parallel_size" else None) == v
-            for k, v in layout.items()
-        )
+        same_layout = all(_saved(saved_layout, k) == v for k, v in layout.items())
         return {
             "meta": meta,
             "layout": layout,

@@ -342,6 +342,11 @@ class ModelConfig(ArchitectureFields):
     expert_model_parallel_size: int = 1
     """EP degree (mixture-of-experts models): each MoE layer's experts are split over this many
     data-parallel ranks; it must divide the data-parallel size and the expert count."""
+    expert_tensor_parallel_size: int | None = None
+    """Expert TP degree (NeMo's key; mixture-of-experts models): ranks each routed expert's
+    linears are split over, independently of the attention's TP. None = the same as
+    tensor_model_parallel_size. The experts' grid ETP x EP x expert-DP x PP spans the same world,
+    so ETP x EP must divide world / PP, and ETP the experts' hidden size."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs TP > 1); batches are right-padded to a multiple of TP."""
     attention_backend: str = "auto"

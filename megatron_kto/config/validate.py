@@ -126,20 +126,59 @@ def check_expert_layout(
     *,
     architecture_file: str | None = None,
     key: str = "model.expert_model_parallel_size",
+    tp: int = 1,
+    etp: int | None = None,
+    etp_key: str = "model.expert_tensor_parallel_size",
+    training: bool = True,
 ) -> None:
-    """The expert-parallel degree fits the layout and the architecture.
+    """The expert-parallel and expert-tensor-parallel degrees fit the layout and the architecture.
 
-    megatron-core spreads each MoE layer's experts over `ep` ranks of the data-parallel group, so
-    `ep` must divide the data-parallel size (world / (TP x PP)) and the expert count.
+    megatron-core lays the MoE layers out on their own grid over the same world: ETP x EP x
+    expert-DP x PP, where ETP (None: the attention's `tp`) splits each expert's linears and EP
+    splits the experts. So `ep` must divide the expert count, `etp` the experts' hidden size, and
+    ETP x EP the ranks of a pipeline stage (TP x `data_parallel`, which counts DP x CP); at
+    ETP = TP that is: `ep` divides `data_parallel`. Training at ETP != TP also needs EP > 1
+    (`training`; forward passes do not): megatron-core 0.16.1 marks expert weights as expert
+    parameters only when EP > 1 (`allreduce = not (is_expert and EP > 1)` in its linear layers),
+    so at EP = 1 their gradients are reduced over the dense data-parallel group instead of the
+    experts' own (measured: TP=2 x ETP=1 at EP=1 trains to other weights than TP=1).
 
     Raises:
-        ConfigError: naming `key`.
+        ConfigError: naming `key` (EP) or `etp_key` (ETP).
     """
     _need(ep >= 1, key, f"must be >= 1, got {ep}")
-    if ep == 1:
-        return
+    _need(etp is None or etp >= 1, etp_key, f"must be >= 1, got {etp}")
+    etp = tp if etp is None else etp
     where = f" in {architecture_file}" if architecture_file else ""
     experts = arch.num_moe_experts
+    if etp != tp:
+        _need(
+            bool(experts),
+            etp_key,
+            f"{etp} (not TP={tp}) needs a mixture-of-experts model (num_moe_experts unset{where})",
+        )
+        _need(
+            ep > 1 or not training,
+            etp_key,
+            f"{etp} (not TP={tp}) trains only with model.expert_model_parallel_size > 1: at EP=1 "
+            "megatron-core 0.16.1 reduces the experts' gradients over the dense data-parallel "
+            "group, not the experts' own; set EP >= 2 or leave ETP unset (= TP)",
+        )
+        hidden = arch.moe_ffn_hidden_size or arch.ffn_hidden_size
+        _need(
+            hidden % etp == 0,
+            etp_key,
+            f"{etp} does not divide the experts' hidden size {hidden} (moe_ffn_hidden_size{where})",
+        )
+        stage = tp * data_parallel
+        _need(
+            stage % (etp * ep) == 0,
+            etp_key,
+            f"ETP x EP = {etp} x {ep} does not divide the {stage} ranks of a pipeline stage "
+            f"(world / PP = TP x DP x CP); megatron-core tiles them with ETP x EP x expert-DP",
+        )
+    if ep == 1:
+        return
     _need(
         bool(experts), key, f"{ep} needs a mixture-of-experts model (num_moe_experts unset{where})"
     )
@@ -149,7 +188,7 @@ def check_expert_layout(
         f"{ep} does not divide the {experts} experts (num_moe_experts{where})",
     )
     _need(
-        data_parallel % ep == 0,
+        etp != tp or data_parallel % ep == 0,
         key,
         f"{ep} does not divide the data-parallel size {data_parallel} (world / (TP x PP)); "
         "expert parallelism splits the data-parallel ranks",
@@ -299,7 +338,12 @@ def validate(
     check_layout(m, tp, pp, vpp, architecture_file=architecture_file)
     # megatron-core spreads experts over the data- and context-parallel ranks together.
     check_expert_layout(
-        m, m.expert_model_parallel_size, dp * cp, architecture_file=architecture_file
+        m,
+        m.expert_model_parallel_size,
+        dp * cp,
+        architecture_file=architecture_file,
+        tp=tp,
+        etp=m.expert_tensor_parallel_size,
     )
     _need(
         cp == 1 or not (m.num_moe_experts and m.moe_aux_loss_coeff),

@@ -209,6 +209,7 @@ def implicit_rewards(
         attention_backend=attention_backend,
         pack_sequences=PACKED_PASSES,
         expert_model_parallel_size=runtime.expert_parallel_size,
+        expert_tensor_parallel_size=runtime.expert_tensor_parallel_size,
         context_parallel_size=runtime.context_parallel_size,
     )
     chunks = build_gpt_chunks(arch, layout, runtime.device)

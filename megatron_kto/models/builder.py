@@ -46,6 +46,8 @@ class ParallelLayout:
     not sharded by it."""
     expert_model_parallel_size: int = 1
     """Ranks the routed experts of each MoE layer are spread over (within DP x CP)."""
+    expert_tensor_parallel_size: int | None = None
+    """Ranks each routed expert's linears are split over; None = tensor_model_parallel_size."""
     virtual_pipeline_model_parallel_size: int | None = None
     sequence_parallel: bool = False
     precision: str = "32"
@@ -144,7 +146,9 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         batch_p2p_comm=layout.virtual_pipeline_model_parallel_size is None,
         # No CUDA graphs; megatron's default scope "full" only triggers a deprecation warning.
         cuda_graph_scope=[],
-        **moe_transformer_config(arch, layout.expert_model_parallel_size),
+        **moe_transformer_config(
+            arch, layout.expert_model_parallel_size, layout.expert_tensor_parallel_size
+        ),
     )
 
 

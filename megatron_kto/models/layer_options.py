@@ -23,8 +23,14 @@ from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.norms import LocalNorm
 
 
-def moe_transformer_config(arch: GPTArchitecture, expert_parallel_size: int) -> dict[str, Any]:
+def moe_transformer_config(
+    arch: GPTArchitecture, expert_parallel_size: int, expert_tensor_parallel_size: int | None = None
+) -> dict[str, Any]:
     """The `TransformerConfig` fields of an architecture's MoE layers (empty when dense).
+
+    `expert_tensor_parallel_size` (None: the attention's TP) splits each expert's linears over
+    megatron-core's expert-tensor-parallel group; the all-to-all dispatcher gathers a rank's
+    tokens over that group and reduce-scatters the experts' outputs back, so any ETP works with it.
 
     Routing is dropless (no capacity factor, no token dropping) through the all-to-all token
     dispatcher, as Hugging Face's MoE blocks compute every routed token. The load-balancing loss
@@ -41,6 +47,7 @@ def moe_transformer_config(arch: GPTArchitecture, expert_parallel_size: int) -> 
                 f"model.expert_model_parallel_size {expert_parallel_size} needs a mixture-of-"
                 "experts model (this one is dense)"
             )
+        # A dense model's TransformerConfig keeps megatron's default (ETP = TP): nothing to split.
         return {}
     return dict(
         num_moe_experts=arch.num_moe_experts,
@@ -58,6 +65,7 @@ def moe_transformer_config(arch: GPTArchitecture, expert_parallel_size: int) -> 
         moe_shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=arch.moe_shared_expert_gate,
         expert_model_parallel_size=expert_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
     )
 
 

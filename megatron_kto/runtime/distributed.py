@@ -38,6 +38,8 @@ class Runtime:
     tensor_parallel_rank: int
     expert_parallel_size: int = 1
     context_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    """ETP degree of the MoE experts; None = tensor_parallel_size."""
 
     @property
     def is_rank0(self) -> bool:
@@ -99,6 +101,7 @@ def init_runtime(
     timeout_minutes: int = 30,
     expert_parallel_size: int = 1,
     context_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
 ) -> Runtime:
     """Initialise torch.distributed and megatron-core's parallel state for this process.
 
@@ -116,6 +119,8 @@ def init_runtime(
         expert_parallel_size: EP degree of MoE layers (ranks within the data-parallel group
             that split each layer's experts); 1 for dense models.
         context_parallel_size: CP degree (ranks each row is split over along the sequence).
+        expert_tensor_parallel_size: ETP degree (ranks each expert's linears are split over);
+            None = `tensor_parallel_size`.
 
     Returns:
         The `Runtime` of this rank.
@@ -166,6 +171,7 @@ def init_runtime(
         virtual_pipeline_model_parallel_size=virtual_pipeline_parallel_size,
         expert_model_parallel_size=expert_parallel_size,
         context_parallel_size=context_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
     )
     set_seed(seed)
     return Runtime(
@@ -182,6 +188,7 @@ def init_runtime(
         tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
         expert_parallel_size=expert_parallel_size,
         context_parallel_size=context_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
     )
 
 
