@@ -10,7 +10,8 @@ Every logged training metric and every exported weight of the EP runs equals the
 fp32 round-off (the reduction order differs, nothing else), as do runs with the other two
 reference strategies (`separate`, `precomputed`; EP=1's is `cpu_swap`). The aux loss itself equals
 `transformers`' on the same rows (KTO and DPO), a resume under EP is bitwise, and a launch
-with an expert count EP does not divide fails with one `error:` line.
+with an expert count EP does not divide fails with one `error:` line. The same model with a dense
+layer 1 (`mlp_only_layers=[1]`) trains the same at EP=2 as at EP=1.
 """
 
 from __future__ import annotations
@@ -53,7 +54,13 @@ RUNS = {
     # One micro-batch of the whole global batch, padded and packed, for the aux-loss value.
     "aux_padded": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=false"]),
     "aux_packed": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=true"]),
+    # The same model with its layer 1 dense (HF `mlp_only_layers=[1]`), imported from its own
+    # Hugging Face directory: EP=2 against EP=1.
+    "mixed_ep1": (2, ["model.expert_model_parallel_size=1"]),
+    "mixed_ep2": (2, ["model.expert_model_parallel_size=2"]),
 }
+#: Runs of the mixed dense / MoE model (`mixed/`) instead of the all-MoE one.
+MIXED = {"mixed_ep1", "mixed_ep2"}
 REFERENCE = {
     "ep2": "ep1",
     "ep2tp2": "ep1",
@@ -61,6 +68,7 @@ REFERENCE = {
     "tp2pp2": "ep1",
     "ref_separate": "ep1",
     "ref_precomputed": "ep1",
+    "mixed_ep2": "mixed_ep1",
 }
 AUX_COEF = 0.01
 #: fp32 round-off: the data-parallel gradient reduction order differs, so weights differ in their
@@ -99,21 +107,33 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("moe")
     vocab = load_tokenizer("sentencepiece", str(TOKENIZER)).vocab_size
-    torch.manual_seed(0)
-    config = tiny_qwen3_moe_config(vocab, router_aux_loss_coef=AUX_COEF)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("gate.weight"):
-                p.normal_(0.0, 1.0)
-    model.save_pretrained(root / "hf")
-    run_script(TOOL, ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "mcore")])
+
+    def save(directory, **extra):
+        torch.manual_seed(0)
+        config = tiny_qwen3_moe_config(vocab, router_aux_loss_coef=AUX_COEF, **extra)
+        model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("gate.weight"):
+                    p.normal_(0.0, 1.0)
+        model.save_pretrained(directory / "hf")
+        run_script(
+            TOOL, ["import", "--hf-dir", str(directory / "hf"), "--out", str(directory / "mcore")]
+        )
+
+    save(root)
 
     class Runs(dict):
         def __missing__(self, name: str) -> list[dict]:
             nproc, extra = RUNS[name]
             log_dir = root / name
-            run_script(KTO_SCRIPT, [*_args(root, log_dir), *extra], nproc=nproc, timeout=600)
+            model_root = root
+            if name in MIXED:
+                model_root = root / "mixed"
+                if not (model_root / "mcore").exists():
+                    save(model_root, mlp_only_layers=[1])
+            args = [*_args(model_root, log_dir), *extra]
+            run_script(KTO_SCRIPT, args, nproc=nproc, timeout=600)
             if not name.startswith("aux"):
                 out = root / f"{name}_hf"
                 run_script(TOOL, ["export", "--ckpt", str(log_dir), "--out", str(out)])
@@ -164,11 +184,12 @@ def test_aux_loss_and_loss_equal_transformers(runs, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["ep2", "ep2tp2", "ep2pp2", "tp2pp2", "ref_separate", "ref_precomputed"]
+    "name", ["ep2", "ep2tp2", "ep2pp2", "tp2pp2", "ref_separate", "ref_precomputed", "mixed_ep2"]
 )
 def test_layouts_and_reference_strategies_equal_ep1(runs, name):
     root, metrics = runs
     reference, got = metrics[REFERENCE[name]], metrics[name]
+    model_root = root / "mixed" if name in MIXED else root
     assert len(got) == len(reference) == 3
     for ref_row, row in zip(reference, got, strict=True):
         # The numbers of the step (not timings, throughput or memory, which depend on layout).
@@ -178,7 +199,7 @@ def test_layouts_and_reference_strategies_equal_ep1(runs, name):
         for key in sorted(numeric):
             assert row[key] == pytest.approx(ref_row[key], rel=METRIC_RTOL, abs=METRIC_ATOL), key
     start, ref_w, got_w = (
-        _weights(root / "hf"),
+        _weights(model_root / "hf"),
         _weights(root / f"{REFERENCE[name]}_hf"),
         _weights(root / f"{name}_hf"),
     )
@@ -188,6 +209,10 @@ def test_layouts_and_reference_strategies_equal_ep1(runs, name):
         assert diff <= WEIGHT_ATOL, (key, diff)
     experts = [k for k in ref_w if ".experts." in k]
     assert experts and all(not torch.equal(ref_w[k], start[k]) for k in experts)  # all trained
+    if name in MIXED:  # layer 1's dense MLP is in the export, and trained
+        dense = [k for k in ref_w if k.startswith("model.layers.1.mlp.")]
+        assert sorted(k.split(".")[-2] for k in dense) == ["down_proj", "gate_proj", "up_proj"]
+        assert all(not torch.equal(ref_w[k], start[k]) for k in dense)
 
 
 def test_ep_not_dividing_the_experts_is_one_error_line(runs, tmp_path):

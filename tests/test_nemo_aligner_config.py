@@ -231,10 +231,14 @@ def _moe_overrides(keys: dict) -> list[str]:
 
 
 def test_moe_keys_are_honoured_or_listed():
-    cfg, ignored = _adapt(_moe_overrides({**MOE_SHARED, **MOE_KEYS}))
+    cfg, ignored = _adapt(_moe_overrides({**MOE_SHARED, **MOE_KEYS, "moe_layer_freq": 1}))
     assert ignored == NO_EFFECT[:-1] + [f"model.{k}" for k in MOE_KEYS] + ["precision"]
     m = cfg.model
     assert (m.num_moe_experts, m.moe_router_topk, m.moe_aux_loss_coeff) == (4, 2, 0.01)
+    # moe_layer_freq is ours: NeMo's integer 1 (every layer MoE) is our default, a list is kept.
+    assert m.moe_layer_freq is None
+    assert _adapt(["+model.moe_layer_freq=1"])[0].model.moe_layer_freq is None
+    assert list(_adapt(["+model.moe_layer_freq=[1,0,1,0]"])[0].model.moe_layer_freq) == [1, 0, 1, 0]
     # 'none' balancing is what a zero coefficient does; an fp32 router is an fp32 run's.
     none, _ = _adapt(
         _moe_overrides({"moe_aux_loss_coeff": 0.0, "moe_router_load_balancing_type": "none"})
@@ -257,6 +261,7 @@ def test_moe_keys_are_honoured_or_listed():
         ("moe_router_enable_expert_bias=true", "True is not supported: aux-loss-free expert"),
         ("moe_router_dtype=fp32", "'fp32' is not supported: the router computes in the run's"),
         ("moe_extended_tp=true", "True is not supported: extended tensor parallelism"),
+        ("moe_layer_freq=2", "2: give one 1 (MoE) or 0 (dense) per layer, e.g. [1,0,1,0]"),
     ],
 )
 def test_moe_values_that_would_change_results_are_refused(override, message):

@@ -163,9 +163,6 @@ MOE_RULES: dict[str, Rule] = {
         "model.expert_model_parallel_size)",
         accept=_is(False, None),
     ),
-    "model.moe_layer_freq": Rule(
-        "no_effect", "every layer of an MoE model is an MoE layer", accept=_is(1, None)
-    ),
 }
 
 
@@ -402,6 +399,10 @@ def adapt_nemo_aligner_config(cfg: DictConfig, algorithm: str) -> tuple[DictConf
                 value = _data_prefix(value)
                 if value is None:
                     continue
+            if path == "model.moe_layer_freq" and not isinstance(value, list):
+                value = _moe_layer_freq(value)
+                if value is None:
+                    continue
             if isinstance(value, dict) and isinstance(child, DictConfig):
                 walk(value, child, f"{path}.")
             else:
@@ -428,6 +429,17 @@ def _data_prefix(value: Any) -> dict | None:
             f"{type(value).__name__}"
         )
     return {k: [v] if isinstance(v, str) else v for k, v in value.items()}
+
+
+def _moe_layer_freq(value: Any) -> list | None:
+    """NeMo's integer form: 1 (every layer MoE) is our default (None); a frequency N > 1 needs the
+    layer count, which the checkpoint has, so the list form is asked for."""
+    if value in (1, None):
+        return None
+    raise ConfigError(
+        f"model.moe_layer_freq: {value!r}: give one 1 (MoE) or 0 (dense) per layer, e.g. "
+        "[1,0,1,0] (the integer form is only accepted as 1, every layer MoE)"
+    )
 
 
 def no_effect_warning(keys: list[str]) -> str:
