@@ -54,13 +54,14 @@ RUNS = {
     # One micro-batch of the whole global batch, padded and packed, for the aux-loss value.
     "aux_padded": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=false"]),
     "aux_packed": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=true"]),
-    # The same model with its layer 1 dense (HF `mlp_only_layers=[1]`), imported from its own
-    # Hugging Face directory: EP=2 against EP=1.
+    # The same model with its layer 1 dense (HF `mlp_only_layers=[1]`): EP=1 from its imported
+    # checkpoint; EP=2 from the Hugging Face directory itself, writing hf/ at the end.
     "mixed_ep1": (2, ["model.expert_model_parallel_size=1"]),
-    "mixed_ep2": (2, ["model.expert_model_parallel_size=2"]),
+    "mixed_ep2": (2, ["model.expert_model_parallel_size=2", "exp_manager.save_hf=true"]),
 }
-#: Runs of the mixed dense / MoE model (`mixed/`) instead of the all-MoE one.
-MIXED = {"mixed_ep1", "mixed_ep2"}
+#: Runs of the mixed dense / MoE model (`mixed/`) instead of the all-MoE one, and what they start
+#: from (its imported checkpoint or its Hugging Face directory).
+MIXED = {"mixed_ep1": "mcore", "mixed_ep2": "hf"}
 REFERENCE = {
     "ep2": "ep1",
     "ep2tp2": "ep1",
@@ -78,10 +79,10 @@ METRIC_RTOL, METRIC_ATOL, WEIGHT_ATOL = 1e-5, 5e-6, 1e-6
 COMPARED = ("rewards/", "logps/", "logits/", "loss", "kl", "lr", "grad_norm", "aux_loss")
 
 
-def _args(root, log_dir) -> list[str]:
+def _args(root, log_dir, source: str = "mcore") -> list[str]:
     return [
         *QUIET,
-        f"pretrained_checkpoint.restore_from_path={root / 'mcore'}",
+        f"pretrained_checkpoint.restore_from_path={root / source}",
         f"model.data.data_prefix.train=[{TRAIN_DATA}]",
         "model.tokenizer.library=sentencepiece",
         f"model.tokenizer.model={TOKENIZER}",
@@ -127,12 +128,12 @@ def runs(tmp_path_factory):
         def __missing__(self, name: str) -> list[dict]:
             nproc, extra = RUNS[name]
             log_dir = root / name
-            model_root = root
+            model_root, source = root, "mcore"
             if name in MIXED:
-                model_root = root / "mixed"
+                model_root, source = root / "mixed", MIXED[name]
                 if not (model_root / "mcore").exists():
                     save(model_root, mlp_only_layers=[1])
-            args = [*_args(model_root, log_dir), *extra]
+            args = [*_args(model_root, log_dir, source), *extra]
             run_script(KTO_SCRIPT, args, nproc=nproc, timeout=600)
             if not name.startswith("aux"):
                 out = root / f"{name}_hf"
@@ -213,6 +214,15 @@ def test_layouts_and_reference_strategies_equal_ep1(runs, name):
         dense = [k for k in ref_w if k.startswith("model.layers.1.mlp.")]
         assert sorted(k.split(".")[-2] for k in dense) == ["down_proj", "gate_proj", "up_proj"]
         assert all(not torch.equal(ref_w[k], start[k]) for k in dense)
+        # The hf/ the run wrote at EP=2 is its checkpoint's export, bit for bit, with the
+        # source's dense layer in its config.json.
+        import json
+
+        written = _weights(root / name / "hf")
+        assert written.keys() == got_w.keys()
+        assert all(torch.equal(written[k], got_w[k]) for k in got_w)
+        config = json.loads((root / name / "hf" / "config.json").read_text())
+        assert (config["mlp_only_layers"], config["decoder_sparse_step"]) == ([1], 1)
 
 
 def test_ep_not_dividing_the_experts_is_one_error_line(runs, tmp_path):

@@ -128,7 +128,8 @@ def sparse_layers(config: dict[str, Any], where: str) -> list[int] | None:
         ConversionError: a malformed key, or no MoE layer at all, naming `where`.
     """
     layers = config.get("num_hidden_layers")
-    step = config.get("decoder_sparse_step", 1) or 1
+    step = config.get("decoder_sparse_step")
+    step = 1 if step is None else step
     dense = config.get("mlp_only_layers") or []
     if not isinstance(step, int) or step < 1:
         raise ConversionError(f"{where}: decoder_sparse_step: {step!r} is not a positive integer")
