@@ -58,10 +58,13 @@ RUNS = {
     # checkpoint; EP=2 from the Hugging Face directory itself, writing hf/ at the end.
     "mixed_ep1": (2, ["model.expert_model_parallel_size=1"]),
     "mixed_ep2": (2, ["model.expert_model_parallel_size=2", "exp_manager.save_hf=true"]),
+    # PP=2 (DP=1): the MoE layer on stage 0, the dense one on stage 1, which has no router and
+    # shares zero statistics; the aux loss is still the whole model's.
+    "mixed_pp2": (2, ["model.pipeline_model_parallel_size=2"]),
 }
 #: Runs of the mixed dense / MoE model (`mixed/`) instead of the all-MoE one, and what they start
 #: from (its imported checkpoint or its Hugging Face directory).
-MIXED = {"mixed_ep1": "mcore", "mixed_ep2": "hf"}
+MIXED = {"mixed_ep1": "mcore", "mixed_ep2": "hf", "mixed_pp2": "mcore"}
 REFERENCE = {
     "ep2": "ep1",
     "ep2tp2": "ep1",
@@ -70,6 +73,7 @@ REFERENCE = {
     "ref_separate": "ep1",
     "ref_precomputed": "ep1",
     "mixed_ep2": "mixed_ep1",
+    "mixed_pp2": "mixed_ep1",
 }
 AUX_COEF = 0.01
 #: fp32 round-off: the data-parallel gradient reduction order differs, so weights differ in their
@@ -185,7 +189,17 @@ def test_aux_loss_and_loss_equal_transformers(runs, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["ep2", "ep2tp2", "ep2pp2", "tp2pp2", "ref_separate", "ref_precomputed", "mixed_ep2"]
+    "name",
+    [
+        "ep2",
+        "ep2tp2",
+        "ep2pp2",
+        "tp2pp2",
+        "ref_separate",
+        "ref_precomputed",
+        "mixed_ep2",
+        "mixed_pp2",
+    ],
 )
 def test_layouts_and_reference_strategies_equal_ep1(runs, name):
     root, metrics = runs
@@ -214,6 +228,7 @@ def test_layouts_and_reference_strategies_equal_ep1(runs, name):
         dense = [k for k in ref_w if k.startswith("model.layers.1.mlp.")]
         assert sorted(k.split(".")[-2] for k in dense) == ["down_proj", "gate_proj", "up_proj"]
         assert all(not torch.equal(ref_w[k], start[k]) for k in dense)
+    if name == "mixed_ep2":
         # The hf/ the run wrote at EP=2 is its checkpoint's export, bit for bit, with the
         # source's dense layer in its config.json.
         import json
