@@ -77,9 +77,12 @@ def decoder_block_spec(
         vp_stage: virtual pipeline stage of the chunk, None without interleaving.
 
     Returns:
-        TE: megatron's TE layer spec (its block adds TE's final norm). Otherwise the block's
-        submodules with this stage's layers and a `LocalNorm` final norm — given as a layer spec,
-        megatron would pick the final norm itself (`TENorm` whenever TE is merely importable).
+        TE: megatron's TE layer spec (its block adds TE's final norm); for an MoE model with
+        dense layers (`config.moe_layer_freq` a list with a 0), the block's submodules: this
+        stage's TE MoE and dense layers and `TENorm`. Otherwise the block's submodules with this
+        stage's layers (MoE or dense by their global layer number) and a `LocalNorm` final norm —
+        given as a layer spec, megatron would pick the final norm itself (`TENorm` whenever TE is
+        merely importable).
     """
     pattern = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else None
     mixed = bool(config.num_moe_experts) and pattern is not None and 0 in pattern
