@@ -92,6 +92,10 @@ def test_wrong_type_fails_at_composition():
         (["model.logprob_chunk_size=-1"], 1, "model.logprob_chunk_size"),
         (["trainer.devices=4"], 2, "trainer.devices"),
         (["model.data.truncation_mode=middle"], 1, "model.data.truncation_mode"),
+        (["model.moe_layer_freq=[1,0]"], 1, "model.moe_layer_freq"),  # a dense model
+        (["model.num_moe_experts=4", "model.moe_layer_freq=[1,0,1]"], 1, "model.moe_layer_freq"),
+        (["model.num_moe_experts=4", "model.moe_layer_freq=[0,0]"], 1, "model.moe_layer_freq"),
+        (["model.num_moe_experts=4", "model.moe_layer_freq=[2,1]"], 1, "model.moe_layer_freq"),
         (
             [
                 "model.pipeline_model_parallel_size=2",
@@ -333,6 +337,16 @@ MOE_AUX = ["model.num_moe_experts=4", "model.moe_aux_loss_coeff=0.01"]
         ),
         (["model.activations_checkpoint_granularity=full"], 1, True),
         (["model.activations_checkpoint_granularity=selective"], 1, False),
+        # A stage holding only dense layers has no router and shares zeros: allowed.
+        (
+            [
+                "model.pipeline_model_parallel_size=2",
+                "model.num_layers=4",
+                "model.moe_layer_freq=[0,0,1,1]",
+            ],
+            2,
+            False,
+        ),
     ],
 )
 def test_moe_aux_loss_layouts(overrides, world, refused):

@@ -13,7 +13,10 @@ decision matters. Shown here:
   data-parallel ranks (TP=1, ETP=2), and EP=2 x TP=2 x ETP=1 (EP spans the TP ranks);
 * export -> the safetensors equal the source bit for bit, and `transformers` loads them with
   identical logits;
-* the MoE router settings (top-k, softmax placement) follow the config.
+* the MoE router settings (top-k, softmax placement) follow the config;
+* Qwen3-MoE / Qwen2-MoE with dense layers between MoE layers (`mlp_only_layers`,
+  `decoder_sparse_step`) do all of the above (PP=2 puts a dense and an MoE layer on different
+  stages), and their exported config.json makes the same layers dense.
 
 Process spawns are grouped: one single-process worker (import, TP=1, export), one 2-rank worker
 (TP=2, PP=2, EP=2, ETP) and one 4-rank worker (EP=2 x TP=2, ETP=1 or 2).
@@ -29,8 +32,10 @@ from multirank import run_multirank
 
 VOCAB, SEQ, BATCH = 100, 24, 4
 TOLERANCE = 1e-4
-MODELS = ("qwen3", "qwen3_tied", "qwen3_moe", "mixtral", "qwen2_moe")
-MOE = ("qwen3_moe", "mixtral", "qwen2_moe")
+MODELS = ("qwen3", "qwen3_tied", "qwen3_moe", "mixtral", "qwen2_moe", "qwen3_mixed", "qwen2_mixed")
+MOE = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3_mixed", "qwen2_mixed")
+#: The mixed models' layer kinds (1 MoE, 0 dense): under PP=2 each stage holds one of each kind.
+MIXED = {"qwen3_mixed": [1, 0], "qwen2_mixed": [0, 1]}
 #: layout name -> (TP, PP, EP, ETP (None: TP)), on 2 ranks; ETP != TP for MoE models only
 LAYOUTS = {
     "tp2": (2, 1, 1, None),
@@ -79,6 +84,30 @@ def _hf_configs() -> dict[str, object]:
             num_experts=4,
             num_experts_per_tok=2,
             norm_topk_prob=True,
+            **common,
+        ),
+        # Dense and MoE layers mixed: Qwen3-MoE with layer 1 dense (`mlp_only_layers`), Qwen2-MoE
+        # (shared expert) with every second layer MoE (`decoder_sparse_step`: layer 0 dense).
+        "qwen3_mixed": Qwen3MoeConfig(
+            intermediate_size=96,
+            moe_intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            head_dim=32,
+            tie_word_embeddings=False,
+            router_aux_loss_coef=0.02,
+            **common,
+        ),
+        "qwen2_mixed": Qwen2MoeConfig(
+            intermediate_size=80,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
             **common,
         ),
         "mixtral": MixtralConfig(
@@ -271,6 +300,27 @@ def test_router_settings_follow_the_config(converted):
         _hf_configs()["mixtral"].router_aux_loss_coef
     )
     assert results["arch", "qwen3"]["kv_channels"] == 32
+    for name, pattern in MIXED.items():  # dense layers: the dense MLP of intermediate_size
+        arch = results["arch", name]
+        assert arch["moe_layer_freq"] == pattern
+        assert arch["ffn_hidden_size"] == _hf_configs()[name].intermediate_size
+        assert arch["moe_ffn_hidden_size"] == 48
+    assert results["arch", "qwen3_moe"]["moe_layer_freq"] is None  # every layer MoE
+
+
+def test_exported_config_has_the_same_dense_layers(converted):
+    """config.json written on export makes `transformers` build the same layer kinds
+    (`decoder_sparse_step` when the pattern is a step, else `mlp_only_layers`)."""
+    import json
+
+    root = converted[0]
+    for name, pattern in MIXED.items():
+        config = json.loads((root / name / "export" / "config.json").read_text())
+        step, dense = config["decoder_sparse_step"], config["mlp_only_layers"]
+        kinds = [int(i not in dense and (i + 1) % step == 0) for i in range(2)]
+        assert kinds == pattern, (name, step, dense)
+    plain = json.loads((root / "qwen3_moe" / "export" / "config.json").read_text())
+    assert (plain["decoder_sparse_step"], plain["mlp_only_layers"]) == (1, [])
 
 
 def _aux_gradient_worker(rank: int, world_size: int, root: str, name: str) -> dict:
@@ -324,11 +374,12 @@ def _aux_rows() -> tuple[torch.Tensor, list[int]]:
     return tokens, lengths
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen3_mixed", "qwen2_mixed"])
 def test_load_balancing_loss_and_gradients_equal_transformers(converted, name):
     """The router statistics hooked in our model give HF's `aux_loss` (attention-mask tokens,
-    all layers jointly) and the same gradients for the routers and the embedding (so the
-    gradient reaches the hidden states as in HF)."""
+    all MoE layers jointly: a dense layer has no router and counts no tokens) and the same
+    gradients for the routers and the embedding (so the gradient reaches the hidden states as
+    in HF)."""
     from transformers import AutoModelForCausalLM
 
     root = converted[0]
@@ -339,13 +390,14 @@ def test_load_balancing_loss_and_gradients_equal_transformers(converted, name):
     out = model(input_ids=tokens, attention_mask=mask, output_router_logits=True)
     out.aux_loss.backward()
     assert ours["loss"] == pytest.approx(out.aux_loss.item(), rel=1e-5)
-    routers = [
-        p for n, p in model.named_parameters() if n.endswith(".gate.weight") and "shared" not in n
-    ]
-    for i, p in enumerate(routers):
-        torch.testing.assert_close(
-            ours["grads"][f"decoder.layers.{i}.mlp.router.weight"], p.grad, rtol=1e-4, atol=1e-7
-        )
+    routers = {
+        f"decoder.layers.{n.split('.')[2]}.mlp.router.weight": p
+        for n, p in model.named_parameters()
+        if n.endswith(".gate.weight") and "shared" not in n
+    }
+    assert routers.keys() == {k for k in ours["grads"] if k != "embedding"}
+    for key, p in routers.items():
+        torch.testing.assert_close(ours["grads"][key], p.grad, rtol=1e-4, atol=1e-7)
     hf_embedding = model.get_input_embeddings().weight.grad
     assert hf_embedding.abs().max() > 0
     scale = hf_embedding.abs().max().item()  # fp32 round-off relative to the largest entry

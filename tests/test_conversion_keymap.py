@@ -244,8 +244,9 @@ def _moe_config(model_type: str, **extra) -> dict:
     [
         (_config("gemma3"), "qwen3_moe, mixtral"),  # the message names the supported types
         (_moe_config("qwen2_moe"), "shared_expert_intermediate_size"),
-        (_moe_config("qwen3_moe", decoder_sparse_step=2), "decoder_sparse_step"),
-        (_moe_config("qwen3_moe", mlp_only_layers=[0]), "mlp_only_layers"),
+        (_moe_config("qwen3_moe", decoder_sparse_step=0), "decoder_sparse_step"),
+        (_moe_config("qwen3_moe", mlp_only_layers=[0, 1]), "no layer has experts"),
+        (_moe_config("qwen3_moe", decoder_sparse_step=3), "no layer has experts"),
         (_moe_config("qwen3_moe", num_experts_per_tok=8), "num_experts_per_tok"),
         (_moe_config("mixtral", router_jitter_noise=0.1), "router_jitter_noise"),
         (_config("qwen3", attention_bias=True), "attention_bias"),
@@ -253,8 +254,9 @@ def _moe_config(model_type: str, **extra) -> dict:
     ids=[
         "gemma3",
         "qwen2_moe-no-shared",
-        "sparse-step",
-        "mlp-only",
+        "sparse-step-0",
+        "all-dense",
+        "sparse-step-past-the-layers",
         "topk",
         "jitter",
         "qwen3-bias",
@@ -273,8 +275,10 @@ def test_unsupported_families_and_moe_patterns_are_one_line(config, field):
         _moe_config("qwen3_moe", norm_topk_prob=True),
         _moe_config("mixtral"),
         _moe_config("qwen2_moe", shared_expert_intermediate_size=64),
+        _moe_config("qwen3_moe", norm_topk_prob=True, mlp_only_layers=[1]),
+        _moe_config("qwen2_moe", shared_expert_intermediate_size=64, decoder_sparse_step=2),
     ],
-    ids=["qwen3", "qwen3_moe", "mixtral", "qwen2_moe"],
+    ids=["qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "qwen3_moe-mixed", "qwen2_moe-mixed"],
 )
 def test_family_config_round_trip(config):
     arch = architecture_from_hf(config)
@@ -289,3 +293,29 @@ def test_family_config_round_trip(config):
     }
     with pytest.raises(ConversionError, match=f"not {others[config['model_type']]}"):
         hf_config_from_architecture(arch, others[config["model_type"]])
+
+
+@pytest.mark.parametrize(
+    "extra,pattern,written",
+    [
+        ({"mlp_only_layers": [1]}, [1, 0], (1, [1])),
+        ({"decoder_sparse_step": 2}, [0, 1], (2, [])),
+        ({"mlp_only_layers": [0], "decoder_sparse_step": 1}, [0, 1], (2, [])),
+        ({"mlp_only_layers": [], "decoder_sparse_step": 1}, None, (1, [])),
+    ],
+)
+def test_dense_layers_of_qwen_moe(extra, pattern, written):
+    """`transformers`' rule (layer i is sparse unless listed in mlp_only_layers, and only when
+    (i + 1) % decoder_sparse_step == 0) becomes moe_layer_freq; export writes a step when the
+    pattern is one, else the dense layers; Mixtral cannot hold dense layers."""
+    arch = architecture_from_hf(_moe_config("qwen3_moe", norm_topk_prob=True, **extra))
+    assert arch.moe_layer_freq == pattern
+    assert arch.ffn_hidden_size == 96 and arch.moe_ffn_hidden_size == 48
+    config = hf_config_from_architecture(arch, "qwen3_moe")
+    assert (config["decoder_sparse_step"], config["mlp_only_layers"]) == written
+    if pattern is not None:
+        import dataclasses
+
+        mixtral_like = dataclasses.replace(arch, qk_layernorm=False)  # only the dense layers differ
+        with pytest.raises(ConversionError, match="has dense layers between MoE layers"):
+            hf_config_from_architecture(mixtral_like, "mixtral")

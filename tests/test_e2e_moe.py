@@ -17,6 +17,8 @@ precision; a resume under EP is bitwise, one at another EP continues the run (EP
 1 -> 2, either optimizer), a checkpoint saved at ETP=2 resumes at ETP=1 (weights and optimizer
 state, standard and distributed), and a launch with an expert count EP does not divide, or with
 ETP != TP at EP=1 (which megatron-core 0.16.1 would train wrongly), fails with one `error:` line.
+The same model with a dense layer 1 (`mlp_only_layers=[1]`) trains the same at EP=2 and PP=2 as
+at EP=1.
 """
 
 from __future__ import annotations
@@ -79,7 +81,17 @@ RUNS = {
     # One micro-batch of the whole global batch, padded and packed, for the aux-loss value.
     "aux_padded": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=false"]),
     "aux_packed": (1, ["model.micro_batch_size=8", "model.data.pack_sequences=true"]),
+    # The same model with its layer 1 dense (HF `mlp_only_layers=[1]`): EP=1 from its imported
+    # checkpoint; EP=2 from the Hugging Face directory itself, writing hf/ at the end.
+    "mixed_ep1": (2, ["model.expert_model_parallel_size=1"]),
+    "mixed_ep2": (2, ["model.expert_model_parallel_size=2", "exp_manager.save_hf=true"]),
+    # PP=2 (DP=1): the MoE layer on stage 0, the dense one on stage 1, which has no router and
+    # shares zero statistics; the aux loss is still the whole model's.
+    "mixed_pp2": (2, ["model.pipeline_model_parallel_size=2"]),
 }
+#: Runs of the mixed dense / MoE model (`mixed/`) instead of the all-MoE one, and what they start
+#: from (its imported checkpoint or its Hugging Face directory).
+MIXED = {"mixed_ep1": "mcore", "mixed_ep2": "hf", "mixed_pp2": "mcore"}
 REFERENCE = {
     "ep2": "ep1",
     "ep2tp2": "ep1",
@@ -89,6 +101,8 @@ REFERENCE = {
     "etp2ep2": "ep1",
     "ref_separate": "ep1",
     "ref_precomputed": "ep1",
+    "mixed_ep2": "mixed_ep1",
+    "mixed_pp2": "mixed_ep1",
 }
 AUX_COEF = 0.01
 #: fp32 round-off: the data-parallel gradient reduction order differs, so weights differ in their
@@ -98,10 +112,10 @@ METRIC_RTOL, METRIC_ATOL, WEIGHT_ATOL = 1e-5, 5e-6, 1e-6
 COMPARED = ("rewards/", "logps/", "logits/", "loss", "kl", "lr", "grad_norm", "aux_loss")
 
 
-def _args(root, log_dir) -> list[str]:
+def _args(root, log_dir, source: str = "mcore") -> list[str]:
     return [
         *QUIET,
-        f"pretrained_checkpoint.restore_from_path={root / 'mcore'}",
+        f"pretrained_checkpoint.restore_from_path={root / source}",
         f"model.data.data_prefix.train=[{TRAIN_DATA}]",
         "model.tokenizer.library=sentencepiece",
         f"model.tokenizer.model={TOKENIZER}",
@@ -127,21 +141,33 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("moe")
     vocab = load_tokenizer("sentencepiece", str(TOKENIZER)).vocab_size
-    torch.manual_seed(0)
-    config = tiny_qwen3_moe_config(vocab, router_aux_loss_coef=AUX_COEF)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("gate.weight"):
-                p.normal_(0.0, 1.0)
-    model.save_pretrained(root / "hf")
-    run_script(TOOL, ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "mcore")])
+
+    def save(directory, **extra):
+        torch.manual_seed(0)
+        config = tiny_qwen3_moe_config(vocab, router_aux_loss_coef=AUX_COEF, **extra)
+        model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("gate.weight"):
+                    p.normal_(0.0, 1.0)
+        model.save_pretrained(directory / "hf")
+        run_script(
+            TOOL, ["import", "--hf-dir", str(directory / "hf"), "--out", str(directory / "mcore")]
+        )
+
+    save(root)
 
     class Runs(dict):
         def __missing__(self, name: str) -> list[dict]:
             nproc, extra = RUNS[name]
             log_dir = root / name
-            run_script(KTO_SCRIPT, [*_args(root, log_dir), *extra], nproc=nproc, timeout=600)
+            model_root, source = root, "mcore"
+            if name in MIXED:
+                model_root, source = root / "mixed", MIXED[name]
+                if not (model_root / "mcore").exists():
+                    save(model_root, mlp_only_layers=[1])
+            args = [*_args(model_root, log_dir, source), *extra]
+            run_script(KTO_SCRIPT, args, nproc=nproc, timeout=600)
             if not name.startswith("aux"):
                 out = root / f"{name}_hf"
                 run_script(TOOL, ["export", "--ckpt", str(log_dir), "--out", str(out)])
@@ -202,11 +228,14 @@ def test_aux_loss_and_loss_equal_transformers(runs, name):
         "etp2ep2",
         "ref_separate",
         "ref_precomputed",
+        "mixed_ep2",
+        "mixed_pp2",
     ],
 )
 def test_layouts_and_reference_strategies_equal_ep1(runs, name):
     root, metrics = runs
     reference, got = metrics[REFERENCE[name]], metrics[name]
+    model_root = root / "mixed" if name in MIXED else root
     assert len(got) == len(reference) == 3
     for ref_row, row in zip(reference, got, strict=True):
         # The numbers of the step (not timings, throughput or memory, which depend on layout).
@@ -216,7 +245,7 @@ def test_layouts_and_reference_strategies_equal_ep1(runs, name):
         for key in sorted(numeric):
             assert row[key] == pytest.approx(ref_row[key], rel=METRIC_RTOL, abs=METRIC_ATOL), key
     start, ref_w, got_w = (
-        _weights(root / "hf"),
+        _weights(model_root / "hf"),
         _weights(root / f"{REFERENCE[name]}_hf"),
         _weights(root / f"{name}_hf"),
     )
@@ -226,6 +255,20 @@ def test_layouts_and_reference_strategies_equal_ep1(runs, name):
         assert diff <= WEIGHT_ATOL, (key, diff)
     experts = [k for k in ref_w if ".experts." in k]
     assert experts and all(not torch.equal(ref_w[k], start[k]) for k in experts)  # all trained
+    if name in MIXED:  # layer 1's dense MLP is in the export, and trained
+        dense = [k for k in ref_w if k.startswith("model.layers.1.mlp.")]
+        assert sorted(k.split(".")[-2] for k in dense) == ["down_proj", "gate_proj", "up_proj"]
+        assert all(not torch.equal(ref_w[k], start[k]) for k in dense)
+    if name == "mixed_ep2":
+        # The hf/ the run wrote at EP=2 is its checkpoint's export, bit for bit, with the
+        # source's dense layer in its config.json.
+        import json
+
+        written = _weights(root / name / "hf")
+        assert written.keys() == got_w.keys()
+        assert all(torch.equal(written[k], got_w[k]) for k in got_w)
+        config = json.loads((root / name / "hf" / "config.json").read_text())
+        assert (config["mlp_only_layers"], config["decoder_sparse_step"]) == ([1], 1)
 
 
 #: bf16 against fp32: bf16 keeps 8 mantissa bits (relative step 2**-8 = 3.9e-3 per value); sums

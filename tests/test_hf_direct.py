@@ -9,7 +9,8 @@ five families: Llama (GQA, untied, its weights sharded over
 several safetensors files with an index), Qwen2 (q/k/v biases, bf16 weights as on the Hub; also
 into a bf16 model) Qwen3-MoE (tied embeddings, so the last pipeline stage's output layer comes
 from the embedding), Mixtral, and Qwen2-MoE (a gated shared expert, sharded over TP like a dense
-MLP).
+MLP); and Qwen3-MoE / Qwen2-MoE with dense layers between MoE layers (`mlp_only_layers`,
+`decoder_sparse_step`).
 
 Memory: what a rank reads is counted from the slices it copies out of the files
 (`LoadStats.bytes_read`), and compared with sums over the files' own tensor sizes: at TP=2 the two
@@ -36,8 +37,8 @@ import torch
 from multirank import run_multirank
 
 VOCAB = 2000  # padded to 2048 rows: at TP=2 each rank's embedding rows are mostly real
-MODELS = ("llama", "qwen2", "qwen3_moe", "mixtral", "qwen2_moe")
-MOE = ("qwen3_moe", "mixtral", "qwen2_moe")
+MODELS = ("llama", "qwen2", "qwen3_moe", "mixtral", "qwen2_moe", "qwen3_mixed", "qwen2_mixed")
+MOE = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3_mixed", "qwen2_mixed")
 #: layout -> (TP, PP, EP, VPP) on 2 ranks
 LAYOUTS = {"tp2": (2, 1, 1, None), "pp2": (1, 2, 1, None), "ep2": (1, 1, 2, None)}
 #: Interleaved pipeline (two chunks per stage), for one model.
@@ -79,6 +80,27 @@ def _hf_configs() -> dict[str, object]:
             shared_expert_intermediate_size=64,
             num_experts=4,
             num_experts_per_tok=2,
+            **common,
+        ),
+        # Dense layers between MoE layers: layers 1 and 2 (one per pipeline stage at PP=2) ...
+        "qwen3_mixed": Qwen3MoeConfig(
+            intermediate_size=80,
+            moe_intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            head_dim=32,
+            mlp_only_layers=[1, 2],
+            tie_word_embeddings=False,
+            **common,
+        ),
+        # ... and every second layer MoE, with a shared expert (layers 0 and 2 dense).
+        "qwen2_mixed": Qwen2MoeConfig(
+            intermediate_size=80,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=2,
             **common,
         ),
     }

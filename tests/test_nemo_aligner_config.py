@@ -202,14 +202,106 @@ def test_dpo_keys():
         _dpo({"preference_loss": "rpo_sq"})
 
 
+#: NeMo's MoE model keys with the values of a Mixtral / Qwen3-MoE recipe (megatron-core names).
+MOE_KEYS = {
+    "moe_router_load_balancing_type": "aux_loss",
+    "moe_token_dispatcher_type": "alltoall",
+    "moe_grouped_gemm": True,
+    "moe_permute_fusion": True,
+    "moe_shared_expert_overlap": False,
+    "moe_per_layer_logging": True,
+    "moe_layer_recompute": False,
+    "moe_z_loss_coeff": None,
+    "moe_input_jitter_eps": None,
+    "moe_expert_capacity_factor": None,
+    "moe_pad_expert_input_to_capacity": False,
+    "moe_token_drop_policy": "probs",
+    "moe_router_score_function": "softmax",
+    "moe_router_topk_scaling_factor": None,
+    "moe_router_enable_expert_bias": False,
+    "moe_router_dtype": None,
+    "moe_extended_tp": False,
+}
+#: NeMo's MoE keys that are ours (same name, same meaning), with typical values.
+MOE_SHARED = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01}
+
+
+def _moe_overrides(keys: dict) -> list[str]:
+    return [f"+model.{k}={'null' if v is None else v}" for k, v in keys.items()]
+
+
+def test_moe_keys_are_honoured_or_listed():
+    cfg, ignored = _adapt(_moe_overrides({**MOE_SHARED, **MOE_KEYS, "moe_layer_freq": 1}))
+    assert ignored == NO_EFFECT[:-1] + [f"model.{k}" for k in MOE_KEYS] + ["precision"]
+    m = cfg.model
+    assert (m.num_moe_experts, m.moe_router_topk, m.moe_aux_loss_coeff) == (4, 2, 0.01)
+    # moe_layer_freq is ours: NeMo's integer 1 (every layer MoE) is our default, a list is kept.
+    assert m.moe_layer_freq is None
+    assert _adapt(["+model.moe_layer_freq=1"])[0].model.moe_layer_freq is None
+    assert list(_adapt(["+model.moe_layer_freq=[1,0,1,0]"])[0].model.moe_layer_freq) == [1, 0, 1, 0]
+    # 'none' balancing is what a zero coefficient does; an fp32 router is an fp32 run's.
+    none, _ = _adapt(
+        _moe_overrides({"moe_aux_loss_coeff": 0.0, "moe_router_load_balancing_type": "none"})
+    )
+    assert none.model.moe_aux_loss_coeff == 0.0
+    _adapt(["trainer.precision=32", "+model.moe_router_dtype=fp32"])
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("moe_router_load_balancing_type=sinkhorn", "'sinkhorn' is not supported: the load-bal"),
+        ("moe_router_load_balancing_type=none", "'none' is not supported: the load-balancing"),
+        ("moe_z_loss_coeff=0.001", "0.001 is not supported: the router z-loss is not impl"),
+        ("moe_input_jitter_eps=0.01", "0.01 is not supported: router input jitter"),
+        ("moe_expert_capacity_factor=1.0", "1.0 is not supported: routing is dropless here"),
+        ("moe_pad_expert_input_to_capacity=true", "True is not supported: routing is dropless"),
+        ("moe_router_score_function=sigmoid", "'sigmoid' is not supported: routing scores are"),
+        ("moe_router_topk_scaling_factor=2.5", "2.5 is not supported: routing weights are not"),
+        ("moe_router_enable_expert_bias=true", "True is not supported: aux-loss-free expert"),
+        ("moe_router_dtype=fp32", "'fp32' is not supported: the router computes in the run's"),
+        ("moe_extended_tp=true", "True is not supported: extended tensor parallelism"),
+        ("moe_layer_freq=2", "2: give one 1 (MoE) or 0 (dense) per layer, e.g. [1,0,1,0]"),
+    ],
+)
+def test_moe_values_that_would_change_results_are_refused(override, message):
+    """Each is one line naming the key (the caller prints it as `error: ...`, exit code 2)."""
+    with pytest.raises(ConfigError) as info:
+        _adapt([f"+model.{override}"])
+    text = str(info.value)
+    assert text.startswith(f"model.{override.split('=')[0]}: {message}"), text
+    assert "\n" not in text
+
+
+def _tiny_qwen3_moe_dir(directory: Path) -> Path:
+    """A random tiny Qwen3-MoE Hugging Face directory with the bundled tokenizer's vocabulary."""
+    import torch
+    from hf_tiny import tiny_qwen3_moe_config
+    from transformers import AutoModelForCausalLM
+
+    from megatron_kto.data.tokenizers import load_tokenizer
+
+    torch.manual_seed(0)
+    vocab = load_tokenizer("sentencepiece", str(TOKENIZER)).vocab_size
+    config = tiny_qwen3_moe_config(vocab, router_aux_loss_coef=0.01)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("peft", ["none", "lora"])
+@pytest.mark.parametrize("peft", ["none", "lora", "moe"])
 def test_trains_two_steps_from_the_nemo_aligner_config(tmp_path, peft):
     """The user's command: their config file, their overrides for this machine and data; with
-    `model.peft.peft_scheme=lora` the stock LoRA block (attention_qkv, rank 32) trains."""
+    `model.peft.peft_scheme=lora` the stock LoRA block (attention_qkv, rank 32) trains; `moe`
+    trains a Hugging Face Qwen3-MoE directory with NeMo's MoE keys in the model section."""
     from e2e_cli import save_initial_checkpoint
 
-    init = save_initial_checkpoint(tmp_path / "init", seed=11)
+    moe = peft == "moe"
+    if moe:
+        init = _tiny_qwen3_moe_dir(tmp_path / "init")
+        peft = "none"
+    else:
+        init = save_initial_checkpoint(tmp_path / "init", seed=11)
     log_dir = tmp_path / "run"
     data = f"{{train:[{TRAIN_DATA}],validation:[{VALIDATION_DATA}],test:[{VALIDATION_DATA}]}}"
     outputs_before = (REPO / "outputs").exists()
@@ -225,6 +317,7 @@ def test_trains_two_steps_from_the_nemo_aligner_config(tmp_path, peft):
         f"+model.tokenizer.model={TOKENIZER}",
         f"exp_manager.explicit_log_dir={log_dir}",
         f"model.peft.peft_scheme={peft}",
+        *(_moe_overrides({"moe_aux_loss_coeff": 0.01, **MOE_KEYS}) if moe else []),
     ]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(KTO_SCRIPT), *args],
@@ -239,6 +332,7 @@ def test_trains_two_steps_from_the_nemo_aligner_config(tmp_path, peft):
     assert rest == [], proc.stderr  # nothing else on stderr: no third-party noise either
     assert warning.startswith("warning: these NeMo-Aligner/Lightning keys have no effect")
     assert warning.count("trainer.accelerator") == 1 and "model.data.data_prefix.test" in warning
+    assert all((f"model.{k}" in warning) == moe for k in MOE_KEYS), warning
     assert "Traceback" not in proc.stdout
     # Hydra's default outputs/<date>/ directory is not created for a config that leaves it on.
     assert (REPO / "outputs").exists() == outputs_before
@@ -255,6 +349,9 @@ def test_trains_two_steps_from_the_nemo_aligner_config(tmp_path, peft):
     meta = json.loads((log_dir / "checkpoints" / "step_2" / "checkpoint.json").read_text())
     assert meta["step"] == 2
     assert saved.model.peft.peft_scheme == peft
+    if moe:  # the model trained is the directory's MoE, with its load-balancing loss
+        assert saved.model.num_moe_experts == 4 and saved.model.moe_aux_loss_coeff == 0.01
+        assert all(r["aux_loss"] > 0 for r in train)
     if peft == "lora":
         (line,) = [x for x in proc.stdout.splitlines() if x.startswith("LoRA:")]
         assert "reference = the base model (adapters off)" in line

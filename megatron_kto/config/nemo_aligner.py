@@ -89,6 +89,83 @@ def _dpo_preference_loss(value: Any) -> str:
 _LIGHTNING = "a PyTorch Lightning setting; this trainer is megatron-core's own loop"
 _NEMO_CKPT = "NeMo checkpoint-callback setting; checkpoints here are the last save_top_k saves"
 
+_DROPLESS = (
+    "routing is dropless here (every routed token is computed, as Hugging Face's MoE blocks)"
+)
+_MOE_SPEED = "a megatron-core MoE speed setting; the results are the same without it"
+
+
+def _no_balancing_without_coefficient(value: Any, cfg: DictConfig, algorithm: str) -> bool:
+    """'aux_loss' is ours; 'none' only when the stated coefficient is 0 (else we would add one)."""
+    coeff = OmegaConf.select(cfg, "model.moe_aux_loss_coeff", default=None)
+    return value in ("aux_loss", None) or (value == "none" and coeff == 0)
+
+
+def _fp32_router_in_fp32(value: Any, cfg: DictConfig, algorithm: str) -> bool:
+    """The router computes in the run's precision: an fp32 router is what an fp32 run does."""
+    precision = str(OmegaConf.select(cfg, "trainer.precision", default=None))
+    return value is None or (value == "fp32" and precision in ("32", "32-true"))
+
+
+#: NeMo's MoE model keys (megatron-core TransformerConfig names) our schema does not have. Our MoE
+#: layers are megatron-core's MoELayer with softmax top-k routing, dropless, no z-loss, jitter or
+#: expert bias, and Hugging Face's load-balancing loss (`model.moe_aux_loss_coeff`).
+MOE_RULES: dict[str, Rule] = {
+    "model.moe_router_load_balancing_type": Rule(
+        "no_effect",
+        "the load-balancing loss is Hugging Face's load_balancing_loss_func weighted by "
+        "model.moe_aux_loss_coeff ('aux_loss'; 'none' needs model.moe_aux_loss_coeff: 0)",
+        accept=_no_balancing_without_coefficient,
+    ),
+    "model.moe_token_dispatcher_type": Rule(
+        "no_effect", "tokens always go through megatron-core's all-to-all dispatcher"
+    ),
+    "model.moe_grouped_gemm": Rule(
+        "no_effect", "grouped experts with Transformer Engine, one MLP per expert without"
+    ),
+    "model.moe_permute_fusion": Rule("no_effect", _MOE_SPEED),
+    "model.moe_shared_expert_overlap": Rule("no_effect", _MOE_SPEED),
+    "model.moe_per_layer_logging": Rule(
+        "no_effect", "the log has the whole model's aux_loss (train.jsonl)"
+    ),
+    "model.moe_layer_recompute": Rule(
+        "no_effect",
+        "a memory setting; layers are recomputed under model.activations_checkpoint_granularity",
+    ),
+    "model.moe_z_loss_coeff": Rule(
+        "no_effect", "the router z-loss is not implemented", accept=_is(None, 0, 0.0)
+    ),
+    "model.moe_input_jitter_eps": Rule(
+        "no_effect", "router input jitter is not implemented", accept=_is(None, 0, 0.0)
+    ),
+    "model.moe_expert_capacity_factor": Rule("no_effect", _DROPLESS, accept=_is(None)),
+    "model.moe_pad_expert_input_to_capacity": Rule("no_effect", _DROPLESS, accept=_is(False, None)),
+    "model.moe_token_drop_policy": Rule("no_effect", _DROPLESS),
+    "model.moe_router_score_function": Rule(
+        "no_effect", "routing scores are a softmax", accept=_is("softmax", None)
+    ),
+    "model.moe_router_topk_scaling_factor": Rule(
+        "no_effect", "routing weights are not scaled", accept=_is(None, 1, 1.0)
+    ),
+    "model.moe_router_enable_expert_bias": Rule(
+        "no_effect",
+        "aux-loss-free expert-bias routing is not implemented",
+        accept=_is(False, None),
+    ),
+    "model.moe_router_dtype": Rule(
+        "no_effect",
+        "the router computes in the run's precision (fp32 only in an fp32 run)",
+        accept=_fp32_router_in_fp32,
+    ),
+    "model.moe_extended_tp": Rule(
+        "no_effect",
+        "extended tensor parallelism is not in megatron-core 0.16.1 (experts split over "
+        "model.expert_model_parallel_size)",
+        accept=_is(False, None),
+    ),
+}
+
+
 #: Keys of NeMo-Aligner's gpt_kto.yaml / gpt_dpo.yaml (and common Lightning trainer keys) that
 #: our schema does not have. A pattern ending in ".*" covers every key below that prefix.
 RULES: dict[str, Rule] = {
@@ -194,6 +271,7 @@ RULES: dict[str, Rule] = {
     "model.max_position_embeddings": Rule(
         "no_effect", "the position limit is model.encoder_seq_length (from the checkpoint)"
     ),
+    **MOE_RULES,
 }
 
 
@@ -321,6 +399,10 @@ def adapt_nemo_aligner_config(cfg: DictConfig, algorithm: str) -> tuple[DictConf
                 value = _data_prefix(value)
                 if value is None:
                     continue
+            if path == "model.moe_layer_freq" and not isinstance(value, list):
+                value = _moe_layer_freq(value)
+                if value is None:
+                    continue
             if isinstance(value, dict) and isinstance(child, DictConfig):
                 walk(value, child, f"{path}.")
             else:
@@ -347,6 +429,17 @@ def _data_prefix(value: Any) -> dict | None:
             f"{type(value).__name__}"
         )
     return {k: [v] if isinstance(v, str) else v for k, v in value.items()}
+
+
+def _moe_layer_freq(value: Any) -> list | None:
+    """NeMo's integer form: 1 (every layer MoE) is our default (None); a frequency N > 1 needs the
+    layer count, which the checkpoint has, so the list form is asked for."""
+    if value in (1, None):
+        return None
+    raise ConfigError(
+        f"model.moe_layer_freq: {value!r}: give one 1 (MoE) or 0 (dense) per layer, e.g. "
+        "[1,0,1,0] (the integer form is only accepted as 1, every layer MoE)"
+    )
 
 
 def no_effect_warning(keys: list[str]) -> str:

@@ -224,6 +224,15 @@ def _check_architecture(m: Any) -> None:
     _choice(
         m.position_embedding_type, "model.position_embedding_type", ("rope", "learned_absolute")
     )
+    if m.moe_layer_freq is not None:
+        pattern = list(m.moe_layer_freq)
+        _need(bool(m.num_moe_experts), "model.moe_layer_freq", "needs model.num_moe_experts")
+        _need(
+            len(pattern) == m.num_layers and set(pattern) <= {0, 1} and 1 in pattern,
+            "model.moe_layer_freq",
+            f"{pattern}: expected one 1 (MoE) or 0 (dense) per layer ({m.num_layers} layers), "
+            "at least one 1",
+        )
 
 
 def _check_optimizer(o: Any) -> None:

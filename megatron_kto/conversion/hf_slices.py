@@ -38,6 +38,7 @@ from megatron_kto.conversion.mappings import (
     OUTPUT,
     REPLICATED,
     Kind,
+    layer_mappings_at,
 )
 from megatron_kto.models.architecture import GPTArchitecture
 
@@ -81,7 +82,7 @@ def megatron_sources(
     """
     out = {EMBEDDING[0]: Source((EMBEDDING[1],), "direct", COLUMN, vocab_rows=True)}
     for i in range(arch.num_layers):
-        for entry in family.layer_mappings(arch, norms):
+        for entry in layer_mappings_at(family, arch, norms, i):
             name = f"decoder.layers.{i}.{entry.megatron.format(**norms)}"
             hf = tuple(f"model.layers.{i}.{h}" for h in entry.hf)
             out[name] = Source(hf, entry.kind, entry.tp_axis)

@@ -167,21 +167,34 @@ def _family(family: str | Family | None) -> Family:
     return family
 
 
+def layer_mappings_at(
+    family: Family, arch: GPTArchitecture, norms: dict[str, str], layer: int
+) -> tuple[Mapping, ...]:
+    """The table of layer `layer` (global index): a dense layer of an MoE model
+    (`moe_layer_freq`) has the dense MLP's entries, an MoE layer the router and experts."""
+    return family.layer_mappings(arch.layer_architecture(layer), norms)
+
+
 def _layer_entries(
-    arch: GPTArchitecture, norms: dict[str, str], family: Family
+    arch: GPTArchitecture, norms: dict[str, str], family: Family, layer: int
 ) -> Iterator[tuple[str, tuple[str, ...], Kind]]:
-    for entry in family.layer_mappings(arch, norms):
+    for entry in layer_mappings_at(family, arch, norms, layer):
         yield entry.megatron.format(**norms), entry.hf, entry.kind
 
 
 def layer_table(
     arch: GPTArchitecture, norms: dict[str, str] = LOCAL_NORMS, family: str | Family | None = None
 ) -> dict[str, Mapping]:
-    """A layer's entries keyed by their megatron name (relative to `decoder.layers.{i}.`, norm
-    names filled in): what a caller gathering tensor-parallel shards reads the TP axis and the
-    fusion kind from."""
+    """Every layer's entries keyed by their megatron name (relative to `decoder.layers.{i}.`, norm
+    names filled in; dense and MoE layers' together): what a caller gathering tensor-parallel
+    shards reads the TP axis and the fusion kind from."""
     fam = _family(family)
-    return {entry.megatron.format(**norms): entry for entry in fam.layer_mappings(arch, norms)}
+    table: dict[str, Mapping] = {}
+    one_of_each_kind = {arch.is_moe_layer(i): i for i in range(arch.num_layers)}.values()
+    for layer in one_of_each_kind:
+        for entry in layer_mappings_at(fam, arch, norms, layer):
+            table.setdefault(entry.megatron.format(**norms), entry)
+    return table
 
 
 def to_megatron(
@@ -204,7 +217,7 @@ def to_megatron(
     heads, groups, _ = _shape(arch)
     yield EMBEDDING[0], pad_rows(get_hf(EMBEDDING[1]), padded_vocab)
     for i in range(arch.num_layers):
-        for mname, hnames, kind in _layer_entries(arch, norms, fam):
+        for mname, hnames, kind in _layer_entries(arch, norms, fam, i):
             tensors = [get_hf(f"model.layers.{i}.{h}") for h in hnames]
             if kind == "qkv":
                 value = fuse_qkv(*tensors, heads=heads, groups=groups)
@@ -241,7 +254,7 @@ def to_hf(
     if embedding:
         yield EMBEDDING[1], get_megatron(EMBEDDING[0])[:vocab]
     for i in range(arch.num_layers) if layers is None else layers:
-        for mname, hnames, kind in _layer_entries(arch, norms, fam):
+        for mname, hnames, kind in _layer_entries(arch, norms, fam, i):
             value = get_megatron(f"decoder.layers.{i}.{mname}")
             if kind == "qkv":
                 parts = split_qkv(value, heads, groups, head_dim)

@@ -8,6 +8,10 @@ Mixtral's `w1`/`w3`/`w2`); megatron-core keeps them per expert too, under two sp
 The router is `mlp.router.weight` [experts, hidden], replicated over TP. The pre-MLP norm of an
 MoE layer is never fused into a linear layer, so it is `pre_mlp_layernorm.weight` in both specs.
 
+Qwen-MoE configs may make some layers dense (`mlp_only_layers`, `decoder_sparse_step`): those
+have the dense SwiGLU MLP of `intermediate_size`; `sparse_layers` / `sparse_layer_fields` turn
+the two keys into `GPTArchitecture.moe_layer_freq` and back.
+
 The table names experts by their global index: conversion runs at EP=1 and megatron's
 distributed checkpoint maps local to global experts when an EP>1 layout restores it.
 """
@@ -113,3 +117,39 @@ def routing_fields(
         "moe_router_pre_softmax": not renormalise,
         "moe_aux_loss_coeff": float(config.get("router_aux_loss_coef", 0.0) or 0.0),
     }
+
+
+def sparse_layers(config: dict[str, Any], where: str) -> list[int] | None:
+    """`moe_layer_freq` of a Qwen2-MoE / Qwen3-MoE config.json: layer i has experts when it is
+    not in `mlp_only_layers` and (i + 1) is a multiple of `decoder_sparse_step` (as
+    `transformers` builds it); None when every layer does.
+
+    Raises:
+        ConversionError: a malformed key, or no MoE layer at all, naming `where`.
+    """
+    layers = config.get("num_hidden_layers")
+    step = config.get("decoder_sparse_step")
+    step = 1 if step is None else step
+    dense = config.get("mlp_only_layers") or []
+    if not isinstance(step, int) or step < 1:
+        raise ConversionError(f"{where}: decoder_sparse_step: {step!r} is not a positive integer")
+    if not isinstance(layers, int) or not all(isinstance(i, int) for i in dense):
+        raise ConversionError(f"{where}: mlp_only_layers: {dense!r} is not a list of layer indices")
+    pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
+    if not any(pattern):
+        raise ConversionError(
+            f"{where}: decoder_sparse_step {step} / mlp_only_layers {dense}: no layer has experts"
+        )
+    return None if all(pattern) else pattern
+
+
+def sparse_layer_fields(arch: GPTArchitecture) -> dict[str, Any]:
+    """`decoder_sparse_step` and `mlp_only_layers` that make `sparse_layers` give back
+    `arch.moe_layer_freq`: a step when the pattern is every step-th layer, else step 1 and the
+    dense layers listed."""
+    pattern = arch.moe_layer_freq or [1] * arch.num_layers
+    for step in range(1, arch.num_layers + 1):
+        if pattern == [int((i + 1) % step == 0) for i in range(arch.num_layers)]:
+            return {"decoder_sparse_step": step, "mlp_only_layers": []}
+    dense = [i for i, moe in enumerate(pattern) if not moe]
+    return {"decoder_sparse_step": 1, "mlp_only_layers": dense}

@@ -81,6 +81,14 @@ class GPTArchitecture:
     """Scale the shared expert's output by sigmoid(x · w) with a learned [1, hidden] w."""
     moe_aux_loss_coeff: float = 0.0
     """Weight of the router load-balancing loss in the training loss (HF `router_aux_loss_coef`)."""
+    moe_layer_freq: list[int] | None = None
+    """Which layers of an MoE model are MoE layers: one 1 (MoE) or 0 (a dense MLP of
+    `ffn_hidden_size`) per layer, megatron-core's list form (HF Qwen-MoE `mlp_only_layers` /
+    `decoder_sparse_step`); None means every layer (of a model with `num_moe_experts`)."""
+
+    def __post_init__(self) -> None:
+        if self.moe_layer_freq is not None:  # plain ints (a config gives a ListConfig)
+            self.moe_layer_freq = [int(v) for v in self.moe_layer_freq]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form, for checkpoints and JSON."""
@@ -94,6 +102,31 @@ class GPTArchitecture:
         if unknown:
             raise ValueError(f"unknown model architecture keys: {unknown}")
         return cls(**{k: v for k, v in data.items() if k in names})
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based, global) has routed experts."""
+        if not self.num_moe_experts:
+            return False
+        return self.moe_layer_freq is None or bool(self.moe_layer_freq[layer])
+
+    def has_dense_layers(self) -> bool:
+        """An MoE model with some dense-MLP layers (`moe_layer_freq` with a 0)."""
+        return bool(self.num_moe_experts) and not all(self.moe_layer_freq or [1])
+
+    def layer_architecture(self, layer: int) -> GPTArchitecture:
+        """The architecture layer `layer` is built and converted as: this one for an MoE
+        layer (or a dense model), a dense copy (no experts, no shared expert) for a dense layer
+        of an MoE model."""
+        if self.is_moe_layer(layer) or not self.num_moe_experts:
+            return self
+        return dataclasses.replace(
+            self,
+            num_moe_experts=None,
+            moe_ffn_hidden_size=None,
+            moe_shared_expert_intermediate_size=None,
+            moe_shared_expert_gate=False,
+            moe_layer_freq=None,
+        )
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -64,6 +64,7 @@ def moe_transformer_config(
         moe_router_fusion=False,
         moe_shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=arch.moe_shared_expert_gate,
+        moe_layer_freq=arch.moe_layer_freq or 1,  # a 0/1 list: the dense layers of the model
         expert_model_parallel_size=expert_parallel_size,
         expert_tensor_parallel_size=expert_tensor_parallel_size,
     )
@@ -80,9 +81,10 @@ def _define_te_gemm_when_absent() -> None:
         moe_utils.te_general_gemm = None
 
 
-def extend_local_layer(spec: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
+def extend_local_layer(spec: ModuleSpec, config: TransformerConfig, moe: bool = True) -> ModuleSpec:
     """`spec` (a local-spec transformer layer) with `LocalNorm` Q/K norms when
-    `config.qk_layernorm` and megatron's MoE MLP when `config.num_moe_experts`.
+    `config.qk_layernorm` and megatron's MoE MLP when `config.num_moe_experts` (and `moe`: False
+    keeps the dense MLP, for the dense layers of an MoE model).
 
     An MoE layer's pre-MLP norm is never fused into a linear layer (in TE's spec neither), so its
     checkpoint key stays `pre_mlp_layernorm.*`: the local spec's rename to TE's fused
@@ -97,7 +99,7 @@ def extend_local_layer(spec: ModuleSpec, config: TransformerConfig) -> ModuleSpe
         layer = dataclasses.replace(
             layer, self_attention=dataclasses.replace(attention, submodules=attn_submodules)
         )
-    if config.num_moe_experts:
+    if config.num_moe_experts and moe:
         _define_te_gemm_when_absent()
         mlp = get_moe_module_spec_for_backend(
             LocalSpecProvider(), num_experts=config.num_moe_experts, moe_grouped_gemm=False

@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_kto.models.attention import SDPAttention
 from megatron_kto.models.layer_options import extend_local_layer
@@ -76,16 +77,47 @@ def decoder_block_spec(
         vp_stage: virtual pipeline stage of the chunk, None without interleaving.
 
     Returns:
-        TE: megatron's TE layer spec (its block adds TE's final norm). Otherwise the block's
-        submodules with this stage's layers and a `LocalNorm` final norm — given as a layer spec,
-        megatron would pick the final norm itself (`TENorm` whenever TE is merely importable).
+        TE: megatron's TE layer spec (its block adds TE's final norm); for an MoE model with
+        dense layers (`config.moe_layer_freq` a list with a 0), the block's submodules: this
+        stage's TE MoE and dense layers and `TENorm`. Otherwise the block's submodules with this
+        stage's layers (MoE or dense by their global layer number) and a `LocalNorm` final norm —
+        given as a layer spec, megatron would pick the final norm itself (`TENorm` whenever TE is
+        merely importable).
     """
+    pattern = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else None
+    mixed = bool(config.num_moe_experts) and pattern is not None and 0 in pattern
     if backend == "te":
         experts = config.num_moe_experts
-        return get_gpt_layer_with_transformer_engine_spec(
+        layer = get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=bool(experts), qk_layernorm=config.qk_layernorm
         )
-    layer = extend_local_layer(local_layer_spec(normalization, backend), config)
-    # All layers share one spec, so only the count per stage matters, not the offsets.
+        if not mixed:
+            return layer
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        dense = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        layers = _stage_layers(config, vp_stage, layer, dense, pattern)
+        return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TENorm)
+    local = local_layer_spec(normalization, backend)
+    layer = extend_local_layer(local, config)
+    if not mixed:  # every layer has one spec: only the count per stage matters
+        count = get_num_layers_to_build(config, vp_stage=vp_stage)
+        return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=LocalNorm)
+    dense = extend_local_layer(local, config, moe=False)
+    layers = _stage_layers(config, vp_stage, layer, dense, pattern)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LocalNorm)
+
+
+def _stage_layers(
+    config: TransformerConfig,
+    vp_stage: int | None,
+    moe: ModuleSpec,
+    dense: ModuleSpec,
+    pattern: list[int],
+) -> list[ModuleSpec]:
+    """This stage's layer specs when some layers are dense: `pattern` (`moe_layer_freq`, one 0/1
+    per layer of the whole model) read at the stage's global layer numbers, as megatron's
+    `get_gpt_decoder_block_spec` does."""
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage)
     count = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=LocalNorm)
+    return [moe if pattern[first + i] else dense for i in range(count)]

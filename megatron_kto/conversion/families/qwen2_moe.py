@@ -1,7 +1,8 @@
 """Qwen2-MoE (Qwen1.5-MoE): Qwen2 attention (q/k/v biases) and in every layer routed experts plus
 a shared expert scaled by a sigmoid gate — megatron-core's `SharedExpertMLP` with
 `moe_shared_expert_gate`. Routing as Qwen3-MoE: softmax over all experts, top-k, renormalised
-when `norm_topk_prob`. Dense layers between MoE layers are refused (one layer spec)."""
+when `norm_topk_prob`. Dense layers (`mlp_only_layers`, `decoder_sparse_step`) have a plain SwiGLU
+MLP of `intermediate_size` and no shared expert, in `transformers` and in megatron alike."""
 
 from __future__ import annotations
 
@@ -11,25 +12,27 @@ from megatron_kto.conversion.families import mismatch
 from megatron_kto.conversion.families.qwen3_moe import layer_mappings as routed_mappings
 from megatron_kto.conversion.hf_config import ConversionError, dense_architecture
 from megatron_kto.conversion.mappings import Mapping
-from megatron_kto.conversion.moe import routing_fields, shared_expert_mappings
+from megatron_kto.conversion.moe import (
+    routing_fields,
+    shared_expert_mappings,
+    sparse_layer_fields,
+    sparse_layers,
+)
 from megatron_kto.conversion.registry import Family
 from megatron_kto.models.architecture import GPTArchitecture
 
 
 def layer_mappings(arch: GPTArchitecture, norms: dict[str, str]) -> tuple[Mapping, ...]:
-    """Qwen3-MoE's table (same names) plus `mlp.shared_expert.*` and `mlp.shared_expert_gate`."""
+    """Qwen3-MoE's table (same names) plus `mlp.shared_expert.*` and `mlp.shared_expert_gate`;
+    a dense layer (`arch` without experts) has the dense MLP only."""
+    if not arch.num_moe_experts:
+        return routed_mappings(arch, norms)
     return routed_mappings(arch, norms) + shared_expert_mappings(
         "mlp.shared_expert", "mlp.shared_expert_gate.weight"
     )
 
 
 def _architecture(config: dict[str, Any], where: str) -> GPTArchitecture:
-    step = config.get("decoder_sparse_step", 1)
-    if step != 1 or config.get("mlp_only_layers"):
-        raise ConversionError(
-            f"{where}: decoder_sparse_step {step} / mlp_only_layers "
-            f"{config.get('mlp_only_layers')}: only an MoE MLP in every layer is supported"
-        )
     shared = config.get("shared_expert_intermediate_size")
     if not isinstance(shared, int) or shared <= 0:
         raise ConversionError(
@@ -49,6 +52,7 @@ def _architecture(config: dict[str, Any], where: str) -> GPTArchitecture:
         moe_shared_expert_intermediate_size=shared,
         moe_shared_expert_gate=True,
         **routing,
+        moe_layer_freq=sparse_layers(config, where),
     )
 
 
@@ -61,9 +65,8 @@ def _config(arch: GPTArchitecture, config: dict[str, Any]) -> dict[str, Any]:
         moe_intermediate_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
         shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
         norm_topk_prob=not arch.moe_router_pre_softmax,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
         router_aux_loss_coef=arch.moe_aux_loss_coeff,
+        **sparse_layer_fields(arch),
     )
     return config
 
@@ -76,7 +79,11 @@ FAMILIES = (
         hf_config=_config,
         layer_mappings=layer_mappings,
         cannot_express=lambda arch: mismatch(
-            arch, qkv_bias=arch.add_qkv_bias, moe=True, shared_expert=True
+            arch,
+            qkv_bias=arch.add_qkv_bias,
+            moe=True,
+            shared_expert=True,
+            dense_layers=arch.has_dense_layers(),
         ),
     ),
 )
