@@ -374,12 +374,8 @@ TP2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
         ([*MOE, "model.expert_tensor_parallel_size=2", "model.expert_model_parallel_size=2"], 4, None),
         ([*MOE, "model.expert_tensor_parallel_size=1"], 1, None),  # = TP: nothing to say
         (["model.expert_tensor_parallel_size=1"], 1, None),  # a dense model at ETP = TP
-        (
-            [*MOE, *TP2, "model.expert_tensor_parallel_size=1"],
-            2,
-            "model.expert_tensor_parallel_size: 1 (not TP=2) trains only with "
-            "model.expert_model_parallel_size > 1",
-        ),
+        # EP = 1 too: the experts are marked expert-parallel at every EP size.
+        ([*MOE, *TP2, "model.expert_tensor_parallel_size=1"], 2, None),
         (
             ["model.expert_tensor_parallel_size=2"],
             2,

@@ -15,8 +15,8 @@ reference strategies (`separate`, `precomputed`; EP=1's is `cpu_swap`). The aux 
 `transformers`' on the same rows (KTO and DPO); EP=2 in bf16 follows the fp32 run to bf16
 precision; a resume under EP is bitwise, one at another EP continues the run (EP 2 -> 1 and
 1 -> 2, either optimizer), a checkpoint saved at ETP=2 resumes at ETP=1 (weights and optimizer
-state, standard and distributed), and a launch with an expert count EP does not divide, or with
-ETP != TP at EP=1 (which megatron-core 0.16.1 would train wrongly), fails with one `error:` line.
+state, standard and distributed), and a launch with an expert count EP does not divide, or an
+expert hidden size ETP does not divide, fails with one `error:` line.
 The same model with a dense layer 1 (`mlp_only_layers=[1]`) trains the same at EP=2 and PP=2 as
 at EP=1.
 """
@@ -56,6 +56,11 @@ RUNS = {
         [*TP2SP, "model.expert_tensor_parallel_size=1", "model.expert_model_parallel_size=2"],
     ),
     "etp2ep2": (4, ["model.expert_tensor_parallel_size=2", "model.expert_model_parallel_size=2"]),
+    # The same at EP=1 (experts marked expert-parallel at every EP size, see
+    # training_setup.mark_experts_expert_parallel): TP=2 with whole experts, and TP=1 with each
+    # expert split over the two data-parallel ranks.
+    "tp2etp1": (2, [*TP2SP, "model.expert_tensor_parallel_size=1"]),
+    "etp2": (2, ["model.expert_tensor_parallel_size=2"]),
     # TP x PP on 4 ranks (DP=1: the same global batch in 4 micro-batches of 2, as EP=1's two
     # ranks' 2 x 2): the balance statistics are summed over TP (sequence parallel) and stages.
     "tp2pp2": (
@@ -99,6 +104,8 @@ REFERENCE = {
     "tp2pp2": "ep1",
     "tp2ep2etp1": "ep1",
     "etp2ep2": "ep1",
+    "tp2etp1": "ep1",
+    "etp2": "ep1",
     "ref_separate": "ep1",
     "ref_precomputed": "ep1",
     "mixed_ep2": "mixed_ep1",
@@ -226,6 +233,8 @@ def test_aux_loss_and_loss_equal_transformers(runs, name):
         "tp2pp2",
         "tp2ep2etp1",
         "etp2ep2",
+        "tp2etp1",
+        "etp2",
         "ref_separate",
         "ref_precomputed",
         "mixed_ep2",
@@ -298,11 +307,9 @@ def test_bf16_at_ep2_follows_fp32(runs):
             "model.expert_model_parallel_size=3",
             "model.expert_model_parallel_size: 3 does not divide",
         ),
-        # megatron-core 0.16.1 would reduce the split experts' gradients as dense ones at EP=1.
         (
-            "model.expert_tensor_parallel_size=2",
-            "model.expert_tensor_parallel_size: 2 (not TP=1) trains only with "
-            "model.expert_model_parallel_size > 1",
+            "model.expert_tensor_parallel_size=5",
+            "model.expert_tensor_parallel_size: 5 does not divide the experts' hidden size 48",
         ),
     ],
 )

@@ -262,7 +262,6 @@ def check_layout(args: argparse.Namespace, settings: dict[str, Any]) -> None:
                 tp=tp,
                 etp=args.expert_tensor_parallel_size,
                 etp_key="--expert-tensor-parallel-size",
-                training=False,
             )
         except ConfigError as e:
             raise UsageError(str(e)) from None

@@ -129,7 +129,6 @@ def check_expert_layout(
     tp: int = 1,
     etp: int | None = None,
     etp_key: str = "model.expert_tensor_parallel_size",
-    training: bool = True,
 ) -> None:
     """The expert-parallel and expert-tensor-parallel degrees fit the layout and the architecture.
 
@@ -137,11 +136,10 @@ def check_expert_layout(
     expert-DP x PP, where ETP (None: the attention's `tp`) splits each expert's linears and EP
     splits the experts. So `ep` must divide the expert count, `etp` the experts' hidden size, and
     ETP x EP the ranks of a pipeline stage (TP x `data_parallel`, which counts DP x CP); at
-    ETP = TP that is: `ep` divides `data_parallel`. Training at ETP != TP also needs EP > 1
-    (`training`; forward passes do not): megatron-core 0.16.1 marks expert weights as expert
-    parameters only when EP > 1 (`allreduce = not (is_expert and EP > 1)` in its linear layers),
-    so at EP = 1 their gradients are reduced over the dense data-parallel group instead of the
-    experts' own (measured: TP=2 x ETP=1 at EP=1 trains to other weights than TP=1).
+    ETP = TP that is: `ep` divides `data_parallel`. ETP != TP trains at EP = 1 too because
+    `training_setup.mark_experts_expert_parallel` marks experts as expert parameters at every EP
+    size (megatron-core 0.16.1 does so only at EP > 1, and would reduce EP = 1 experts' gradients
+    over the dense data-parallel group: TP=2 x ETP=1 then trains to other weights than TP=1).
 
     Raises:
         ConfigError: naming `key` (EP) or `etp_key` (ETP).
@@ -156,13 +154,6 @@ def check_expert_layout(
             bool(experts),
             etp_key,
             f"{etp} (not TP={tp}) needs a mixture-of-experts model (num_moe_experts unset{where})",
-        )
-        _need(
-            ep > 1 or not training,
-            etp_key,
-            f"{etp} (not TP={tp}) trains only with model.expert_model_parallel_size > 1: at EP=1 "
-            "megatron-core 0.16.1 reduces the experts' gradients over the dense data-parallel "
-            "group, not the experts' own; set EP >= 2 or leave ETP unset (= TP)",
         )
         hidden = arch.moe_ffn_hidden_size or arch.ffn_hidden_size
         _need(
