@@ -238,3 +238,39 @@ def test_context_parallel_plans_a_rank_holding_a_part_of_every_row():
     dims, x, _, _ = run_inputs(prepared.cfg, prepared.architecture, 4, "cuda")
     assert (x.seq_len, x.tokens, x.forward_tokens, x.micro_batches) == (5, 10, 10, 4)
     assert dims.dp == 4
+
+
+QWEN3_MOE_TINY = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 256,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-06,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
+
+
+def test_moe_model_is_refused_not_planned_as_dense(tmp_path):
+    """A dense plan of an MoE model would ignore its experts: the tool says so and exits 2,
+    and the library refuses the architecture too (the run's start-up table catches it)."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE_TINY))
+    out = _run_tool("--hf-config", str(tmp_path), "--gpus", "8", "--gpu-memory", "80GB")
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert "qwen3_moe" in lines[0] and "8 routed experts" in lines[0]
+    arch = architecture_from_hf(QWEN3_MOE_TINY)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        candidates(arch, Cluster(8, 80 * 10**9), 128, 8)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        total_parameters(arch)

@@ -4,7 +4,9 @@
     python tools/plan_layout.py --hf-config config.json --gpus 1 --gpu-memory 24GB --seq 2048
     python tools/plan_layout.py --hf-config config.json --gpus 1 --gpu-memory 24GB --lora-rank 16
 
-Reads a Hugging Face config.json (a file or the directory holding it; Llama / Mistral / Qwen2),
+Reads a Hugging Face config.json (a file or the directory holding it; Llama / Mistral / Qwen2 /
+Qwen3 — a mixture-of-experts model, Qwen3-MoE / Mixtral / Qwen2-MoE, is refused with exit code 2:
+its experts and expert-parallel layouts are not planned),
 enumerates every valid TP / PP / DP × micro-batch × recomputation × reference strategy for a KTO
 run (a LoRA run with `--lora-rank`: adapters on `--lora-targets`, reference adapters-off or
 precomputed), and prints the fastest few that fit (or, if none does, the smallest and by how much it
@@ -63,7 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         memory = parse_bytes(args.gpu_memory)
         if not path.is_file():
             raise ValueError(f"--hf-config: {path} does not exist")
-        arch = architecture_from_hf(json.loads(path.read_text()), where=str(path))
+        hf = json.loads(path.read_text())
+        arch = architecture_from_hf(hf, where=str(path))
+        if arch.num_moe_experts:
+            raise ValueError(
+                f"--hf-config: {path} is a mixture-of-experts model ({hf.get('model_type')}, "
+                f"{arch.num_moe_experts} routed experts): MoE layout planning is not supported"
+            )
         if args.gpus < 1 or args.global_batch < 1:
             raise ValueError("--gpus and --global-batch must be >= 1")
         lora = None

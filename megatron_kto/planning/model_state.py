@@ -165,6 +165,20 @@ def lora_parameters(
     return out
 
 
+def require_dense(arch: GPTArchitecture) -> None:
+    """Refuse a mixture-of-experts architecture: its routers, experts and expert-parallel
+    buffers are not modelled, and a dense plan of it would be silently wrong.
+
+    Raises:
+        ValueError: `arch.num_moe_experts` is set.
+    """
+    if arch.num_moe_experts:
+        raise ValueError(
+            f"memory planning of mixture-of-experts models is not supported "
+            f"({arch.num_moe_experts} routed experts per MoE layer)"
+        )
+
+
 def chunk_parameters(
     arch: GPTArchitecture,
     dims: ParallelDims,
@@ -173,7 +187,12 @@ def chunk_parameters(
     lora: LoRAShape | None = None,
 ) -> list[Param]:
     """Parameters of one model chunk, in `named_parameters()` order (names without wrappers);
-    under LoRA the base parameters are frozen and the adapters follow them."""
+    under LoRA the base parameters are frozen and the adapters follow them.
+
+    Raises:
+        ValueError: a mixture-of-experts architecture (`require_dense`).
+    """
+    require_dense(arch)
     vpp = dims.vpp or 1
     first = pp_rank == 0 and vp_stage == 0
     last = pp_rank == dims.pp - 1 and vp_stage == vpp - 1
