@@ -67,7 +67,12 @@ from dataclasses import dataclass
 
 from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.peft.targets import projection_shape, resolve_targets
-from megatron_kto.planning.model_state import LoRAShape, ParallelDims, layers_per_chunk
+from megatron_kto.planning.model_state import (
+    LoRAShape,
+    ParallelDims,
+    layers_per_chunk,
+    require_dense,
+)
 
 ACT_BYTES = {"32": 4, "bf16": 2, "16": 2}
 
@@ -238,7 +243,12 @@ def activation_bytes(
     lora: LoRAShape | None = None,
 ) -> Activations:
     """Peak activation bytes of pipeline rank `pp_rank` during a training step (of LoRA
-    adapters when `lora` is given)."""
+    adapters when `lora` is given).
+
+    Raises:
+        ValueError: a mixture-of-experts architecture (not modelled: `require_dense`).
+    """
+    require_dense(arch)
     h, f, *_ = _dims(arch)
     e, T = ACT_BYTES[dims.precision], dims.tp
     sp = T if dims.sequence_parallel else 1
@@ -282,7 +292,12 @@ def activation_bytes(
 def forward_only_bytes(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs) -> int:
     """Peak working set of a forward-only pass (reference, KL rows), nothing kept across layers:
     the hidden stream (t·h·e) plus the larger of a layer's live tensors (t·e·(2·h/sp + 4·f/T +
-    2·(n + 2g)·d/T)) and the output layer's chunk (c·V/T·(4 + e) + N·h·e)."""
+    2·(n + 2g)·d/T)) and the output layer's chunk (c·V/T·(4 + e) + N·h·e).
+
+    Raises:
+        ValueError: a mixture-of-experts architecture (not modelled: `require_dense`).
+    """
+    require_dense(arch)
     h, f, n, g, d = _dims(arch)
     e, T = ACT_BYTES[dims.precision], dims.tp
     sp = T if dims.sequence_parallel else 1

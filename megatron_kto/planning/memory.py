@@ -154,6 +154,8 @@ def run_inputs(
         bucket_size=None
         if m.optim.bucket_cap_mb is None
         else max(1, int(m.optim.bucket_cap_mb * 2**20 / 4)),
+        ep=m.expert_model_parallel_size,
+        etp=m.expert_tensor_parallel_size,
     )
     loss = m.kto if algorithm == "kto" else m.dpo
     max_length = m.data.max_length or arch.encoder_seq_length
