@@ -4,12 +4,12 @@
   Qwen2-MoE (a gated shared expert, tied embeddings, a dense layer) built from tiny configs, and
   Qwen3-30B-A3B's real shape built on the meta device (30,532,122,624: the published "30.5B",
   "29.9B non-embedding"), not our formulas; every EP x ETP x TP rank's share adds up to the whole.
-* Model-state bytes: the trainer's own builders on gloo ranks (`run._build_policy`,
-  `run._build_optimization`) with routers, routed experts, a gated shared expert and a dense
-  layer, at EP=1 (the experts still in buffers of their own, sharded over expert-DP = DP), at
-  EP=2 with expert-DP=2 < DP=4, and at TP=2 x ETP=1 x EP=2: each chunk's parameters (names and
-  sizes, in order) are the plan's, and weights, gradients and optimizer state are the plan's to
-  the byte after an optimizer step (`planning.measure.model_state_bytes`).
+* Model state and peak (`tools/bench_memory_plan.py`: the trainer's own builders on gloo ranks,
+  KTO steps measured with `planning.measure`) with routers, routed experts, a gated shared
+  expert and Q/K norms, bf16 with the distributed optimizer, at EP=1 (the experts still in
+  buffers of their own, sharded over expert-DP = DP = 2) and at EP=2 with expert-DP 2 < DP 4:
+  each chunk's parameters (names and sizes, in order) are the plan's, weights, gradients and
+  optimizer state are the plan's to the byte, and the peak is within 15% of the measured one.
 """
 
 from __future__ import annotations
@@ -131,115 +131,21 @@ def test_qwen3_30b_a3b_parameter_count():
     assert round(total / 1e9, 1) == 30.5 and round((total - embeddings) / 1e9, 1) == 29.9
 
 
-#: A wider tiny model with every MoE part: 4 experts of 96, top-2, Q/K norms, a gated shared
-#: expert of 64, layer 1 dense.
-MOE = [
-    "model.num_moe_experts=4",
-    "model.moe_ffn_hidden_size=96",
-    "model.moe_router_topk=2",
-    "model.qk_layernorm=true",
-    "model.moe_shared_expert_intermediate_size=64",
-    "model.moe_shared_expert_gate=true",
-    "model.moe_layer_freq=[1,0,1,1]",
-]
-DISTOPT = ["model.optim.name=distributed_fused_adam", "model.optim.overlap_grad_sync=false"]
-#: name -> (world, overrides)
-LAYOUTS = {
-    "ep1_dp2_distopt_bf16": (2, [*DISTOPT, "trainer.precision=bf16"]),
-    "ep2_dp4_distopt_bf16": (
-        4,
-        [*DISTOPT, "trainer.precision=bf16", "model.expert_model_parallel_size=2"],
-    ),
-    "tp2_sp_etp1_ep2": (
-        2,
-        [
-            "model.tensor_model_parallel_size=2",
-            "model.sequence_parallel=true",
-            "model.expert_tensor_parallel_size=1",
-            "model.expert_model_parallel_size=2",
-        ],
-    ),
-}
-
-
-def measure_state(rank: int, world: int, overrides: list[str]) -> dict:
-    """Build a layout with the trainer's builders, take one KTO step (Adam's state exists after
-    it), and return the plan's and the real tensors' model-state bytes of this rank."""
-    from types import SimpleNamespace
-
-    from megatron.core import parallel_state
-    from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
-
-    from megatron_kto import run
-    from megatron_kto.config.entry import compose_run_config
-    from megatron_kto.models.builder import unwrap
-    from megatron_kto.models.schedule import to_device
-    from megatron_kto.models.training_setup import zero_grads
-    from megatron_kto.planning.measure import model_state_bytes
-    from megatron_kto.planning.memory import run_inputs
-    from megatron_kto.planning.model_state import model_state, rank_chunks
-    from megatron_kto.runtime import init_runtime, teardown
-
-    prepared = compose_run_config(
-        "gpt_kto", [*bench_memory_plan.MODEL, *MOE, *overrides], world_size=world
-    )
-    cfg, arch = prepared.cfg, prepared.architecture
-    m = cfg.model
-    runtime = init_runtime(
-        m.tensor_model_parallel_size,
-        m.pipeline_model_parallel_size,
-        m.virtual_pipeline_model_parallel_size,
-        seed=m.seed,
-        device="cpu",
-        expert_parallel_size=m.expert_model_parallel_size,
-        expert_tensor_parallel_size=m.expert_tensor_parallel_size,
-    )
-    layout = run._layout(cfg)
-    model = run._build_policy(cfg, "kto", arch, layout, runtime)
-    optimizer, _ = run._build_optimization(
-        cfg, "kto", model.chunks, SimpleNamespace(max_steps=10), layout.precision
-    )
-    dp_rank = parallel_state.get_data_parallel_rank()
-    expert_dp_rank = parallel_state.get_expert_data_parallel_rank()
-    expert_dp = parallel_state.get_expert_data_parallel_world_size()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    rows = m.global_batch_size // parallel_state.get_data_parallel_world_size()
-    host = bench_memory_plan._batch(rows, m.data.max_length, arch.vocab_size, seed=dp_rank)
-    batch = to_device(host, runtime.device)
-    ref = model.get_ref_policy_logprobs(batch)
-    batch["ref_policy_log_probs_samples"] = ref[:rows]
-    batch["ref_policy_log_probs_kl"] = ref[rows : 2 * rows]
-    zero_grads(model.chunks, optimizer)
-    model.get_loss_and_metric_sums(batch, forward_only=False)
-    optimizer.step()
-    built = [[(name, p.numel()) for name, p in unwrap(c).named_parameters()] for c in model.chunks]
-    measured = model_state_bytes(model.chunks, optimizer)
-    dims, *_ = run_inputs(cfg, arch, world, runtime.device.type)
-    state = model_state(
-        arch,
-        dims,
-        pp_rank,
-        dp_rank,
-        USING_PYTORCH_OPTIMIZER,
-        expert_dp_rank=expert_dp_rank,
-    )
-    planned = [[(p.name, p.numel) for p in chunk] for chunk in rank_chunks(arch, dims, pp_rank)]
-    teardown()
-    return {
-        "rank": rank,
-        "parameters_match": planned == built,
-        "expert_dp": (dims.expert_dp, expert_dp),
-        "predicted": (state.weights, state.gradients, state.optimizer),
-        "measured": (measured.weights, measured.gradients, measured.optimizer),
-    }
+#: `tools/bench_memory_plan.py` layouts (its model with 4 experts of 96, top-2, Q/K norms, a
+#: gated shared expert of 64). Its `moe_tp2_sp_etp1_ep2` and `moe_pp2_ep2_dense_layer` are left
+#: to the tool (time; ETP != TP shapes are checked above).
+LAYOUTS = ["moe_ep1_dp2_distopt_bf16", "moe_ep2_dp4_distopt_bf16"]
+TOLERANCE = 0.15
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_moe_model_state_is_exact(layout):
-    world, overrides = LAYOUTS[layout]
-    for r in run_multirank(measure_state, world, overrides, timeout=300):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_moe_model_state_is_exact_and_peak_close(layout):
+    world, overrides = bench_memory_plan.LAYOUTS[layout]
+    results = run_multirank(bench_memory_plan.measure_rank, world, overrides, timeout=600)
+    for r in results:
         assert r["parameters_match"], f"rank {r['rank']}: parameter list differs from the plan"
-        planned_edp, real_edp = r["expert_dp"]
-        assert planned_edp == real_edp, (layout, r["rank"])
-        assert r["predicted"] == r["measured"], (layout, r["rank"])
+        for key in ("weights", "gradients", "optimizer"):
+            assert r["predicted"][key] == r["measured"][key], (layout, r["rank"], key)
+        ratio = r["predicted"]["peak"] / r["measured"]["peak"]
+        assert abs(ratio - 1) <= TOLERANCE, (layout, r["rank"], ratio)

@@ -84,9 +84,11 @@ def plan_rank(
     dp_rank: int = 0,
     torch_adam_steps: bool = False,
     lora: LoRAShape | None = None,
+    expert_dp_rank: int | None = None,
 ) -> MemoryPlan:
-    """The plan of the rank at (`pp_rank`, `dp_rank`) (a LoRA run's when `lora` is given)."""
-    state = model_state(arch, dims, pp_rank, dp_rank, torch_adam_steps, lora)
+    """The plan of the rank at (`pp_rank`, `dp_rank`) (a LoRA run's when `lora` is given; of
+    expert-DP rank `expert_dp_rank` for an MoE model, None: `model_state`'s default)."""
+    state = model_state(arch, dims, pp_rank, dp_rank, torch_adam_steps, lora, expert_dp_rank)
     param_bytes = state.parameters * PARAM_BYTES[dims.precision]
     acts = activation_bytes(arch, dims, x, pp_rank, lora)
     return MemoryPlan(

@@ -224,20 +224,6 @@ def lora_parameters(
     return out
 
 
-def require_dense(arch: GPTArchitecture) -> None:
-    """Refuse a mixture-of-experts architecture where a plan models dense layers only (the
-    activations of an MoE layer): a dense estimate of it would be silently wrong.
-
-    Raises:
-        ValueError: `arch.num_moe_experts` is set.
-    """
-    if arch.num_moe_experts:
-        raise ValueError(
-            f"memory planning of mixture-of-experts models is not supported "
-            f"({arch.num_moe_experts} routed experts per MoE layer)"
-        )
-
-
 def chunk_parameters(
     arch: GPTArchitecture,
     dims: ParallelDims,
