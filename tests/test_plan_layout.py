@@ -240,37 +240,28 @@ def test_context_parallel_plans_a_rank_holding_a_part_of_every_row():
     assert dims.dp == 4
 
 
-QWEN3_MOE_TINY = {
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "model_type": "qwen3_moe",
-    "hidden_size": 64,
-    "intermediate_size": 160,
-    "moe_intermediate_size": 32,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 256,
-    "max_position_embeddings": 128,
-    "rms_norm_eps": 1e-06,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-}
 
+def test_moe_model_plans_its_experts(tmp_path):
+    """Qwen3-30B-A3B (30.5B parameters, published) on 8 x 80 GB: whatever the layout, every
+    parameter's bf16 weight and fp32 gradient and its 12 bytes of Adam state live on some rank
+    (nothing replicated counted), so the busiest GPU holds at least 18 x 30.5e9 / 8 bytes — a
+    plan that treated the model as dense (its 6144-wide dense MLP, ~4.5B parameters) could not
+    reach that. The recommendation names its EP and ETP; LoRA of an MoE model is refused."""
+    from test_plan_moe import QWEN3_30B_A3B
 
-def test_moe_model_is_refused_not_planned_as_dense(tmp_path):
-    """A dense plan of an MoE model would ignore its experts: the tool says so and exits 2,
-    and the library refuses the architecture too (the run's start-up table catches it)."""
-    (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE_TINY))
-    out = _run_tool("--hf-config", str(tmp_path), "--gpus", "8", "--gpu-memory", "80GB")
-    assert out.returncode == 2 and out.stdout == ""
-    lines = out.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ")
-    assert "qwen3_moe" in lines[0] and "8 routed experts" in lines[0]
-    arch = architecture_from_hf(QWEN3_MOE_TINY)
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        candidates(arch, Cluster(8, 80 * 10**9), 128, 8)
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        total_parameters(arch)
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    args = ("--hf-config", str(tmp_path), "--gpus", "8", "--gpu-memory", "80GB")
+    out = _run_tool(*args)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "128 experts of 768 (top-8)" in out.stdout and "| EP | ETP |" in out.stdout
+    first = next(
+        line for line in out.stdout.splitlines() if line.startswith("| ") and "TP" not in line
+    )
+    cells = [c.strip() for c in first.strip("|").split("|")]
+    tp, pp, dp, peak = int(cells[0]), int(cells[1]), int(cells[2]), float(cells[8])
+    ep, etp = int(cells[11]), int(cells[12])
+    assert tp * pp * dp == 8 and 128 % ep == 0 and (tp * dp) % (ep * etp) == 0
+    assert 18 * 30.5e9 / 8 / 2**30 <= peak <= (0.92 * 80e9 - 1.5 * 2**30) / 2**30
+    bad = _run_tool(*args, "--lora-rank", "8")
+    lines = bad.stderr.splitlines()
+    assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --lora-rank")

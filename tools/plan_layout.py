@@ -65,12 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         memory = parse_bytes(args.gpu_memory)
         if not path.is_file():
             raise ValueError(f"--hf-config: {path} does not exist")
-        hf = json.loads(path.read_text())
-        arch = architecture_from_hf(hf, where=str(path))
-        if arch.num_moe_experts:
+        arch = architecture_from_hf(json.loads(path.read_text()), where=str(path))
+        if arch.num_moe_experts and args.lora_rank is not None:
             raise ValueError(
-                f"--hf-config: {path} is a mixture-of-experts model ({hf.get('model_type')}, "
-                f"{arch.num_moe_experts} routed experts): MoE layout planning is not supported"
+                f"--lora-rank: LoRA of a mixture-of-experts model ({arch.num_moe_experts} "
+                "routed experts) is not planned"
             )
         if args.gpus < 1 or args.global_batch < 1:
             raise ValueError("--gpus and --global-batch must be >= 1")
@@ -91,10 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster(args.gpus, memory, args.gpu_type, min(args.gpus_per_node, args.gpus))
     found = candidates(arch, cluster, seq, args.global_batch, args.precision, lora)
     tuning = f"LoRA rank {lora.rank} on {','.join(lora.targets)}" if lora else "full fine-tuning"
+    experts = ""
+    if arch.num_moe_experts:
+        moe_layers = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
+        experts = (
+            f", {arch.num_moe_experts} experts of {arch.moe_ffn_hidden_size or arch.ffn_hidden_size}"
+            f" (top-{arch.moe_router_topk}) in {moe_layers} layers"
+        )
     print(
         f"model: {arch.num_layers} layers, hidden {arch.hidden_size}, {arch.num_attention_heads} "
-        f"heads / {arch.num_query_groups} groups, vocabulary {arch.vocab_size}; KTO, {tuning}, "
-        f"{seq} tokens per row, global batch {args.global_batch}, {args.precision}"
+        f"heads / {arch.num_query_groups} groups, vocabulary {arch.vocab_size}{experts}; KTO, "
+        f"{tuning}, {seq} tokens per row, global batch {args.global_batch}, {args.precision}"
     )
     print("\n".join(format_candidates(found, cluster, args.top, lora)))
     return 0 if any(c.fits for c in found) else 1
