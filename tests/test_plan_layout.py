@@ -240,7 +240,6 @@ def test_context_parallel_plans_a_rank_holding_a_part_of_every_row():
     assert dims.dp == 4
 
 
-
 def test_moe_model_plans_its_experts(tmp_path):
     """Qwen3-30B-A3B (30.5B parameters, published) on 8 x 80 GB: whatever the layout, every
     parameter's bf16 weight and fp32 gradient and its 12 bytes of Adam state live on some rank

@@ -5,13 +5,13 @@
     python tools/plan_layout.py --hf-config config.json --gpus 1 --gpu-memory 24GB --lora-rank 16
 
 Reads a Hugging Face config.json (a file or the directory holding it; Llama / Mistral / Qwen2 /
-Qwen3 — a mixture-of-experts model, Qwen3-MoE / Mixtral / Qwen2-MoE, is refused with exit code 2:
-its experts and expert-parallel layouts are not planned),
-enumerates every valid TP / PP / DP × micro-batch × recomputation × reference strategy for a KTO
-run (a LoRA run with `--lora-rank`: adapters on `--lora-targets`, reference adapters-off or
-precomputed), and prints the fastest few that fit (or, if none does, the smallest and by how much it
-misses). How memory and time are estimated, and every assumption: `megatron_kto/planning/`
-(`memory.py`, `activations.py`, `layout.py`). Exit code 0 when something fits, 1 when nothing
+Qwen3, and the mixture-of-experts Qwen3-MoE / Mixtral / Qwen2-MoE), enumerates every valid
+TP / PP / DP (× EP / ETP for an MoE model) × micro-batch × recomputation × reference strategy for
+a KTO run (a LoRA run with `--lora-rank`: adapters on `--lora-targets`, reference adapters-off
+or precomputed; not for MoE models, refused with exit code 2), and prints the fastest few that
+fit (or, if none does, the smallest and by how much it misses). How memory and time are
+estimated, and every assumption: `megatron_kto/planning/` (`model_state.py`, `memory.py`,
+`activations.py`, `layout.py`). Exit code 0 when something fits, 1 when nothing
 does, 2 for bad arguments.
 """
 

@@ -19,6 +19,25 @@ These are the tensors autograd saves in megatron-core's local layer spec with ou
 | SwiGLU MLP: fc1 output, silu output, its product, and one more [t, f/T] | t · 5·f/T · e (GeLU: 2·f/T) |
 | dropout masks (hidden_dropout > 0) | 2 · t/sp · h |
 
+**MoE layers** (`moe_mlp_bytes`; megatron-core's all-to-all dispatcher and `SequentialMLP`
+experts, found the same way), with t_l = t/sp local tokens, k experts per token, E experts,
+f_e = f_moe/ETP, and R = t_l·k·ETP routed token copies this rank's experts compute (balanced
+routing: as many arrive over EP as leave; gathered over ETP), replacing the MLP row:
+
+| tensor | bytes |
+|---|---|
+| top-k indices (int64) and probabilities (fp32), the permutation's sort indices (int64) | t_l·k·20 |
+| routing map (bool) and probabilities over all experts | t_l·E·(1 + e) |
+| experts: their input copies, fc1 output (2·f_e), four [R, f_e] of SwiGLU × probability, the permuted probabilities | R·(h + 6·f_e + 1)·e |
+| shared expert: as a dense MLP of its width S; its gate's output and the expert output it scales | t·5·S/T·e + t_l·(h + 1)·e |
+
+A model with dense layers (`moe_layer_freq`) plans every layer as the larger kind. The layer
+backward's transient of an MoE layer (`moe_transient_bytes`) is the gradients of the routed
+copies and their exchange (3·R·h·e) plus R·4·f_e·e, and its largest weight gradient the larger
+of an expert's and the shared expert's fc1. Not modelled: routing imbalance (a rank whose
+experts receive more than their share keeps proportionally more) and, on CPU, gloo's staging
+copies of the all-to-alls (measured: up to a few MiB more at EP = 2, `tests/test_plan_moe.py`).
+
 Without grouped KV support in the kernel (CUDA fp32, or a mask), k and v are expanded to n
 heads: q + 2·n·d/T instead of (n + 2g)·d/T + (n + g)·d/T. Selective recomputation of core
 attention drops the attention output's log-sum-exp (the rest is still saved by its neighbours).

@@ -8,6 +8,8 @@ communication volume, less activation memory), the distributed optimizer wheneve
 same bytes as an all-reduce: a reduce-scatter plus an all-gather). Micro-batch 1, 2, 4, 8;
 recomputation none / selective / full (uniform, 1 layer); reference `separate`, `precomputed`,
 `cpu_swap`. Every row of the global batch is `seq` tokens long (the worst case) and packed.
+An MoE model adds every valid EP × ETP (`valid_expert_parallel`, the rules of
+`config.validate`), with the distributed optimizer whenever DP or expert-DP > 1.
 
 **Fits** when the worst rank's peak ≤ usable memory = 0.92 × GPU memory − 1.5 GiB (CUDA context,
 NCCL and cuBLAS workspaces, allocator fragmentation: an assumption, not a measurement).
@@ -29,7 +31,12 @@ NCCL and cuBLAS workspaces, allocator fragmentation: an assumption, not a measur
 * PP = the 1F1B bubble, (PP − 1)/M of the pipelined passes' time, plus p2p sends of t·h·e;
 * DP = reduce-scatter of fp32 gradients + all-gather of params: (DP − 1)/DP · P·(4 + e) / link
   (across nodes when TP·DP spans more than a node), half of it hidden behind the backward;
-* `cpu_swap` = 3 copies of this rank's weights over PCIe per step.
+* `cpu_swap` = 3 copies of this rank's weights over PCIe per step;
+* MoE: the FLOPs of k routed experts, the shared expert and the router replace the dense MLP's
+  (`moe_flops_per_token`); the routed experts' gradients go over expert-DP instead of DP; and
+  per MoE layer and micro-batch pass the dispatch and combine all-to-alls move the t/sp·k token
+  copies ((EP − 1)/EP of them, plus ETP − 1 times them for the ETP gather / reduce-scatter)
+  over NVLink (the network when ETP·EP exceeds a node), forward passes and backward (2×).
 
 **LoRA** (`lora`): the memory plan's LoRA terms (`model_state`, `activations`); the reference is
 `adapters_off` (no weights) or `precomputed`; the backward computes input gradients only

@@ -10,7 +10,15 @@ before launch. What it reproduces (megatron-core 0.16.1, the way `models.trainin
   are replicated. Layers split evenly over PP × VPP chunks; the embedding lives on the first
   chunk, the final norm and the output layer on the last; with tied embeddings and PP > 1 the
   last stage holds its own copy of the embedding as `output_layer.weight` (PP = 1: no output
-  weight at all).
+  weight at all). Q/K norms (Qwen3) are one [d] weight each, replicated.
+* **Mixture of experts** (`_moe_params`; the local spec's `MoELayer` with `SequentialMLP`
+  experts): per MoE layer (`arch.is_moe_layer`; the others have the dense MLP) the router
+  [E, h] (replicated), this rank's E/EP experts numbered from 0, each an MLP split over ETP
+  ((2 if SwiGLU)·f_moe/ETP rows, f_moe/ETP columns), then the shared expert's gate [1, h]
+  (replicated) and its MLP split over TP. The routed experts are marked `allreduce=False` at
+  every EP (`training_setup.mark_experts_expert_parallel`): megatron DDP gives them buffers of
+  their own (`chunk_buffers`), laid out as below with the expert-data-parallel size
+  world/(ETP·EP·PP) in place of DP, and the distributed optimizer shards them over that group.
 * **Megatron DDP buffers** (`ddp_buffer`): one contiguous buffer per chunk holding fp32
   gradients (`grad_reduce_in_fp32=True`), params laid out in reverse order. Without the
   distributed optimizer it is exactly Σ numel. With it, every parameter starts on a multiple of
@@ -35,7 +43,8 @@ before launch. What it reproduces (megatron-core 0.16.1, the way `models.trainin
   only, and the frozen weights stay in their own tensors (outside the DDP param buffer).
 
 Everything is in bytes of real tensors: `tests/test_memory_plan.py` builds the model and optimizer
-through the trainer's own builders at TP/PP/VPP/DP × precision × optimizer and compares.
+through the trainer's own builders at TP/PP/VPP/DP × precision × optimizer and compares
+(`tests/test_plan_moe.py` the same for MoE models at EP = 1 and 2).
 """
 
 from __future__ import annotations
