@@ -238,3 +238,29 @@ def test_context_parallel_plans_a_rank_holding_a_part_of_every_row():
     dims, x, _, _ = run_inputs(prepared.cfg, prepared.architecture, 4, "cuda")
     assert (x.seq_len, x.tokens, x.forward_tokens, x.micro_batches) == (5, 10, 10, 4)
     assert dims.dp == 4
+
+
+def test_moe_model_plans_its_experts(tmp_path):
+    """Qwen3-30B-A3B (30.5B parameters, published) on 8 x 80 GB: whatever the layout, every
+    parameter's bf16 weight and fp32 gradient and its 12 bytes of Adam state live on some rank
+    (nothing replicated counted), so the busiest GPU holds at least 18 x 30.5e9 / 8 bytes — a
+    plan that treated the model as dense (its 6144-wide dense MLP, ~4.5B parameters) could not
+    reach that. The recommendation names its EP and ETP; LoRA of an MoE model is refused."""
+    from test_plan_moe import QWEN3_30B_A3B
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    args = ("--hf-config", str(tmp_path), "--gpus", "8", "--gpu-memory", "80GB")
+    out = _run_tool(*args)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "128 experts of 768 (top-8)" in out.stdout and "| EP | ETP |" in out.stdout
+    first = next(
+        line for line in out.stdout.splitlines() if line.startswith("| ") and "TP" not in line
+    )
+    cells = [c.strip() for c in first.strip("|").split("|")]
+    tp, pp, dp, peak = int(cells[0]), int(cells[1]), int(cells[2]), float(cells[8])
+    ep, etp = int(cells[11]), int(cells[12])
+    assert tp * pp * dp == 8 and 128 % ep == 0 and (tp * dp) % (ep * etp) == 0
+    assert 18 * 30.5e9 / 8 / 2**30 <= peak <= (0.92 * 80e9 - 1.5 * 2**30) / 2**30
+    bad = _run_tool(*args, "--lora-rank", "8")
+    lines = bad.stderr.splitlines()
+    assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --lora-rank")

@@ -55,6 +55,24 @@ MODEL = [
 #: one rank of four as a second 19 MiB copy alive at the next step's start. NCCL has no copy.
 NO_OVERLAP_REASON = "gloo keeps an asynchronous reduce-scatter's staging copy alive"
 
+#: A mixture-of-experts variant of the model: 4 experts of 96, top-2, Q/K norms, a gated shared
+#: expert of 64 (Qwen2-MoE's parts and Qwen3-MoE's together).
+MOE = [
+    "model.num_moe_experts=4",
+    "model.moe_ffn_hidden_size=96",
+    "model.moe_router_topk=2",
+    "model.qk_layernorm=true",
+    "model.moe_shared_expert_intermediate_size=64",
+    "model.moe_shared_expert_gate=true",
+]
+
+#: The distributed optimizer in bf16 (overlap off: see NO_OVERLAP_REASON).
+DISTOPT_BF16 = [
+    "model.optim.name=distributed_fused_adam",
+    "model.optim.overlap_grad_sync=false",
+    "trainer.precision=bf16",
+]
+
 #: name -> (world size, overrides)
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "single": (1, []),
@@ -139,6 +157,33 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
             "model.optim.overlap_grad_sync=false",
         ],
     ),
+    # Mixture of experts: the routed experts in DDP buffers and optimizer shards of their own
+    # (expert-DP = world / (ETP x EP x PP)), at EP=1 (expert-DP = DP = 2), EP=2 with expert-DP
+    # 2 of DP 4, TP=2 x ETP=1 x EP=2, and PP=2 x EP=2 with a dense layer.
+    "moe_ep1_dp2_distopt_bf16": (2, [*MOE, *DISTOPT_BF16]),
+    "moe_ep2_dp4_distopt_bf16": (
+        4,
+        [*MOE, *DISTOPT_BF16, "model.expert_model_parallel_size=2"],
+    ),
+    "moe_tp2_sp_etp1_ep2": (
+        2,
+        [
+            *MOE,
+            "model.tensor_model_parallel_size=2",
+            "model.sequence_parallel=true",
+            "model.expert_tensor_parallel_size=1",
+            "model.expert_model_parallel_size=2",
+        ],
+    ),
+    "moe_pp2_ep2_dense_layer": (
+        4,
+        [
+            *MOE,
+            "model.pipeline_model_parallel_size=2",
+            "model.expert_model_parallel_size=2",
+            "model.moe_layer_freq=[1,0,1,1]",
+        ],
+    ),
     "single_lora_bf16": (
         1,
         [
@@ -196,6 +241,8 @@ def measure_rank(rank: int, world: int, overrides: list[str]) -> dict:
             m.virtual_pipeline_model_parallel_size,
             seed=m.seed,
             device="cpu",
+            expert_parallel_size=m.expert_model_parallel_size,
+            expert_tensor_parallel_size=m.expert_tensor_parallel_size,
         )
         layout = run._layout(cfg)
         model = run._build_policy(cfg, "kto", arch, layout, runtime)
@@ -244,7 +291,17 @@ def measure_rank(rank: int, world: int, overrides: list[str]) -> dict:
     x = with_tokens(
         x, tokens, max(sum(scored[i] for i in r) for r in micro), host["samples"].shape[1]
     )
-    plan = plan_rank(arch, dims, x, strategy, pp_rank, dp_rank, USING_PYTORCH_OPTIMIZER, lora)
+    plan = plan_rank(
+        arch,
+        dims,
+        x,
+        strategy,
+        pp_rank,
+        dp_rank,
+        USING_PYTORCH_OPTIMIZER,
+        lora,
+        parallel_state.get_expert_data_parallel_rank(),
+    )
     planned = [
         [(p.name, p.numel) for p in chunk] for chunk in rank_chunks(arch, dims, pp_rank, lora)
     ]

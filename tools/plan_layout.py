@@ -4,12 +4,14 @@
     python tools/plan_layout.py --hf-config config.json --gpus 1 --gpu-memory 24GB --seq 2048
     python tools/plan_layout.py --hf-config config.json --gpus 1 --gpu-memory 24GB --lora-rank 16
 
-Reads a Hugging Face config.json (a file or the directory holding it; Llama / Mistral / Qwen2),
-enumerates every valid TP / PP / DP × micro-batch × recomputation × reference strategy for a KTO
-run (a LoRA run with `--lora-rank`: adapters on `--lora-targets`, reference adapters-off or
-precomputed), and prints the fastest few that fit (or, if none does, the smallest and by how much it
-misses). How memory and time are estimated, and every assumption: `megatron_kto/planning/`
-(`memory.py`, `activations.py`, `layout.py`). Exit code 0 when something fits, 1 when nothing
+Reads a Hugging Face config.json (a file or the directory holding it; Llama / Mistral / Qwen2 /
+Qwen3, and the mixture-of-experts Qwen3-MoE / Mixtral / Qwen2-MoE), enumerates every valid
+TP / PP / DP (× EP / ETP for an MoE model) × micro-batch × recomputation × reference strategy for
+a KTO run (a LoRA run with `--lora-rank`: adapters on `--lora-targets`, reference adapters-off
+or precomputed; not for MoE models, refused with exit code 2), and prints the fastest few that
+fit (or, if none does, the smallest and by how much it misses). How memory and time are
+estimated, and every assumption: `megatron_kto/planning/` (`model_state.py`, `memory.py`,
+`activations.py`, `layout.py`). Exit code 0 when something fits, 1 when nothing
 does, 2 for bad arguments.
 """
 
@@ -64,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         if not path.is_file():
             raise ValueError(f"--hf-config: {path} does not exist")
         arch = architecture_from_hf(json.loads(path.read_text()), where=str(path))
+        if arch.num_moe_experts and args.lora_rank is not None:
+            raise ValueError(
+                f"--lora-rank: LoRA of a mixture-of-experts model ({arch.num_moe_experts} "
+                "routed experts) is not planned"
+            )
         if args.gpus < 1 or args.global_batch < 1:
             raise ValueError("--gpus and --global-batch must be >= 1")
         lora = None
@@ -83,10 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster(args.gpus, memory, args.gpu_type, min(args.gpus_per_node, args.gpus))
     found = candidates(arch, cluster, seq, args.global_batch, args.precision, lora)
     tuning = f"LoRA rank {lora.rank} on {','.join(lora.targets)}" if lora else "full fine-tuning"
+    experts = ""
+    if arch.num_moe_experts:
+        moe_layers = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
+        experts = (
+            f", {arch.num_moe_experts} experts of {arch.moe_ffn_hidden_size or arch.ffn_hidden_size}"
+            f" (top-{arch.moe_router_topk}) in {moe_layers} layers"
+        )
     print(
         f"model: {arch.num_layers} layers, hidden {arch.hidden_size}, {arch.num_attention_heads} "
-        f"heads / {arch.num_query_groups} groups, vocabulary {arch.vocab_size}; KTO, {tuning}, "
-        f"{seq} tokens per row, global batch {args.global_batch}, {args.precision}"
+        f"heads / {arch.num_query_groups} groups, vocabulary {arch.vocab_size}{experts}; KTO, "
+        f"{tuning}, {seq} tokens per row, global batch {args.global_batch}, {args.precision}"
     )
     print("\n".join(format_candidates(found, cluster, args.top, lora)))
     return 0 if any(c.fits for c in found) else 1

@@ -19,6 +19,25 @@ These are the tensors autograd saves in megatron-core's local layer spec with ou
 | SwiGLU MLP: fc1 output, silu output, its product, and one more [t, f/T] | t · 5·f/T · e (GeLU: 2·f/T) |
 | dropout masks (hidden_dropout > 0) | 2 · t/sp · h |
 
+**MoE layers** (`moe_mlp_bytes`; megatron-core's all-to-all dispatcher and `SequentialMLP`
+experts, found the same way), with t_l = t/sp local tokens, k experts per token, E experts,
+f_e = f_moe/ETP, and R = t_l·k·ETP routed token copies this rank's experts compute (balanced
+routing: as many arrive over EP as leave; gathered over ETP), replacing the MLP row:
+
+| tensor | bytes |
+|---|---|
+| top-k indices (int64) and probabilities (fp32), the permutation's sort indices (int64) | t_l·k·20 |
+| routing map (bool) and probabilities over all experts | t_l·E·(1 + e) |
+| experts: their input copies, fc1 output (2·f_e), four [R, f_e] of SwiGLU × probability, the permuted probabilities | R·(h + 6·f_e + 1)·e |
+| shared expert: as a dense MLP of its width S; its gate's output and the expert output it scales | t·5·S/T·e + t_l·(h + 1)·e |
+
+A model with dense layers (`moe_layer_freq`) plans every layer as the larger kind. The layer
+backward's transient of an MoE layer (`moe_transient_bytes`) is the gradients of the routed
+copies and their exchange (3·R·h·e) plus R·4·f_e·e, and its largest weight gradient the larger
+of an expert's and the shared expert's fc1. Not modelled: routing imbalance (a rank whose
+experts receive more than their share keeps proportionally more) and, on CPU, gloo's staging
+copies of the all-to-alls (measured: up to a few MiB more at EP = 2, `tests/test_plan_moe.py`).
+
 Without grouped KV support in the kernel (CUDA fp32, or a mask), k and v are expanded to n
 heads: q + 2·n·d/T instead of (n + 2g)·d/T + (n + g)·d/T. Selective recomputation of core
 attention drops the attention output's log-sum-exp (the rest is still saved by its neighbours).
@@ -63,7 +82,7 @@ layer selection as if every layer were adapted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.peft.targets import projection_shape, resolve_targets
@@ -138,10 +157,15 @@ def _adapted_linears(arch: GPTArchitecture, lora: LoRAShape | None) -> set[str] 
 
 
 def layer_bytes(
-    arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs, lora: LoRAShape | None = None
+    arch: GPTArchitecture,
+    dims: ParallelDims,
+    x: ActivationInputs,
+    lora: LoRAShape | None = None,
+    moe: bool = False,
 ) -> int:
     """One transformer layer's saved tensors for one micro-batch (the table above; a LoRA
-    layer's base part when `lora` is given — the adapters' own: `lora_layer_bytes`)."""
+    layer's base part when `lora` is given — the adapters' own: `lora_layer_bytes`; an MoE
+    layer's when `moe`)."""
     h, f, n, g, d = _dims(arch)
     e, T, t = ACT_BYTES[dims.precision], dims.tp, x.tokens
     sp = T if dims.sequence_parallel else 1
@@ -163,12 +187,42 @@ def layer_bytes(
         total += t * n // T * 4
     if x.packed and (adapted is None or "linear_proj" in adapted):
         total += t * n * d // T * e
-    mlp = 5 if arch.activation == "swiglu" else 2
-    if adapted is not None and "linear_fc2" not in adapted:
-        mlp -= 1  # fc2's input, saved only by an fc2 adapter
-    total += t * mlp * f // T * e
+    if moe:
+        total += moe_mlp_bytes(arch, dims, x)
+    else:
+        mlp = 5 if arch.activation == "swiglu" else 2
+        if adapted is not None and "linear_fc2" not in adapted:
+            mlp -= 1  # fc2's input, saved only by an fc2 adapter
+        total += t * mlp * f // T * e
     if arch.hidden_dropout > 0:
         total += 2 * t // sp * h
+    return total
+
+
+def routed_tokens(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs) -> int:
+    """Token copies one rank's experts compute per micro-batch: its t/sp tokens, k copies each,
+    exchanged over EP (balanced routing: as many arrive as leave) and gathered over ETP."""
+    sp = dims.tp if dims.sequence_parallel else 1
+    return x.tokens // sp * arch.moe_router_topk * dims.expert_tp
+
+
+def moe_mlp_bytes(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs) -> int:
+    """What an MoE layer's MLP saves for its backward for one micro-batch, beyond its input (the
+    MoE table of the module docstring)."""
+    if arch.activation != "swiglu":
+        raise ValueError("memory planning of mixture-of-experts layers without SwiGLU")
+    e, T = ACT_BYTES[dims.precision], dims.tp
+    sp = T if dims.sequence_parallel else 1
+    local, k, experts = x.tokens // sp, arch.moe_router_topk, arch.num_moe_experts or 0
+    f = (arch.moe_ffn_hidden_size or arch.ffn_hidden_size) // dims.expert_tp
+    routed = routed_tokens(arch, dims, x)
+    total = local * k * (8 + 4 + 8) + local * experts * (1 + e)
+    total += routed * (arch.hidden_size + 6 * f + 1) * e
+    shared = arch.moe_shared_expert_intermediate_size
+    if shared:
+        total += x.tokens * 5 * shared // T * e
+        if arch.moe_shared_expert_gate:
+            total += local * (arch.hidden_size + 1) * e
     return total
 
 
@@ -238,13 +292,18 @@ def activation_bytes(
     lora: LoRAShape | None = None,
 ) -> Activations:
     """Peak activation bytes of pipeline rank `pp_rank` during a training step (of LoRA
-    adapters when `lora` is given)."""
+    adapters when `lora` is given).
+
+    An MoE model's layers are all planned as its larger kind (MoE or, with `moe_layer_freq`,
+    dense), whichever layers the stage holds.
+    """
     h, f, *_ = _dims(arch)
     e, T = ACT_BYTES[dims.precision], dims.tp
     sp = T if dims.sequence_parallel else 1
     vpp = dims.vpp or 1
     first, last = pp_rank == 0, pp_rank == dims.pp - 1
-    layer = layer_bytes(arch, dims, x, lora)
+    kinds = _layer_kinds(arch)
+    layer = max(layer_bytes(arch, dims, x, lora, moe) for moe in kinds)
     if lora is not None:
         layer += lora_layer_bytes(arch, dims, x, lora)
     per_chunk, recomputed = _kept_per_chunk(arch, dims, x, layer)
@@ -264,8 +323,15 @@ def activation_bytes(
         saved += head_saved
         if lora is not None:  # no gradient of the frozen output layer
             head_transient -= arch.padded_vocab(T) // T * h * e
+    mlp_weight = 0
+    if False in kinds:
+        mlp_weight = (2 if arch.activation == "swiglu" else 1) * f * h // T
+    if True in kinds:
+        moe_f = arch.moe_ffn_hidden_size or f
+        shared = arch.moe_shared_expert_intermediate_size or 0
+        mlp_weight = max(mlp_weight, 2 * moe_f * h // dims.expert_tp, 2 * shared * h // T)
     largest_weight = max(
-        (2 if arch.activation == "swiglu" else 1) * f * h // T,
+        mlp_weight,
         (arch.num_attention_heads + 2 * (arch.num_query_groups or arch.num_attention_heads))
         * (arch.kv_channels or h // arch.num_attention_heads)
         * h
@@ -274,22 +340,53 @@ def activation_bytes(
     # A weight's gradient exists in the compute dtype before megatron adds it to the fp32
     # buffer (plus an fp32 copy of it for the addition when the dtypes differ).
     weight_grad = 0 if lora is not None else largest_weight * (e + (4 if e != 4 else 0))
-    layer_transient = max(4 * f // T * x.tokens * e, 2 * f // T * x.tokens * e + weight_grad)
+    layer_transient = 0
+    if False in kinds:
+        layer_transient = max(4 * f // T * x.tokens * e, 2 * f // T * x.tokens * e + weight_grad)
+    if True in kinds:
+        layer_transient = max(layer_transient, moe_transient_bytes(arch, dims, x) + weight_grad)
     transient = max(layer_transient + recomputed * layer, head_transient)
     return Activations(saved=saved, transient=transient, layer=layer, in_flight=in_flight)
+
+
+def _layer_kinds(arch: GPTArchitecture) -> set[bool]:
+    """{False} for a dense model; {True} (MoE layers), plus False with dense layers."""
+    if not arch.num_moe_experts:
+        return {False}
+    return {True, False} if arch.has_dense_layers() else {True}
+
+
+def moe_transient_bytes(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs) -> int:
+    """The largest short-lived working set of an MoE layer's backward (besides a weight's
+    gradient): the gradients of the routed token copies — the experts' output and input
+    gradients and their exchange over EP and ETP — R·h·e each, and one expert's fc1 gradient."""
+    e = ACT_BYTES[dims.precision]
+    routed = routed_tokens(arch, dims, x)
+    f = (arch.moe_ffn_hidden_size or arch.ffn_hidden_size) // dims.expert_tp
+    return 3 * routed * arch.hidden_size * e + routed * 4 * f * e
 
 
 def forward_only_bytes(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs) -> int:
     """Peak working set of a forward-only pass (reference, KL rows), nothing kept across layers:
     the hidden stream (t·h·e) plus the larger of a layer's live tensors (t·e·(2·h/sp + 4·f/T +
-    2·(n + 2g)·d/T)) and the output layer's chunk (c·V/T·(4 + e) + N·h·e)."""
+    2·(n + 2g)·d/T)) and the output layer's chunk (c·V/T·(4 + e) + N·h·e).
+
+    An MoE layer's MLP part is its backward transient's routed token copies at `t` tokens
+    (`moe_transient_bytes`) in place of the 4·f/T.
+    """
     h, f, n, g, d = _dims(arch)
     e, T = ACT_BYTES[dims.precision], dims.tp
     sp = T if dims.sequence_parallel else 1
     t = x.forward_tokens or x.tokens
     scored = min(x.scored * t // max(1, x.tokens), t)
     vocab = arch.padded_vocab(T) // T
-    layer = t * e * (2 * h // sp + 4 * f // T + 2 * (n + 2 * g) * d // T)
+    mlp = 0
+    kinds = _layer_kinds(arch)
+    if False in kinds:
+        mlp = t * 4 * f // T * e
+    if True in kinds:
+        mlp = max(mlp, moe_transient_bytes(arch, dims, replace(x, tokens=t)))
+    layer = t * e * (2 * h // sp + 2 * (n + 2 * g) * d // T) + mlp
     chunk = min(x.chunk_size or t, scored)
     head = chunk * vocab * (4 + e) + scored * h * e
     return t // sp * h * e + max(layer, head)

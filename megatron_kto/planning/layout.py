@@ -8,6 +8,8 @@ communication volume, less activation memory), the distributed optimizer wheneve
 same bytes as an all-reduce: a reduce-scatter plus an all-gather). Micro-batch 1, 2, 4, 8;
 recomputation none / selective / full (uniform, 1 layer); reference `separate`, `precomputed`,
 `cpu_swap`. Every row of the global batch is `seq` tokens long (the worst case) and packed.
+An MoE model adds every valid EP × ETP (`valid_expert_parallel`, the rules of
+`config.validate`), with the distributed optimizer whenever DP or expert-DP > 1.
 
 **Fits** when the worst rank's peak ≤ usable memory = 0.92 × GPU memory − 1.5 GiB (CUDA context,
 NCCL and cuBLAS workspaces, allocator fragmentation: an assumption, not a measurement).
@@ -29,7 +31,12 @@ NCCL and cuBLAS workspaces, allocator fragmentation: an assumption, not a measur
 * PP = the 1F1B bubble, (PP − 1)/M of the pipelined passes' time, plus p2p sends of t·h·e;
 * DP = reduce-scatter of fp32 gradients + all-gather of params: (DP − 1)/DP · P·(4 + e) / link
   (across nodes when TP·DP spans more than a node), half of it hidden behind the backward;
-* `cpu_swap` = 3 copies of this rank's weights over PCIe per step.
+* `cpu_swap` = 3 copies of this rank's weights over PCIe per step;
+* MoE: the FLOPs of k routed experts, the shared expert and the router replace the dense MLP's
+  (`moe_flops_per_token`); the routed experts' gradients go over expert-DP instead of DP; and
+  per MoE layer and micro-batch pass the dispatch and combine all-to-alls move the t/sp·k token
+  copies ((EP − 1)/EP of them, plus ETP − 1 times them for the ETP gather / reduce-scatter)
+  over NVLink (the network when ETP·EP exceeds a node), forward passes and backward (2×).
 
 **LoRA** (`lora`): the memory plan's LoRA terms (`model_state`, `activations`); the reference is
 `adapters_off` (no weights) or `precomputed`; the backward computes input gradients only
@@ -43,15 +50,21 @@ the network between nodes (one 400 Gb/s NIC per GPU). FLOP/s: `throughput.datash
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from megatron_kto.logging.throughput import architecture_flops, datasheet_peak_flops
 from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.planning.activations import ACT_BYTES, ActivationInputs
-from megatron_kto.planning.memory import GiB, MemoryPlan, worst_rank
-from megatron_kto.planning.model_state import LoRAShape, ParallelDims, model_state
+from megatron_kto.planning.memory import GiB, MemoryPlan, rank_states, worst_rank
+from megatron_kto.planning.model_state import (
+    LoRAShape,
+    ModelState,
+    ParallelDims,
+    model_state,
+    rank_chunks,
+)
 
 #: name -> (HBM bytes/s, intra-node link bytes/s per direction, device name for the FLOP/s table)
 GPU_TYPES: dict[str, tuple[float, float, str]] = {
@@ -106,6 +119,45 @@ def valid_parallel(arch: GPTArchitecture, cluster: Cluster) -> list[tuple[int, i
     return out
 
 
+def valid_expert_parallel(
+    arch: GPTArchitecture, cluster: Cluster, tp: int, pp: int, dp: int
+) -> list[tuple[int, int | None]]:
+    """(EP, ETP) pairs for a (TP, PP, DP) layout of an MoE model (ETP None: = TP), by the
+    rules `config.validate` enforces for megatron-core 0.16.1: EP divides the experts; at
+    ETP = TP, EP divides DP; ETP != TP needs EP > 1, divides the experts' hidden size, is at
+    most a node, and ETP x EP divides TP x DP (the experts' grid ETP x EP x expert-DP x PP tiles
+    the same world). A dense model: [(1, None)]."""
+    experts = arch.num_moe_experts
+    if not experts:
+        return [(1, None)]
+    f = arch.moe_ffn_hidden_size or arch.ffn_hidden_size
+    out: list[tuple[int, int | None]] = []
+    for ep in range(1, experts + 1):
+        if experts % ep:
+            continue
+        if dp % ep == 0:
+            out.append((ep, None))
+        for etp in (1, 2, 4, 8):
+            if etp == tp or ep == 1 or f % etp or etp > cluster.gpus_per_node:
+                continue
+            if (tp * dp) % (etp * ep) == 0:
+                out.append((ep, etp))
+    return out
+
+
+def moe_flops_per_token(arch: GPTArchitecture) -> float:
+    """What an MoE model's forward FLOPs per token differ by from `architecture_flops` (which
+    counts a dense MLP of `ffn_hidden_size` in every layer): per MoE layer, k routed experts and
+    the shared expert (2·h·(3 if SwiGLU else 2)·f each) and the router (2·h·E) instead."""
+    if not arch.num_moe_experts:
+        return 0.0
+    h, per = arch.hidden_size, 2 * arch.hidden_size * (3 if arch.activation == "swiglu" else 2)
+    moe = arch.moe_router_topk * per * (arch.moe_ffn_hidden_size or arch.ffn_hidden_size)
+    moe += per * (arch.moe_shared_expert_intermediate_size or 0) + 2 * h * arch.num_moe_experts
+    layers = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
+    return layers * (moe - per * arch.ffn_hidden_size)
+
+
 def step_time(
     arch: GPTArchitecture,
     dims: ParallelDims,
@@ -115,11 +167,16 @@ def step_time(
     reference: str,
     cluster: Cluster,
     lora: LoRAShape | None = None,
+    states: dict[tuple[int, int], ModelState] | None = None,
+    experts: int | None = None,
 ) -> tuple[float, float]:
-    """(seconds per KTO step, model FLOPs utilisation) by the roofline of the module docstring."""
+    """(seconds per KTO step, model FLOPs utilisation) by the roofline of the module docstring
+    (`states`, `experts`: the ranks' model states and `expert_parameters`, if already
+    computed)."""
     hbm, link, name = GPU_TYPES[cluster.gpu_type]
     peak = datasheet_peak_flops(name, _DTYPE[dims.precision], tf32=True) or 1e15
     flops = architecture_flops(arch, arch.padded_vocab(dims.tp))
+    flops = replace(flops, per_token=flops.per_token + moe_flops_per_token(arch))
     row = flops.rows(torch.tensor([seq]))
     train = 2 if lora is not None else 3  # LoRA: no weight gradients of the frozen base
     model_flops = global_batch * row * (2 + 1 + train)
@@ -130,7 +187,10 @@ def step_time(
         extra = global_batch * flops.per_position * seq * seq
     compute = (model_flops + extra) / cluster.gpus / (peak * ACHIEVABLE)
     e = ACT_BYTES[dims.precision]
-    params_rank = sum_params(arch, dims)
+    if states is not None and lora is None:
+        params_rank = max(states[(pp, 0)].parameters for pp in range(dims.pp))
+    else:
+        params_rank = sum_params(arch, dims)
     trained = sum_params(arch, dims, lora) - params_rank if lora is not None else params_rank
     passes = x.micro_batches * (2 + 1 + train)  # ref (2 passes' rows), KL, train fwd+bwd
     weights_io = passes * params_rank * e / hbm
@@ -147,15 +207,38 @@ def step_time(
     if dims.pp > 1:
         pp_comm = x.micro_batches * 4 * t_bytes / link
         bubble = (dims.pp - 1) / x.micro_batches * (compute + tp_comm)
+    ep_comm = 0.0
+    moe_layers = sum(arch.is_moe_layer(i) for i in range(arch.num_layers)) // dims.pp
+    if moe_layers and dims.ep * dims.expert_tp > 1:
+        # Dispatch and combine all-to-alls over EP of the t/sp·k token copies, gathered and
+        # reduce-scattered over ETP; forward passes and the backward (twice).
+        sp = dims.tp if dims.sequence_parallel else 1
+        copies = x.tokens // sp * arch.moe_router_topk * arch.hidden_size * e
+        volume = copies * ((dims.ep - 1) / dims.ep + dims.expert_tp - 1)
+        bw = INTER_NODE if dims.ep * dims.expert_tp > cluster.gpus_per_node else link
+        ep_comm = x.micro_batches * moe_layers * 2 * volume / bw * (1 + 1 + 2)
     dp_comm = 0.0
-    if dims.dp > 1:
+    if lora is not None:
+        experts = 0
+    elif experts is None:
+        experts = expert_parameters(arch, dims)
+    expert_dp = dims.expert_dp
+    if dims.dp > 1 or expert_dp > 1:
         across = dims.tp * dims.dp > cluster.gpus_per_node
         bw = INTER_NODE if across else link
-        dp_comm = 0.5 * (dims.dp - 1) / dims.dp * trained * (4 + e) / bw
+        dense_share = (dims.dp - 1) / dims.dp * (trained - experts)
+        dp_comm = 0.5 * (dense_share + (expert_dp - 1) / expert_dp * experts) * (4 + e) / bw
     swap = 3 * params_rank * e / PCIE if reference == "cpu_swap" else 0.0
-    total = compute + memory + tp_comm + pp_comm + bubble + dp_comm + swap
+    total = compute + memory + tp_comm + ep_comm + pp_comm + bubble + dp_comm + swap
     mfu = global_batch * row * 6 / total / (cluster.gpus * peak)
     return total, mfu
+
+
+def expert_parameters(arch: GPTArchitecture, dims: ParallelDims) -> int:
+    """Routed-expert parameters of the first pipeline rank (0 for a dense model)."""
+    if not arch.num_moe_experts:
+        return 0
+    return sum(p.numel for chunk in rank_chunks(arch, dims, 0) for p in chunk if p.expert)
 
 
 def sum_params(arch: GPTArchitecture, dims: ParallelDims, lora: LoRAShape | None = None) -> int:
@@ -176,8 +259,15 @@ def candidates(
     usable = int(USABLE_FRACTION * cluster.gpu_memory) - RESERVED
     references = REFERENCES if lora is None else LORA_REFERENCES
     out = []
-    for (tp, pp, dp), mbs, recompute, reference in itertools.product(
-        valid_parallel(arch, cluster), MICRO_BATCHES, RECOMPUTE, references
+    layouts = [
+        (tp, pp, dp, ep, etp)
+        for tp, pp, dp in valid_parallel(arch, cluster)
+        for ep, etp in valid_expert_parallel(arch, cluster, tp, pp, dp)
+    ]
+    states: dict[ParallelDims, dict[tuple[int, int], ModelState]] = {}
+    experts: dict[ParallelDims, int] = {}
+    for (tp, pp, dp, ep, etp), mbs, recompute, reference in itertools.product(
+        layouts, MICRO_BATCHES, RECOMPUTE, references
     ):
         if global_batch % (mbs * dp):
             continue
@@ -187,8 +277,13 @@ def candidates(
             dp=dp,
             sequence_parallel=tp > 1,
             precision=precision,
-            distributed_optimizer=dp > 1,
+            distributed_optimizer=dp > 1 or dp * tp // ((etp or tp) * ep) > 1,
+            ep=ep,
+            etp=etp,
         )
+        if dims not in states:  # the same for every micro-batch, recomputation and reference
+            states[dims] = rank_states(arch, dims, lora=lora)
+            experts[dims] = expert_parameters(arch, dims) if lora is None else 0
         x = ActivationInputs(
             tokens=mbs * seq,
             seq_len=seq,
@@ -199,8 +294,10 @@ def candidates(
             recompute_num_layers=1 if recompute == "full" else None,
             native_gqa=precision != "32",
         )
-        plan = worst_rank(arch, dims, x, reference, lora=lora)
-        seconds, mfu = step_time(arch, dims, x, global_batch, seq, reference, cluster, lora)
+        plan = worst_rank(arch, dims, x, reference, lora=lora, states=states[dims])
+        seconds, mfu = step_time(
+            arch, dims, x, global_batch, seq, reference, cluster, lora, states[dims], experts[dims]
+        )
         out.append(
             Candidate(dims, mbs, recompute, reference, plan, seconds, plan.peak <= usable, mfu)
         )
@@ -221,6 +318,10 @@ def format_candidates(
         "| step s | MFU |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    moe = any(c.dims.ep > 1 or c.dims.etp is not None for c in found)
+    if moe:  # the expert layout in columns of its own, after the dense table's
+        lines[1] += " EP | ETP |"
+        lines[2] += "---|---|"
     fitting = [c for c in found if c.fits]
     for c in (fitting or sorted(found, key=lambda c: c.plan.peak))[:top]:
         d = c.dims
@@ -228,7 +329,7 @@ def format_candidates(
             f"| {d.tp} | {d.pp} | {d.dp} | {'on' if d.sequence_parallel else 'off'} | "
             f"{c.micro_batch} | {c.recompute or 'none'} | {c.reference} | "
             f"{'on' if d.distributed_optimizer else 'off'} | {c.plan.peak / GiB:.1f} | "
-            f"{c.step_time:.2f} | {c.mfu:.2f} |"
+            f"{c.step_time:.2f} | {c.mfu:.2f} |" + (f" {d.ep} | {d.expert_tp} |" if moe else "")
         )
     if not fitting:
         best = min(found, key=lambda c: c.plan.peak) if found else None

@@ -36,6 +36,7 @@ from megatron_kto.planning.model_state import (
     FP32,
     PARAM_BYTES,
     LoRAShape,
+    ModelState,
     ParallelDims,
     largest_bucket,
     model_state,
@@ -84,9 +85,14 @@ def plan_rank(
     dp_rank: int = 0,
     torch_adam_steps: bool = False,
     lora: LoRAShape | None = None,
+    expert_dp_rank: int | None = None,
+    state: ModelState | None = None,
 ) -> MemoryPlan:
-    """The plan of the rank at (`pp_rank`, `dp_rank`) (a LoRA run's when `lora` is given)."""
-    state = model_state(arch, dims, pp_rank, dp_rank, torch_adam_steps, lora)
+    """The plan of the rank at (`pp_rank`, `dp_rank`) (a LoRA run's when `lora` is given; of
+    expert-DP rank `expert_dp_rank` for an MoE model, None: `model_state`'s default; `state`:
+    its `model_state`, if already computed)."""
+    if state is None:
+        state = model_state(arch, dims, pp_rank, dp_rank, torch_adam_steps, lora, expert_dp_rank)
     param_bytes = state.parameters * PARAM_BYTES[dims.precision]
     acts = activation_bytes(arch, dims, x, pp_rank, lora)
     return MemoryPlan(
@@ -114,16 +120,34 @@ def worst_rank(
     reference_policy: str,
     torch_adam_steps: bool = False,
     lora: LoRAShape | None = None,
+    states: dict[tuple[int, int], ModelState] | None = None,
 ) -> MemoryPlan:
     """The rank with the largest predicted peak (DP ranks only differ under the distributed
-    optimizer, so only then are they all evaluated)."""
-    dp_ranks = range(dims.dp) if dims.distributed_optimizer else [0]
+    optimizer, so only then are they all evaluated; an MoE model's DP rank d as expert-DP rank
+    d mod expert-DP). `states`: `rank_states`' result, if already computed."""
+    if states is None:
+        states = rank_states(arch, dims, torch_adam_steps, lora)
     plans = [
-        plan_rank(arch, dims, x, reference_policy, pp, dp, torch_adam_steps, lora)
-        for pp in range(dims.pp)
-        for dp in dp_ranks
+        plan_rank(arch, dims, x, reference_policy, pp, dp, torch_adam_steps, lora, state=state)
+        for (pp, dp), state in states.items()
     ]
     return max(plans, key=lambda p: p.peak)
+
+
+def rank_states(
+    arch: GPTArchitecture,
+    dims: ParallelDims,
+    torch_adam_steps: bool = False,
+    lora: LoRAShape | None = None,
+) -> dict[tuple[int, int], ModelState]:
+    """`model_state` of every (PP rank, DP rank) whose state can differ (DP ranks only under
+    the distributed optimizer)."""
+    dp_ranks = range(dims.dp) if dims.distributed_optimizer else [0]
+    return {
+        (pp, dp): model_state(arch, dims, pp, dp, torch_adam_steps, lora)
+        for pp in range(dims.pp)
+        for dp in dp_ranks
+    }
 
 
 def run_inputs(
@@ -154,6 +178,8 @@ def run_inputs(
         bucket_size=None
         if m.optim.bucket_cap_mb is None
         else max(1, int(m.optim.bucket_cap_mb * 2**20 / 4)),
+        ep=m.expert_model_parallel_size,
+        etp=m.expert_tensor_parallel_size,
     )
     loss = m.kto if algorithm == "kto" else m.dpo
     max_length = m.data.max_length or arch.encoder_seq_length
@@ -216,6 +242,8 @@ def format_plan(
     """A few lines for the start-up console: the largest rank's plan against the device."""
     layout = f"TP={dims.tp} PP={dims.pp}" + (f" VPP={dims.vpp}" if dims.vpp else "")
     layout += f" DP={dims.dp}" + (" SP" if dims.sequence_parallel else "")
+    if dims.ep > 1 or dims.etp is not None:
+        layout += f" EP={dims.ep} ETP={dims.expert_tp}"
     mbs = "micro-batch" if plan.in_flight == 1 else "micro-batches"
     reference = f"reference {size(plan.reference)}"
     if reference_policy:

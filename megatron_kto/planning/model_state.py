@@ -10,7 +10,15 @@ before launch. What it reproduces (megatron-core 0.16.1, the way `models.trainin
   are replicated. Layers split evenly over PP × VPP chunks; the embedding lives on the first
   chunk, the final norm and the output layer on the last; with tied embeddings and PP > 1 the
   last stage holds its own copy of the embedding as `output_layer.weight` (PP = 1: no output
-  weight at all).
+  weight at all). Q/K norms (Qwen3) are one [d] weight each, replicated.
+* **Mixture of experts** (`_moe_params`; the local spec's `MoELayer` with `SequentialMLP`
+  experts): per MoE layer (`arch.is_moe_layer`; the others have the dense MLP) the router
+  [E, h] (replicated), this rank's E/EP experts numbered from 0, each an MLP split over ETP
+  ((2 if SwiGLU)·f_moe/ETP rows, f_moe/ETP columns), then the shared expert's gate [1, h]
+  (replicated) and its MLP split over TP. The routed experts are marked `allreduce=False` at
+  every EP (`training_setup.mark_experts_expert_parallel`): megatron DDP gives them buffers of
+  their own (`chunk_buffers`), laid out as below with the expert-data-parallel size
+  world/(ETP·EP·PP) in place of DP, and the distributed optimizer shards them over that group.
 * **Megatron DDP buffers** (`ddp_buffer`): one contiguous buffer per chunk holding fp32
   gradients (`grad_reduce_in_fp32=True`), params laid out in reverse order. Without the
   distributed optimizer it is exactly Σ numel. With it, every parameter starts on a multiple of
@@ -35,7 +43,8 @@ before launch. What it reproduces (megatron-core 0.16.1, the way `models.trainin
   only, and the frozen weights stay in their own tensors (outside the DDP param buffer).
 
 Everything is in bytes of real tensors: `tests/test_memory_plan.py` builds the model and optimizer
-through the trainer's own builders at TP/PP/VPP/DP × precision × optimizer and compares.
+through the trainer's own builders at TP/PP/VPP/DP × precision × optimizer and compares
+(`tests/test_plan_moe.py` the same for MoE models at EP = 1 and 2).
 """
 
 from __future__ import annotations
@@ -66,10 +75,25 @@ class ParallelDims:
     """None: on with the distributed optimizer (`gpu_settings.ddp_overlap_settings`)."""
     bucket_size: int | None = None
     """DDP bucket size in elements; None: megatron-core's default."""
+    ep: int = 1
+    """Expert parallelism (`model.expert_model_parallel_size`): ranks each MoE layer's routed
+    experts are spread over."""
+    etp: int | None = None
+    """Expert tensor parallelism (`model.expert_tensor_parallel_size`); None: TP."""
 
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """The expert-data-parallel size: megatron-core tiles the same world with
+        ETP x EP x expert-DP x PP."""
+        return self.world // (self.expert_tp * self.ep * self.pp)
 
 
 @dataclass(frozen=True)
@@ -81,6 +105,9 @@ class Param:
     shared_embedding: bool = False
     trainable: bool = True
     """False: frozen (LoRA's base model) — no gradient buffer, no optimizer state."""
+    expert: bool = False
+    """A routed expert's weight: in the DDP buffers and optimizer of the expert-data-parallel
+    group (`training_setup.mark_experts_expert_parallel`), not the dense ones."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +121,43 @@ class LoRAShape:
     """1-based layer selection (None: every layer)."""
 
 
-def _layer_params(arch: GPTArchitecture, tp: int, prefix: str) -> list[Param]:
+def _mlp_params(h: int, f: int, swiglu: bool, tp: int, prefix: str, expert: bool) -> list[Param]:
+    """A megatron MLP without biases: fc1 [(2 if SwiGLU)·f/TP, h], fc2 [h, f/TP]."""
+    fc1_rows = (2 if swiglu else 1) * f // tp
+    return [
+        Param(f"{prefix}linear_fc1.weight", fc1_rows * h, expert=expert),
+        Param(f"{prefix}linear_fc2.weight", h * f // tp, expert=expert),
+    ]
+
+
+def _moe_params(arch: GPTArchitecture, dims: ParallelDims, prefix: str) -> list[Param]:
+    """An MoE layer's MLP (`MoELayer` with the local `SequentialMLP` experts): the router
+    [E, h] (replicated), this EP rank's E/EP experts split over ETP, then the shared expert's
+    gate [1, h] (replicated) and its TP-split MLP."""
+    if arch.add_bias_linear:
+        raise ValueError("memory planning of mixture-of-experts layers with linear biases")
+    h, swiglu = arch.hidden_size, arch.activation == "swiglu"
+    experts = arch.num_moe_experts or 0
+    if experts % dims.ep:
+        raise ValueError(f"expert parallelism {dims.ep} does not divide the {experts} experts")
+    out = [Param(f"{prefix}mlp.router.weight", experts * h)]
+    f = arch.moe_ffn_hidden_size or arch.ffn_hidden_size
+    for e in range(experts // dims.ep):
+        local = f"{prefix}mlp.experts.local_experts.{e}."
+        out += _mlp_params(h, f, swiglu, dims.expert_tp, local, expert=True)
+    shared = arch.moe_shared_expert_intermediate_size
+    if shared:
+        if arch.moe_shared_expert_gate:
+            out.append(Param(f"{prefix}mlp.shared_experts.gate_weight", h))
+        out += _mlp_params(h, shared, swiglu, dims.tp, f"{prefix}mlp.shared_experts.", False)
+    return out
+
+
+def _layer_params(
+    arch: GPTArchitecture, dims: ParallelDims, prefix: str, layer: int = 0
+) -> list[Param]:
+    """Global layer `layer`'s parameters (its MLP dense or MoE by `arch.is_moe_layer`)."""
+    tp = dims.tp
     heads = arch.num_attention_heads
     groups = arch.num_query_groups or heads
     d = arch.kv_channels or arch.hidden_size // heads
@@ -113,9 +176,14 @@ def _layer_params(arch: GPTArchitecture, tp: int, prefix: str) -> list[Param]:
     )
     if bias or arch.add_qkv_bias:
         out.append(Param(f"{prefix}self_attention.linear_qkv.bias", (heads + 2 * groups) * d // tp))
+    if arch.qk_layernorm:  # one [d] norm shared by the heads (Qwen3)
+        out.append(Param(f"{prefix}self_attention.q_layernorm.weight", d))
+        out.append(Param(f"{prefix}self_attention.k_layernorm.weight", d))
     out.append(Param(f"{prefix}pre_mlp_layernorm.weight", h))
     if norm_bias:
         out.append(Param(f"{prefix}pre_mlp_layernorm.bias", h))
+    if arch.is_moe_layer(layer):
+        return out + _moe_params(arch, dims, prefix)
     out.append(Param(f"{prefix}mlp.linear_fc1.weight", fc1_rows * h))
     if bias:
         out.append(Param(f"{prefix}mlp.linear_fc1.bias", fc1_rows))
@@ -173,7 +241,13 @@ def chunk_parameters(
     lora: LoRAShape | None = None,
 ) -> list[Param]:
     """Parameters of one model chunk, in `named_parameters()` order (names without wrappers);
-    under LoRA the base parameters are frozen and the adapters follow them."""
+    under LoRA the base parameters are frozen and the adapters follow them.
+
+    Raises:
+        ValueError: a LoRA run of a mixture-of-experts model (not modelled).
+    """
+    if lora is not None and arch.num_moe_experts:
+        raise ValueError("memory planning of LoRA on mixture-of-experts models is not supported")
     vpp = dims.vpp or 1
     first = pp_rank == 0 and vp_stage == 0
     last = pp_rank == dims.pp - 1 and vp_stage == vpp - 1
@@ -185,8 +259,9 @@ def chunk_parameters(
         out.append(Param("embedding.word_embeddings.weight", vocab * h, tied and dims.pp > 1))
         if arch.position_embedding_type == "learned_absolute":
             out.append(Param("embedding.position_embeddings.weight", arch.encoder_seq_length * h))
+    offset = _layer_offset(arch, dims, pp_rank, vp_stage)
     for i in range(layers_per_chunk(arch, dims)):
-        out.extend(_layer_params(arch, dims.tp, f"decoder.layers.{i}."))
+        out.extend(_layer_params(arch, dims, f"decoder.layers.{i}.", offset + i))
     if last:
         out.append(Param("decoder.final_layernorm.weight", h))
         if arch.normalization == "LayerNorm":
@@ -195,7 +270,6 @@ def chunk_parameters(
             out.append(Param("output_layer.weight", vocab * h, tied))
     if lora is None:
         return out
-    offset = _layer_offset(arch, dims, pp_rank, vp_stage)
     frozen = [Param(p.name, p.numel, p.shared_embedding, trainable=False) for p in out]
     layers = range(offset, offset + layers_per_chunk(arch, dims))
     return frozen + lora_parameters(arch, dims, lora, layers)
@@ -221,12 +295,19 @@ def _bucket_size(dims: ParallelDims, pp_rank: int, chunk_index: int) -> int | No
     return dims.bucket_size or max(40_000_000, 1_000_000 * dims.dp)
 
 
-def ddp_buffer(params: list[Param], dims: ParallelDims, pp_rank: int, chunk_index: int) -> Buffer:
-    """Lay out a chunk's trainable parameters as megatron DDP's `_ParamAndGradBuffer` does."""
+def ddp_buffer(
+    params: list[Param],
+    dims: ParallelDims,
+    pp_rank: int,
+    chunk_index: int,
+    group: int | None = None,
+) -> Buffer:
+    """Lay out a chunk's trainable parameters as megatron DDP's `_ParamAndGradBuffer` does, for
+    a data-parallel group of `group` ranks (None: DP; the experts' buffer: expert-DP)."""
     params = [p for p in params if p.trainable]
     dist = dims.distributed_optimizer
     bucket_size = _bucket_size(dims, pp_rank, chunk_index)
-    divisor = math.lcm(dims.dp, 128)
+    divisor = math.lcm(dims.dp if group is None else group, 128)
 
     def pad_end(index: int) -> int:
         return -(-index // divisor) * divisor if dist else index
@@ -285,6 +366,22 @@ class ModelState:
     """Adam moments + fp32 main weights (+ torch AdamW's step tensors)."""
 
 
+def chunk_buffers(
+    params: list[Param], dims: ParallelDims, pp_rank: int, chunk_index: int
+) -> list[tuple[Buffer, int]]:
+    """A chunk's DDP buffers and the size of the group each is reduced (and, under the
+    distributed optimizer, sharded) over: the dense parameters' over DP, and — megatron DDP
+    builds a second set of buffers for parameters marked `allreduce=False` — the routed
+    experts' over expert-DP (none for a dense chunk)."""
+    dense = [p for p in params if not p.expert]
+    experts = [p for p in params if p.expert]
+    out = [(ddp_buffer(dense, dims, pp_rank, chunk_index), dims.dp)]
+    if experts:
+        expert_dp = dims.expert_dp
+        out.append((ddp_buffer(experts, dims, pp_rank, chunk_index, expert_dp), expert_dp))
+    return out
+
+
 def rank_chunks(
     arch: GPTArchitecture, dims: ParallelDims, pp_rank: int, lora: LoRAShape | None = None
 ) -> list[list[Param]]:
@@ -299,6 +396,7 @@ def model_state(
     dp_rank: int = 0,
     torch_adam_steps: bool = False,
     lora: LoRAShape | None = None,
+    expert_dp_rank: int | None = None,
 ) -> ModelState:
     """Weights, gradients and optimizer state of the rank at (`pp_rank`, `dp_rank`).
 
@@ -306,18 +404,27 @@ def model_state(
         torch_adam_steps: count torch AdamW's per-parameter 4-byte `step` tensors (the optimizer
             megatron-core uses without Transformer Engine or Apex).
         lora: the adapters of a LoRA run (None: full fine-tuning).
+        expert_dp_rank: the rank in the expert-data-parallel group (MoE under the distributed
+            optimizer: which shard of the experts' buffers it owns); None: `dp_rank` modulo
+            the expert-DP size.
     """
     pbytes = PARAM_BYTES[dims.precision]
     half = dims.precision != "32"
+    if expert_dp_rank is None:
+        expert_dp_rank = dp_rank % dims.expert_dp
     count = weights = grads = optim = 0
     for i, params in enumerate(rank_chunks(arch, dims, pp_rank, lora)):
-        buffer = ddp_buffer(params, dims, pp_rank, i)
         count += sum(p.numel for p in params)
         frozen = sum(p.numel for p in params if not p.trainable)
-        grads += FP32 * buffer.numel
+        owned: list[int] = []
+        for j, (buffer, group) in enumerate(chunk_buffers(params, dims, pp_rank, i)):
+            grads += FP32 * buffer.numel
+            if dims.distributed_optimizer:
+                rank = expert_dp_rank if j else dp_rank  # the dense buffer comes first
+                owned += [n for n in shard_elements(buffer, group, rank) if n]
+                weights += pbytes * buffer.numel
         if dims.distributed_optimizer:
-            weights += pbytes * (buffer.numel + frozen)
-            owned = [n for n in shard_elements(buffer, dims.dp, dp_rank) if n]
+            weights += pbytes * frozen
         else:
             weights += pbytes * sum(p.numel for p in params)
             owned = [p.numel for p in params if p.trainable]
@@ -336,7 +443,8 @@ def largest_bucket(
         (
             (b1 - b0)
             for i, params in enumerate(rank_chunks(arch, dims, pp_rank, lora))
-            for b0, b1 in ddp_buffer(params, dims, pp_rank, i).buckets
+            for buffer, _ in chunk_buffers(params, dims, pp_rank, i)
+            for b0, b1 in buffer.buckets
         ),
         default=0,
     )
