@@ -221,18 +221,32 @@ def reference_adapters(chunks: list[torch.nn.Module]) -> Iterator[list[torch.nn.
 
 
 def parameter_counts(chunks: list[torch.nn.Module]) -> tuple[int, int]:
-    """(trainable, total) parameters of the whole model, summed over TP and PP ranks
-    (a collective over the model-parallel group; TP-replicated tensors counted once)."""
+    """(trainable, total) parameters of the whole model, each tensor counted once over all ranks
+    (a collective over the world).
+
+    A dense tensor is counted on data-parallel rank 0 (with context parallelism) and, unless it
+    is TP-sharded, on TP rank 0; a routed-expert tensor (megatron's expert-parallel mark,
+    `allreduce=False`) on expert-data-parallel rank 0 and, unless sharded, on expert-TP rank 0:
+    the experts of the other EP ranks are different tensors, not replicas.
+    """
+    dist = torch.distributed.is_initialized()
+    dense_owner = not dist or parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    expert_owner = not dist or parallel_state.get_expert_data_parallel_rank() == 0
     trainable = total = 0
     for chunk in chunks:
         for p in unwrap(chunk).parameters():
-            if param_is_not_tensor_parallel_duplicate(p):
+            sharded = bool(getattr(p, "tensor_model_parallel", False))
+            if getattr(p, "allreduce", True):
+                counted = dense_owner and param_is_not_tensor_parallel_duplicate(p)
+            else:
+                counted = expert_owner and (
+                    sharded or not dist or parallel_state.get_expert_tensor_parallel_rank() == 0
+                )
+            if counted:
                 total += p.numel()
                 trainable += p.numel() if p.requires_grad else 0
     counts = torch.tensor([trainable, total], dtype=torch.float64)
-    if torch.distributed.is_initialized():
-        group = parallel_state.get_model_parallel_group()
-        device = next(unwrap(chunks[0]).parameters()).device
-        counts = counts.to(device)
-        torch.distributed.all_reduce(counts, group=group)
+    if dist:
+        counts = counts.to(next(unwrap(chunks[0]).parameters()).device)
+        torch.distributed.all_reduce(counts)
     return int(counts[0].item()), int(counts[1].item())
