@@ -17,12 +17,14 @@ starting adapter of every run (`model.peft.restore_from_path`, `model.peft.refer
   loss ends elsewhere by far more than that (the aux gradient does reach the adapters).
 * Expert parallelism: the same run at TP=2 (sequence parallel) x EP=2 on 2 ranks (DP=1, the same
   micro-batch of 8) logs the same metrics and ends with the same adapters; EP=2 on 2 ranks
-  (DP=2, micro-batches of 4) equals EP=1 on one rank with two micro-batches of 4.
-* Export: the run's `hf/` (`exp_manager.save_hf=true`) and `tools/convert_checkpoint.py export`
-  are PEFT adapter directories that `peft.PeftModel.from_pretrained` loads onto
-  `Qwen3MoeForCausalLM`, giving our model's log-probs (base + adapters, rebuilt from the LoRA
-  checkpoint); the merged exports (`exp_manager.save_hf_merged=true` of the TP2 x EP2 run,
-  `export --merge-lora`) load as plain `transformers` models with the same log-probs.
+  (DP=2, micro-batches of 4; 2 steps, then resumed from that checkpoint: the base fingerprint
+  each rank checks covers every rank's experts) equals EP=1 on one rank with two micro-batches
+  of 4.
+* Export: the runs' `hf/` (`exp_manager.save_hf=true`) and `tools/convert_checkpoint.py export`
+  of the EP=2 x DP=2 checkpoint are PEFT adapter directories that `peft.PeftModel.from_pretrained`
+  loads onto `Qwen3MoeForCausalLM`, giving our model's log-probs (base + adapters, rebuilt at TP=1
+  from the LoRA checkpoint); the merged exports (`exp_manager.save_hf_merged=true` of the one-rank
+  and the TP2 x EP2 run) load as plain `transformers` models with the same log-probs.
 * The start-up line "LoRA: <trainable> of <total> parameters" is the same at every layout (each
   expert counted once, wherever EP puts it). Adapters on the experts are refused with one line
   naming the key (`test_lora_config.py`).
@@ -71,6 +73,8 @@ RUNS = {
     "ep1_mb4": (1, ["model.micro_batch_size=4"]),
     "ep2_dp2": (2, ["model.micro_batch_size=4", "model.expert_model_parallel_size=2"]),
 }
+#: Runs trained in two legs: half the steps, then resumed from that checkpoint.
+RESUMED = ("ep2_dp2",)
 
 
 def _initial_adapter(root: Path) -> Path:
@@ -162,8 +166,9 @@ def _tokens() -> torch.Tensor:
     return torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(3))
 
 
-def _ours_worker(rank: int, world_size: int, run_dir: str) -> torch.Tensor:
-    """Log-probs of our model (base + the run's adapters, from its LoRA checkpoint) at TP=1."""
+def _ours_worker(rank: int, world_size: int, run_dirs: list[str]) -> list[torch.Tensor]:
+    """Log-probs of our model (base + a run's adapters, from its LoRA checkpoint) at TP=1, for
+    each run."""
     from megatron_kto.checkpointing.locate import resolve_pretrained_dir
     from megatron_kto.checkpointing.model_io import read_architecture
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks, unwrap
@@ -171,16 +176,20 @@ def _ours_worker(rank: int, world_size: int, run_dir: str) -> torch.Tensor:
     from megatron_kto.runtime import init_runtime, teardown
 
     rt = init_runtime(1, 1, seed=0)
-    ckpt = resolve_pretrained_dir(run_dir)
-    arch = read_architecture(ckpt)
-    chunks = build_gpt_chunks(arch, ParallelLayout(), rt.device)
-    build_lora_model(ckpt, chunks, arch)
-    model = unwrap(chunks[0]).eval()
     tokens = _tokens()
-    with torch.no_grad():
-        logits = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
+    out = []
+    for run_dir in run_dirs:
+        ckpt = resolve_pretrained_dir(run_dir)
+        arch = read_architecture(ckpt)
+        chunks = build_gpt_chunks(arch, ParallelLayout(), rt.device)
+        build_lora_model(ckpt, chunks, arch)
+        with torch.no_grad():
+            logits = unwrap(chunks[0]).eval()(
+                tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None
+            )
+        out.append(torch.log_softmax(logits[..., : arch.vocab_size].float(), dim=-1))
     teardown()
-    return torch.log_softmax(logits[..., : arch.vocab_size].float(), dim=-1)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -191,12 +200,12 @@ def runs(tmp_path_factory):
     _initial_adapter(root)
     run_script(TOOL, ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "mcore")])
     for name, (nproc, extra) in RUNS.items():
-        proc, _ = launch([*_args(root, name), *extra], nproc, timeout=600)
-        assert proc.returncode == 0, f"{name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        legs = [[f"trainer.kto.max_steps={STEPS // 2}"], []] if name in RESUMED else [[]]
+        for leg in legs:
+            proc, _ = launch([*_args(root, name), *extra, *leg], nproc, timeout=600)
+            assert proc.returncode == 0, f"{name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
         (root / f"{name}.out").write_text(proc.stdout)
-    run_script(TOOL, ["export", "--ckpt", str(root / "one"), "--out", str(root / "one_cli")])
-    merge = ["export", "--ckpt", str(root / "tp2ep2"), "--out", str(root / "merged_cli")]
-    run_script(TOOL, [*merge, "--merge-lora"])
+    run_script(TOOL, ["export", "--ckpt", str(root / "ep2_dp2"), "--out", str(root / "ep2_cli")])
     return root
 
 
@@ -240,7 +249,13 @@ def test_exports_load_in_transformers_with_our_logprobs(runs):
     from transformers import AutoModelForCausalLM
 
     root = runs
-    ours = run_multirank(_ours_worker, 1, str(root / "one"), timeout=180)[0]
+    ours = dict(
+        zip(
+            ("one", "ep2_dp2"),
+            run_multirank(_ours_worker, 1, [str(root / "one"), str(root / "ep2_dp2")])[0],
+            strict=True,
+        )
+    )
 
     def logprobs(model) -> torch.Tensor:
         with torch.no_grad():
@@ -250,18 +265,17 @@ def test_exports_load_in_transformers_with_our_logprobs(runs):
         return AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
 
     assert type(base()).__name__ == "Qwen3MoeForCausalLM"
-    plain = logprobs(base())
-    effect = (ours - plain).abs().max().item()
+    effect = (ours["one"] - logprobs(base())).abs().max().item()
     print(f"\nadapter effect on log-probs {effect:.2e}")
     assert effect > 100 * LOGP_ATOL
-    for adapter in ("one/hf", "one_cli"):
+    for run, adapter in (("one", "one/hf"), ("ep2_dp2", "ep2_dp2/hf"), ("ep2_dp2", "ep2_cli")):
         got = logprobs(PeftModel.from_pretrained(base(), root / adapter))
-        diff = (got - ours).abs().max().item()
+        diff = (got - ours[run]).abs().max().item()
         print(f"peft + {adapter}: {diff:.1e}")
         assert diff <= LOGP_ATOL, adapter
-    for merged in ("one/hf_merged", "tp2ep2/hf_merged", "merged_cli"):
+    for merged in ("one/hf_merged", "tp2ep2/hf_merged"):
         model = AutoModelForCausalLM.from_pretrained(root / merged, dtype=torch.float32)
-        diff = (logprobs(model) - ours).abs().max().item()
+        diff = (logprobs(model) - ours["one"]).abs().max().item()
         print(f"{merged}: {diff:.1e}")
         assert diff <= LOGP_ATOL, merged
 

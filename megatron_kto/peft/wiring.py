@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from megatron_kto.models.builder import unwrap
+from megatron_kto.models.unique_params import counted_here, world_sum
 from megatron_kto.peft.lora import FusedLayout, LoRALinear, Projection, attach
 from megatron_kto.peft.targets import projection_shape, resolve_targets, selected_layers
 
@@ -221,32 +221,12 @@ def reference_adapters(chunks: list[torch.nn.Module]) -> Iterator[list[torch.nn.
 
 
 def parameter_counts(chunks: list[torch.nn.Module]) -> tuple[int, int]:
-    """(trainable, total) parameters of the whole model, each tensor counted once over all ranks
-    (a collective over the world).
-
-    A dense tensor is counted on data-parallel rank 0 (with context parallelism) and, unless it
-    is TP-sharded, on TP rank 0; a routed-expert tensor (megatron's expert-parallel mark,
-    `allreduce=False`) on expert-data-parallel rank 0 and, unless sharded, on expert-TP rank 0:
-    the experts of the other EP ranks are different tensors, not replicas.
-    """
-    dist = torch.distributed.is_initialized()
-    dense_owner = not dist or parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
-    expert_owner = not dist or parallel_state.get_expert_data_parallel_rank() == 0
+    """(trainable, total) parameters of the whole model, each tensor counted once whatever the
+    layout — the experts of every EP rank included (a collective over the world)."""
     trainable = total = 0
-    for chunk in chunks:
-        for p in unwrap(chunk).parameters():
-            sharded = bool(getattr(p, "tensor_model_parallel", False))
-            if getattr(p, "allreduce", True):
-                counted = dense_owner and param_is_not_tensor_parallel_duplicate(p)
-            else:
-                counted = expert_owner and (
-                    sharded or not dist or parallel_state.get_expert_tensor_parallel_rank() == 0
-                )
-            if counted:
-                total += p.numel()
-                trainable += p.numel() if p.requires_grad else 0
-    counts = torch.tensor([trainable, total], dtype=torch.float64)
-    if dist:
-        counts = counts.to(next(unwrap(chunks[0]).parameters()).device)
-        torch.distributed.all_reduce(counts)
+    for p in counted_here(chunks):
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    device = next(unwrap(chunks[0]).parameters()).device
+    counts = world_sum(torch.tensor([trainable, total], dtype=torch.float64, device=device))
     return int(counts[0].item()), int(counts[1].item())
