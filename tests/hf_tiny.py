@@ -113,3 +113,28 @@ def tiny_qwen3_moe_config(vocab: int, **extra):
         initializer_range=0.1,
         **extra,
     )
+
+
+def make_hf_qwen3_moe(directory: Path, router_aux_loss_coef: float) -> Path:
+    """Write a random `tiny_qwen3_moe_config` model (untied embeddings) with decisive routers —
+    router weights ~N(0, 1), so top-k choices are far from ties and round-off never flips a
+    routing choice — and its tokenizer into `directory`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    vocab = make_tokenizer(directory)
+    torch.manual_seed(0)
+    config = tiny_qwen3_moe_config(
+        vocab,
+        router_aux_loss_coef=router_aux_loss_coef,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.normal_(0.0, 1.0)
+    model.save_pretrained(directory)
+    return directory

@@ -114,3 +114,23 @@ def test_settings_follow_nemo_defaults():
     assert (s.rank, s.alpha, s.target_modules, s.init_a, s.init_b) == (
         32, 32.0, ["attention_qkv"], "xavier", "zero",
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("targets", ["[all]", "[mlp]", "[attention,down_proj]", "[mlp_fc1]"])
+def test_adapters_on_experts_are_refused_in_one_line(targets):
+    m = _model(f"peft.lora_tuning.target_modules={targets}")
+    m.num_moe_experts = 4
+    with pytest.raises(ConfigError) as info:
+        check_peft(m, "kto", m)
+    text = str(info.value)
+    assert text.startswith("model.peft.lora_tuning.target_modules: ") and "\n" not in text
+    assert "experts take no adapters" in text and "target the attention only" in text
+
+
+def test_attention_of_an_moe_model_is_accepted():
+    m = _model("peft.lora_tuning.target_modules=[attention_qkv,attention_dense]")
+    m.num_moe_experts = 4
+    check_peft(m, "kto", m)
+    assert [t.linear for t in resolve_targets(list(m.peft.lora_tuning.target_modules), m)] == [
+        "self_attention.linear_qkv", "self_attention.linear_proj",
+    ]  # fmt: skip

@@ -2,7 +2,7 @@
 
 One tiny random `transformers` Qwen3-MoE (2 layers, 4 experts, 2 routed per token, decisive
 routers so that round-off never flips a routing choice) with a byte-level BPE tokenizer
-(`hf_tiny.make_tokenizer`) is the start of both runs; its config's `router_aux_loss_coef` is the
+(`hf_tiny.make_hf_qwen3_moe`) is the start of both runs; its config's `router_aux_loss_coef` is the
 coefficient of both (TRL reads it from the config, we from the imported checkpoint).
 
 TRL adds `coef · aux_loss` of the policy's forward over each batch — whole sequences, each row's
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from e2e_cli import KTO_SCRIPT, QUIET, REPO, read_metrics, run_script
-from hf_tiny import make_tokenizer, tiny_qwen3_moe_config, write_kto_rows
+from hf_tiny import make_hf_qwen3_moe, write_kto_rows
 from trl_harness import in_order_trainer, kl_aligned_dataset, kto_args
 
 pytestmark = pytest.mark.e2e
@@ -36,26 +36,6 @@ STEPS, BATCH, ROWS = 8, 8, 64
 BETA, LR, EPS, CLIP, AUX_COEF = 0.1, 1e-3, 1e-5, 1.0, 0.1
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 2e-6
-
-
-def _make_hf_moe(directory: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    vocab = make_tokenizer(directory)
-    torch.manual_seed(0)
-    config = tiny_qwen3_moe_config(
-        vocab,
-        router_aux_loss_coef=AUX_COEF,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # decisive routers: top-k choices far from ties
-        for name, p in model.named_parameters():
-            if name.endswith("gate.weight"):
-                p.normal_(0.0, 1.0)
-    model.save_pretrained(directory)
 
 
 def _trl(root: Path) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
@@ -116,7 +96,7 @@ def prepared(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("moe_trl")
-    _make_hf_moe(root / "hf")
+    make_hf_qwen3_moe(root / "hf", AUX_COEF)
     write_kto_rows(root / "train.jsonl", 0, ROWS)
     run_script(TOOL, ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "mcore")])
     start = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).state_dict()

@@ -6,9 +6,9 @@ keys `lora.layers.<i>...`, resharded on load like any dist-checkpoint tensor) an
 and a fingerprint of the base weights. Resuming rebuilds the base from its own checkpoint and
 refuses one whose fingerprint differs.
 
-The fingerprint is (parameter count, Σw, Σw²) of every frozen tensor in float64, summed over the
-model-parallel ranks (TP-replicated tensors once), so it does not depend on the layout beyond
-float64 rounding; two bases agree when they match to a relative 1e-9.
+The fingerprint is (parameter count, Σw, Σw²) of every frozen tensor in float64, each counted once
+over all ranks (`models.unique_params`: replicas once, every EP rank's experts), so it does not
+depend on the layout beyond float64 rounding; two bases agree when they match to a relative 1e-9.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from megatron.core import parallel_state
-from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.models.builder import unwrap
+from megatron_kto.models.unique_params import counted_here, world_sum
 
 BASE_FILE = "lora_base.json"
 _PREFIX = "lora."
@@ -50,29 +49,15 @@ def load_adapter_state(chunk: torch.nn.Module, state: dict[str, Any], where: str
 
 
 def base_fingerprint(chunks: list[torch.nn.Module]) -> list[float]:
-    """[count, Σw, Σw²] over the frozen (base) parameters of the whole model (collective over
-    the model-parallel group)."""
-    sums = []
-    for chunk in chunks:
-        model = unwrap(chunk)
-        # With tied embeddings and PP > 1 the last stage holds a copy of the embedding.
-        copy = (
-            id(model.output_layer.weight)
-            if getattr(model, "share_embeddings_and_output_weights", False)
-            and model.post_process
-            and not model.pre_process
-            else None
-        )
-        for p in model.parameters():
-            if p.requires_grad or not param_is_not_tensor_parallel_duplicate(p) or id(p) == copy:
-                continue
-            w = p.detach().double()
-            sums.append(torch.stack([w.new_tensor(float(w.numel())), w.sum(), (w * w).sum()]))
+    """[count, Σw, Σw²] over the frozen (base) parameters of the whole model, each tensor once
+    whatever the layout, the experts of every EP rank included (a collective over the world)."""
+    sums = [
+        torch.stack([w.new_tensor(float(w.numel())), w.sum(), (w * w).sum()])
+        for w in (p.detach().double() for p in counted_here(chunks) if not p.requires_grad)
+    ]
     device = next(unwrap(chunks[0]).parameters()).device
     total = torch.stack(sums).sum(0) if sums else torch.zeros(3, dtype=torch.float64, device=device)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
-    return [float(x) for x in total.cpu()]
+    return [float(x) for x in world_sum(total).cpu()]
 
 
 def base_record(restore_from_path: str | None, fingerprint: list[float]) -> dict[str, Any]:

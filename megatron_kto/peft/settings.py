@@ -92,13 +92,19 @@ def check_peft(model_cfg: Any, algorithm: str, arch: Any) -> None:
         )
     except ValueError as e:
         raise ConfigError(f"{_KEY}.layer_selection: {e}") from e
-    if getattr(arch, "num_moe_experts", None) and any(
-        t.linear.startswith("mlp.") for t in resolve_targets(list(lt.target_modules), arch)
-    ):
-        raise ConfigError(
-            f"{_KEY}.target_modules: adapters on mixture-of-experts MLPs are not implemented; "
-            "target the attention only"
-        )
+    if getattr(arch, "num_moe_experts", None):
+        mlp = [
+            p
+            for t in resolve_targets(list(lt.target_modules), arch)
+            if t.linear.startswith("mlp.")
+            for p in t.projections
+        ]
+        if mlp:
+            raise ConfigError(
+                f"{_KEY}.target_modules: {list(lt.target_modules)} adapts the MLP ({', '.join(mlp)}), "
+                "whose experts take no adapters in a mixture-of-experts model; target the attention "
+                "only (attention_qkv, attention_dense, attention or q_proj/k_proj/v_proj/o_proj)"
+            )
 
 
 def holds_starting_adapter(model_cfg: Any) -> bool:

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from megatron_kto.models.builder import unwrap
+from megatron_kto.models.unique_params import counted_here, world_sum
 from megatron_kto.peft.lora import FusedLayout, LoRALinear, Projection, attach
 from megatron_kto.peft.targets import projection_shape, resolve_targets, selected_layers
 
@@ -221,18 +221,12 @@ def reference_adapters(chunks: list[torch.nn.Module]) -> Iterator[list[torch.nn.
 
 
 def parameter_counts(chunks: list[torch.nn.Module]) -> tuple[int, int]:
-    """(trainable, total) parameters of the whole model, summed over TP and PP ranks
-    (a collective over the model-parallel group; TP-replicated tensors counted once)."""
+    """(trainable, total) parameters of the whole model, each tensor counted once whatever the
+    layout — the experts of every EP rank included (a collective over the world)."""
     trainable = total = 0
-    for chunk in chunks:
-        for p in unwrap(chunk).parameters():
-            if param_is_not_tensor_parallel_duplicate(p):
-                total += p.numel()
-                trainable += p.numel() if p.requires_grad else 0
-    counts = torch.tensor([trainable, total], dtype=torch.float64)
-    if torch.distributed.is_initialized():
-        group = parallel_state.get_model_parallel_group()
-        device = next(unwrap(chunks[0]).parameters()).device
-        counts = counts.to(device)
-        torch.distributed.all_reduce(counts, group=group)
+    for p in counted_here(chunks):
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    device = next(unwrap(chunks[0]).parameters()).device
+    counts = world_sum(torch.tensor([trainable, total], dtype=torch.float64, device=device))
     return int(counts[0].item()), int(counts[1].item())
