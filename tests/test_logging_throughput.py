@@ -133,3 +133,46 @@ def test_mfu_peak_is_known_only_from_a_datasheet_or_the_config():
     assert datasheet_peak_flops("NVIDIA L40S", torch.bfloat16, False) == pytest.approx(362.1e12)
     assert datasheet_peak_flops("NVIDIA L4", torch.bfloat16, False) == 121e12
     assert datasheet_peak_flops("NVIDIA GeForce GTX 1080", torch.float32, False) is None
+
+
+def _moe_configs() -> dict[str, object]:
+    """Tiny Qwen3-MoE with a dense layer (no shared expert) and Qwen2-MoE (gated shared expert,
+    a dense layer), hidden sizes chosen so every term differs."""
+    from transformers import Qwen2MoeConfig, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=24,
+        num_experts=6, num_experts_per_tok=2, mlp_only_layers=[1],
+    )  # fmt: skip
+    return {
+        "qwen3_moe": Qwen3MoeConfig(head_dim=16, **common),
+        "qwen2_moe": Qwen2MoeConfig(shared_expert_intermediate_size=40, **common),
+    }
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_moe_flops_equal_what_transformers_multiplies(name: str) -> None:
+    """Independent count: torch's FlopCounterMode over a `transformers` MoE forward (eager
+    attention, which multiplies the full score matrices as `per_position` counts them; eager
+    experts, each multiplying only the tokens routed to it — the counter does not see
+    `grouped_mm`) equals `ModelFlops.rows` of the row."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    from megatron_kto.conversion.hf_config import architecture_from_hf
+
+    config = _moe_configs()[name]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    length = 7
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(torch.randint(0, config.vocab_size, (1, length)))
+    arch = architecture_from_hf(config.to_dict(), where=name)
+    flops = architecture_flops(arch, padded_vocab=config.vocab_size)
+    assert flops.rows(torch.tensor([length])) == counter.get_total_flops()
+    dense = architecture_flops(SimpleNamespace(**{**vars(arch), "num_moe_experts": None}), 96)
+    assert flops.per_token != dense.per_token  # the MoE layers count differently

@@ -82,9 +82,27 @@ class ModelFlops:
         return float(self.per_token * lengths.sum() + self.per_position * (lengths**2).sum())
 
 
+def moe_flops_per_token(arch: Any) -> float:
+    """What a mixture-of-experts model's forward FLOPs per token differ by from the dense count
+    (a dense MLP of `ffn_hidden_size` in every layer): each MoE layer runs its router (2·h·E),
+    the k experts a token is routed to and the shared expert (2·h·f·(3 for SwiGLU, else 2)
+    each) and the shared expert's gate (2·h) instead. 0 for a dense model."""
+    experts = getattr(arch, "num_moe_experts", None)
+    if not experts:
+        return 0.0
+    h = arch.hidden_size
+    per_hidden = 2 * h * (3 if arch.activation == "swiglu" else 2)  # an MLP's FLOPs per f
+    moe = arch.moe_router_topk * per_hidden * (arch.moe_ffn_hidden_size or arch.ffn_hidden_size)
+    moe += 2 * h * experts + per_hidden * (arch.moe_shared_expert_intermediate_size or 0)
+    moe += 2 * h if arch.moe_shared_expert_gate else 0
+    layers = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
+    return float(layers * (moe - per_hidden * arch.ffn_hidden_size))
+
+
 def architecture_flops(arch: Any, padded_vocab: int) -> ModelFlops:
     """`ModelFlops` of a `models.architecture.GPTArchitecture` with its padded vocabulary (terms
-    as in `gpt_flops_per_token`)."""
+    as in `gpt_flops_per_token`; an MoE layer's MLP as `moe_flops_per_token` says: the FLOPs a
+    token really uses, not those of every expert)."""
     heads = arch.num_attention_heads
     kv_channels = arch.kv_channels or arch.hidden_size // heads
     per_token = gpt_flops_per_token(
@@ -99,7 +117,7 @@ def architecture_flops(arch: Any, padded_vocab: int) -> ModelFlops:
         swiglu=arch.activation == "swiglu",
     )
     return ModelFlops(
-        per_token=float(per_token),
+        per_token=float(per_token) + moe_flops_per_token(arch),
         per_position=float(attention_flops_per_position(arch.num_layers, heads, kv_channels)),
     )
 

@@ -33,7 +33,8 @@ NCCL and cuBLAS workspaces, allocator fragmentation: an assumption, not a measur
   (across nodes when TP·DP spans more than a node), half of it hidden behind the backward;
 * `cpu_swap` = 3 copies of this rank's weights over PCIe per step;
 * MoE: the FLOPs of k routed experts, the shared expert and the router replace the dense MLP's
-  (`moe_flops_per_token`); the routed experts' gradients go over expert-DP instead of DP; and
+  (`logging.throughput.moe_flops_per_token`); the routed experts' gradients go over expert-DP
+  instead of DP; and
   per MoE layer and micro-batch pass the dispatch and combine all-to-alls move the t/sp·k token
   copies ((EP − 1)/EP of them, plus ETP − 1 times them for the ETP gather / reduce-scatter)
   over NVLink (the network when ETP·EP exceeds a node), forward passes and backward (2×).
@@ -50,7 +51,7 @@ the network between nodes (one 400 Gb/s NIC per GPU). FLOP/s: `throughput.datash
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -145,19 +146,6 @@ def valid_expert_parallel(
     return out
 
 
-def moe_flops_per_token(arch: GPTArchitecture) -> float:
-    """What an MoE model's forward FLOPs per token differ by from `architecture_flops` (which
-    counts a dense MLP of `ffn_hidden_size` in every layer): per MoE layer, k routed experts and
-    the shared expert (2·h·(3 if SwiGLU else 2)·f each) and the router (2·h·E) instead."""
-    if not arch.num_moe_experts:
-        return 0.0
-    h, per = arch.hidden_size, 2 * arch.hidden_size * (3 if arch.activation == "swiglu" else 2)
-    moe = arch.moe_router_topk * per * (arch.moe_ffn_hidden_size or arch.ffn_hidden_size)
-    moe += per * (arch.moe_shared_expert_intermediate_size or 0) + 2 * h * arch.num_moe_experts
-    layers = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
-    return layers * (moe - per * arch.ffn_hidden_size)
-
-
 def step_time(
     arch: GPTArchitecture,
     dims: ParallelDims,
@@ -175,8 +163,7 @@ def step_time(
     computed)."""
     hbm, link, name = GPU_TYPES[cluster.gpu_type]
     peak = datasheet_peak_flops(name, _DTYPE[dims.precision], tf32=True) or 1e15
-    flops = architecture_flops(arch, arch.padded_vocab(dims.tp))
-    flops = replace(flops, per_token=flops.per_token + moe_flops_per_token(arch))
+    flops = architecture_flops(arch, arch.padded_vocab(dims.tp))  # MoE: the FLOPs a token uses
     row = flops.rows(torch.tensor([seq]))
     train = 2 if lora is not None else 3  # LoRA: no weight gradients of the frozen base
     model_flops = global_batch * row * (2 + 1 + train)
