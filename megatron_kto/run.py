@@ -376,8 +376,8 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
                 # Before anything is allocated: a run that cannot fit says so first.
                 try:
                     plan = startup_lines(cfg, arch, runtime.world_size, runtime.device, algorithm)
-                except ValueError as e:  # a shape the planner does not know must not stop a run
-                    plan = [f"note: no memory plan: {e}"]
+                except ValueError as err:  # a shape the planner does not plan must not stop a run
+                    plan = [f"note: no memory plan: {err}"]
                 for line in plan:
                     _say(rank0, line)
             model = _build_policy(cfg, algorithm, arch, layout, runtime)
