@@ -5,9 +5,10 @@ Public API (keep it small):
 - ``run_multirank(fn, world_size, *args, timeout=...) -> list``: start ``world_size`` fresh
   processes (start method ``spawn``), call ``fn(rank, world_size, *args)`` in each with the
   torchrun environment set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, a free
-  MASTER_PORT), and return the per-rank return values in rank order. If any rank raises, the
-  test fails with a `MultirankError` carrying that rank's traceback; if the ranks do not all
-  finish within ``timeout`` seconds, every rank is killed and the test fails the same way.
+  MASTER_PORT outside the kernel's ephemeral range, from `rendezvous_port`), and return the
+  per-rank return values in rank order. If any rank raises, the test fails with a
+  `MultirankError` carrying that rank's traceback; if the ranks do not all finish within
+  ``timeout`` seconds, every rank is killed and the test fails the same way.
 - ``solo_world()``: a context manager for *inside* a worker that hides the torchrun
   environment, so `init_runtime()` builds a private world of one process (e.g. a TP=1 reference
   run on the whole batch before the real world is joined). Call `teardown()` before leaving it.
@@ -28,7 +29,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
+
+from megatron_kto.runtime.distributed import rendezvous_port
 
 __all__ = ["MultirankError", "run_multirank", "solo_world"]
 
@@ -48,12 +50,6 @@ _GRACE_AFTER_FAILURE_S = 5.0
 
 class MultirankError(AssertionError):
     """A rank raised, died, or the ranks did not finish in time."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
@@ -114,7 +110,7 @@ def run_multirank(
     """
     ctx = mp.get_context("spawn")
     out_dir = tempfile.mkdtemp(prefix="multirank_")
-    port = _free_port()
+    port = rendezvous_port()
     procs = [
         ctx.Process(
             target=_entry,

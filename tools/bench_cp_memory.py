@@ -129,11 +129,9 @@ def _worker(rank: int, cp: int, port: int, args: argparse.Namespace, out: dict) 
 
 def measure(cp: int, args: argparse.Namespace) -> list[dict]:
     """Per-rank results of one CP size (CP processes)."""
-    import socket
+    from megatron_kto.runtime.distributed import rendezvous_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = rendezvous_port()
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         out = manager.dict()

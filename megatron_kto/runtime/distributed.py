@@ -12,6 +12,7 @@ import os
 import random
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -52,7 +53,46 @@ class Runtime:
         return self.device.type == "cpu"
 
 
-def _free_port() -> int:
+#: Lowest port `rendezvous_port` draws (below it sit well-known and registered services).
+_LOWEST_PORT = 10000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral (auto-assigned local) port range; Linux's default if unreadable."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def rendezvous_port(attempts: int = 64) -> int:
+    """A free TCP port for a local rendezvous store, drawn outside the kernel's ephemeral range.
+
+    A port the kernel handed out by ``bind(0)`` lies inside the ephemeral range, from which the
+    other ranks' connecting sockets also take their local ports. While rank 0's store is not yet
+    listening, a rank retrying its connection can be given the store's own port as its local
+    port; on loopback that socket connects to itself and holds the port, and rank 0's store then
+    fails with EADDRINUSE. A port outside the range is never chosen as a local port. The draw uses
+    the OS's randomness (not `random`, which the tests and `set_seed` seed), so two concurrent
+    runs do not draw the same sequence; if no port outside the range is free, ``bind(0)``.
+    """
+    low, high = _ephemeral_range()
+    ports = [p for a, b in ((_LOWEST_PORT, low - 1), (high + 1, 65535)) for p in range(a, b + 1)]
+    draw = random.SystemRandom()
+    for _ in range(attempts if ports else 0):
+        port = draw.choice(ports)
+        if _bindable(port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -69,7 +109,7 @@ def _ensure_env() -> None:
     # A plain `python script.py` (no torchrun) runs as a world of one.
     defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     if "MASTER_PORT" not in os.environ:
-        defaults["MASTER_PORT"] = str(_free_port())
+        defaults["MASTER_PORT"] = str(rendezvous_port())
     for key, value in defaults.items():
         if key not in os.environ:
             os.environ[key] = value
