@@ -178,3 +178,32 @@ def test_prune_ignores_uncommitted_newer_dirs(tmp_path) -> None:
     fake_checkpoint(tmp_path, 9)  # from an earlier attempt, never committed
     files.prune(tmp_path, 2, newest_step=4)
     assert [s for s, _ in files.list_step_dirs(tmp_path)] == [9, 4, 3]
+
+
+@pytest.mark.parametrize("given", ["root", "latest", "log_dir", "step"])
+def test_resolve_reads_the_root_its_latest_marker_or_the_log_dir(tmp_path, given) -> None:
+    # README: `convert_checkpoint.py export --ckpt runs/kto/checkpoints/latest` — the marker file
+    # is accepted as well as the root, the log directory and a step directory.
+    from megatron_kto.checkpointing.locate import resolve_pretrained_dir
+
+    root = tmp_path / "checkpoints"
+    committed(root, 1, 2)
+    path = {
+        "root": root,
+        "latest": root / files.LATEST,
+        "log_dir": tmp_path,
+        "step": root / "step_2",
+    }[given]
+    assert resolve_pretrained_dir(path, warn=lambda _: None) == root / "step_2"
+
+
+def test_resolve_through_latest_falls_back_past_a_damaged_newest(tmp_path) -> None:
+    from megatron_kto.checkpointing.locate import resolve_pretrained_dir
+
+    committed(tmp_path, 1, 2)
+    (tmp_path / "step_2" / "metadata.json").unlink()
+    warnings: list[str] = []
+    assert resolve_pretrained_dir(tmp_path / files.LATEST, warn=warnings.append) == (
+        tmp_path / "step_1"
+    )
+    assert len(warnings) == 1 and "step_2" in warnings[0]

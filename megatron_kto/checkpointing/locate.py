@@ -7,8 +7,9 @@ PP vs its layers, ...) is reported within a second or two of launch.
 Accepted paths (`pretrained_checkpoint.restore_from_path`, the tools' `--policy` / `--ckpt`):
 - a conversion-tool checkpoint (dist checkpoint + architecture.json);
 - a training checkpoint directory `step_<N>`;
-- a training checkpoint root (holding `latest` / `step_<N>` dirs), or a log directory whose
-  `checkpoints/` is one — the newest usable checkpoint is taken, as on resume;
+- a training checkpoint root (holding the `latest` marker and `step_<N>` dirs), its `latest`
+  marker itself, or a log directory whose `checkpoints/` is a root — the newest usable
+  checkpoint is taken, as on resume;
 - a Hugging Face model directory (config.json + safetensors, as the Hub publishes it): its
   architecture is read from config.json (`conversion.hf_dir`; the family registry, and with it
   torch, is imported only then) and `restore_pretrained` reads its weights directly.
@@ -71,7 +72,11 @@ def resolve_pretrained_dir(path: str | Path, warn: Callable[[str], None] = _warn
                 raise CheckpointError(f"{path}: incomplete training checkpoint: {problem}")
         return path
     root = path
-    if not (root / files.LATEST).exists() and not files.list_step_dirs(root):
+    if path.is_file() and path.name == files.LATEST:
+        # `checkpoints/latest` is the marker file naming the newest step: read it as its root,
+        # so a damaged newest step falls back as on resume.
+        root = path.parent
+    elif not (root / files.LATEST).exists() and not files.list_step_dirs(root):
         if (root / "checkpoints").is_dir():
             root = root / "checkpoints"
     candidates, notes = files.candidates(root)
