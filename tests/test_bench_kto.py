@@ -138,7 +138,7 @@ def test_trl_baseline_mirrors_an_moe_shape_as_mixtral():
     """`--preset longtail_moe`'s TRL side: a Mixtral of the run's experts, top-k and aux-loss
     coefficient (TRL adds it to the loss from the config); routing it cannot mirror is refused."""
     import trl_baseline
-    from bench_kto import LONGTAIL_MOE
+    from bench_presets import LONGTAIL_MOE
 
     from megatron_kto.models.architecture import GPTArchitecture
 

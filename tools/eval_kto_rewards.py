@@ -228,8 +228,8 @@ def check_layout(args: argparse.Namespace, settings: dict[str, Any]) -> None:
         read_architecture,
         resolve_pretrained_dir,
     )
-    from megatron_kto.config.validate import check_expert_layout
-    from megatron_kto.config.validate import check_layout as check
+    from megatron_kto.config.layout import check_expert_layout
+    from megatron_kto.config.layout import check_layout as check
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     cp = args.context_parallel_size

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_kto.config.errors import ConfigError
+from megatron_kto.config.errors import ConfigError, need
 from megatron_kto.config.keys import check_known_keys
+from megatron_kto.config.layout import check_expert_layout, check_layout, data_parallel_size
 from megatron_kto.config.machine import attention_choice, canonical_precision
 from megatron_kto.peft.settings import check_peft
 
@@ -20,170 +21,8 @@ __all__ = [
 ]
 
 
-def _need(condition: bool, key: str, message: str) -> None:
-    if not condition:
-        raise ConfigError(f"{key}: {message}")
-
-
 def _choice(value: Any, key: str, choices: tuple[str, ...]) -> None:
-    _need(value in choices, key, f"must be one of {list(choices)}, got {value!r}")
-
-
-def data_parallel_size(cfg: Any, world_size: int) -> int:
-    """DP degree implied by the world size and the model-parallel layout."""
-    m = cfg.model
-    cp = m.context_parallel_size
-    model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * cp
-    _need(
-        world_size % model_parallel == 0,
-        "model.tensor_model_parallel_size",
-        f"world size {world_size} is not divisible by TP ({m.tensor_model_parallel_size}) x "
-        f"PP ({m.pipeline_model_parallel_size})" + (f" x CP ({cp})" if cp > 1 else ""),
-    )
-    return world_size // model_parallel
-
-
-def check_layout(
-    arch: Any,
-    tp: int,
-    pp: int,
-    vpp: int | None,
-    *,
-    architecture_file: str | None = None,
-    keys: tuple[str, str, str] = (
-        "model.tensor_model_parallel_size",
-        "model.pipeline_model_parallel_size",
-        "model.virtual_pipeline_model_parallel_size",
-    ),
-) -> None:
-    """The model-parallel layout fits the architecture (heads, query groups, layers).
-
-    Args:
-        arch: anything with the GPTArchitecture fields.
-        tp, pp, vpp: the layout.
-        architecture_file: where `arch` was read from (a checkpoint's architecture.json), or
-            None when it is the config's own: the message then names the layout key the user
-            can change and the file that fixes the shape, instead of the model.* key.
-        keys: how the layout is spelt for the user (config keys, or a tool's flags).
-
-    Raises:
-        ConfigError: naming the key.
-    """
-    tp_key, pp_key, vpp_key = keys
-    for key, value in ((tp_key, tp), (pp_key, pp)):
-        _need(value >= 1, key, f"must be >= 1, got {value}")
-    groups = arch.num_query_groups or arch.num_attention_heads
-    if architecture_file is not None:
-        where = f" in {architecture_file}"
-        _need(
-            arch.num_attention_heads % tp == 0,
-            tp_key,
-            f"{tp} does not divide the {arch.num_attention_heads} attention heads{where}",
-        )
-        _need(groups % tp == 0, tp_key, f"{tp} does not divide the {groups} query groups{where}")
-        rows = arch.padded_vocab_size
-        _need(
-            rows is None or rows % tp == 0,
-            tp_key,
-            f"{tp} does not divide the {rows} embedding rows (padded_vocab_size){where}",
-        )
-        stages = pp * (vpp or 1)
-        what = f"PP x VPP = {pp} x {vpp}" if vpp else str(pp)
-        _need(
-            arch.num_layers % stages == 0,
-            vpp_key if vpp else pp_key,
-            f"{what} does not divide the {arch.num_layers} layers{where}",
-        )
-        return
-    _need(
-        arch.num_attention_heads % tp == 0,
-        "model.num_attention_heads",
-        f"{arch.num_attention_heads} heads not divisible by TP={tp}",
-    )
-    _need(
-        groups % tp == 0,
-        "model.num_query_groups",
-        f"{groups} query groups not divisible by TP={tp}",
-    )
-    if vpp is not None:
-        _need(
-            arch.num_layers % (pp * vpp) == 0,
-            "model.num_layers",
-            f"{arch.num_layers} layers not divisible by PP x VPP = {pp * vpp}",
-        )
-    else:
-        _need(
-            arch.num_layers % pp == 0,
-            "model.num_layers",
-            f"{arch.num_layers} layers not divisible by PP={pp}",
-        )
-
-
-def check_expert_layout(
-    arch: Any,
-    ep: int,
-    data_parallel: int,
-    *,
-    architecture_file: str | None = None,
-    key: str = "model.expert_model_parallel_size",
-    tp: int = 1,
-    etp: int | None = None,
-    etp_key: str = "model.expert_tensor_parallel_size",
-) -> None:
-    """The expert-parallel and expert-tensor-parallel degrees fit the layout and the architecture.
-
-    megatron-core lays the MoE layers out on their own grid over the same world: ETP x EP x
-    expert-DP x PP, where ETP (None: the attention's `tp`) splits each expert's linears and EP
-    splits the experts. So `ep` must divide the expert count, `etp` the experts' hidden size, and
-    ETP x EP the ranks of a pipeline stage (TP x `data_parallel`, which counts DP x CP); at
-    ETP = TP that is: `ep` divides `data_parallel`. ETP != TP trains at EP = 1 too because
-    `training_setup.mark_experts_expert_parallel` marks experts as expert parameters at every EP
-    size (megatron-core 0.16.1 does so only at EP > 1, and would reduce EP = 1 experts' gradients
-    over the dense data-parallel group: TP=2 x ETP=1 then trains to other weights than TP=1).
-
-    Raises:
-        ConfigError: naming `key` (EP) or `etp_key` (ETP).
-    """
-    _need(ep >= 1, key, f"must be >= 1, got {ep}")
-    _need(etp is None or etp >= 1, etp_key, f"must be >= 1, got {etp}")
-    etp = tp if etp is None else etp
-    where = f" in {architecture_file}" if architecture_file else ""
-    experts = arch.num_moe_experts
-    if etp != tp:
-        _need(
-            bool(experts),
-            etp_key,
-            f"{etp} (not TP={tp}) needs a mixture-of-experts model (num_moe_experts unset{where})",
-        )
-        hidden = arch.moe_ffn_hidden_size or arch.ffn_hidden_size
-        _need(
-            hidden % etp == 0,
-            etp_key,
-            f"{etp} does not divide the experts' hidden size {hidden} (moe_ffn_hidden_size{where})",
-        )
-        stage = tp * data_parallel
-        _need(
-            stage % (etp * ep) == 0,
-            etp_key,
-            f"ETP x EP = {etp} x {ep} does not divide the {stage} ranks of a pipeline stage "
-            f"(world / PP = TP x DP x CP); megatron-core tiles them with ETP x EP x expert-DP",
-        )
-    if ep == 1:
-        return
-    _need(
-        bool(experts), key, f"{ep} needs a mixture-of-experts model (num_moe_experts unset{where})"
-    )
-    _need(
-        experts % ep == 0,
-        key,
-        f"{ep} does not divide the {experts} experts (num_moe_experts{where})",
-    )
-    _need(
-        etp != tp or data_parallel % ep == 0,
-        key,
-        f"{ep} does not divide the data-parallel size {data_parallel} (world / (TP x PP)); "
-        "expert parallelism splits the data-parallel ranks",
-    )
+    need(value in choices, key, f"must be one of {list(choices)}, got {value!r}")
 
 
 def _check_architecture(m: Any) -> None:
@@ -191,25 +30,25 @@ def _check_architecture(m: Any) -> None:
     a message naming its own field names."""
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"):
         value = getattr(m, key)
-        _need(value is not None and value >= 1, f"model.{key}", f"must be >= 1, got {value}")
-    _need(m.encoder_seq_length >= 1, "model.encoder_seq_length", "must be >= 1")
-    _need(m.make_vocab_size_divisible_by >= 1, "model.make_vocab_size_divisible_by", "must be >= 1")
+        need(value is not None and value >= 1, f"model.{key}", f"must be >= 1, got {value}")
+    need(m.encoder_seq_length >= 1, "model.encoder_seq_length", "must be >= 1")
+    need(m.make_vocab_size_divisible_by >= 1, "model.make_vocab_size_divisible_by", "must be >= 1")
     groups = m.num_query_groups or m.num_attention_heads
-    _need(
+    need(
         m.num_attention_heads % groups == 0,
         "model.num_query_groups",
         f"{groups} query groups do not divide the {m.num_attention_heads} attention heads",
     )
     if m.kv_channels is None:
-        _need(
+        need(
             m.hidden_size % m.num_attention_heads == 0,
             "model.hidden_size",
             f"{m.hidden_size} is not divisible by num_attention_heads ({m.num_attention_heads}); "
             "set model.kv_channels (the head dimension) explicitly",
         )
-    _need(0.0 < m.rotary_percent <= 1.0, "model.rotary_percent", "must be in (0, 1]")
+    need(0.0 < m.rotary_percent <= 1.0, "model.rotary_percent", "must be in (0, 1]")
     for key in ("hidden_dropout", "attention_dropout"):
-        _need(0.0 <= getattr(m, key) < 1.0, f"model.{key}", "must be in [0, 1)")
+        need(0.0 <= getattr(m, key) < 1.0, f"model.{key}", "must be in [0, 1)")
     _choice(m.normalization, "model.normalization", ("RMSNorm", "LayerNorm"))
     _choice(m.activation, "model.activation", ("swiglu", "gelu", "relu"))
     _choice(
@@ -217,8 +56,8 @@ def _check_architecture(m: Any) -> None:
     )
     if m.moe_layer_freq is not None:
         pattern = list(m.moe_layer_freq)
-        _need(bool(m.num_moe_experts), "model.moe_layer_freq", "needs model.num_moe_experts")
-        _need(
+        need(bool(m.num_moe_experts), "model.moe_layer_freq", "needs model.num_moe_experts")
+        need(
             len(pattern) == m.num_layers and set(pattern) <= {0, 1} and 1 in pattern,
             "model.moe_layer_freq",
             f"{pattern}: expected one 1 (MoE) or 0 (dense) per layer ({m.num_layers} layers), "
@@ -231,28 +70,28 @@ def _check_optimizer(o: Any) -> None:
     >= 0, ...) and torch's Adam rejects, checked here so the message names our keys."""
     _choice(o.name, "model.optim.name", ("adam", "fused_adam", "distributed_fused_adam"))
     _choice(o.sched.name, "model.optim.sched.name", ("CosineAnnealing", "Constant", "Linear"))
-    _need(len(o.betas) == 2, "model.optim.betas", f"needs two values, got {list(o.betas)}")
-    _need(
+    need(len(o.betas) == 2, "model.optim.betas", f"needs two values, got {list(o.betas)}")
+    need(
         all(0.0 <= b < 1.0 for b in o.betas),
         "model.optim.betas",
         f"each must be in [0, 1), got {list(o.betas)}",
     )
-    _need(o.eps > 0, "model.optim.eps", "must be > 0")
-    _need(o.lr > 0, "model.optim.lr", "must be > 0")
-    _need(o.weight_decay >= 0, "model.optim.weight_decay", "must be >= 0")
-    _need(o.sched.warmup_steps >= 0, "model.optim.sched.warmup_steps", "must be >= 0")
-    _need(o.sched.constant_steps >= 0, "model.optim.sched.constant_steps", "must be >= 0")
+    need(o.eps > 0, "model.optim.eps", "must be > 0")
+    need(o.lr > 0, "model.optim.lr", "must be > 0")
+    need(o.weight_decay >= 0, "model.optim.weight_decay", "must be >= 0")
+    need(o.sched.warmup_steps >= 0, "model.optim.sched.warmup_steps", "must be >= 0")
+    need(o.sched.constant_steps >= 0, "model.optim.sched.constant_steps", "must be >= 0")
     min_lr = o.sched.min_lr
     if min_lr is not None:
-        _need(min_lr >= 0, "model.optim.sched.min_lr", f"must be >= 0, got {min_lr}")
-        _need(
+        need(min_lr >= 0, "model.optim.sched.min_lr", f"must be >= 0, got {min_lr}")
+        need(
             min_lr <= o.lr,
             "model.optim.sched.min_lr",
             f"{min_lr:g} is above model.optim.lr {o.lr:g} (the schedule decays from lr down to "
             "min_lr); lower it, or leave it unset for lr / 10",
         )
     if o.bucket_cap_mb is not None:
-        _need(o.bucket_cap_mb > 0, "model.optim.bucket_cap_mb", "must be > 0")
+        need(o.bucket_cap_mb > 0, "model.optim.bucket_cap_mb", "must be > 0")
 
 
 def _is_count(value: Any) -> bool:
@@ -265,26 +104,26 @@ def _is_fraction(value: Any) -> bool:
 
 def _check_loop(loop: Any, key: str) -> None:
     """NeMo/Lightning semantics: an int is a number of steps/batches, a float a fraction."""
-    _need(
+    need(
         loop.max_epochs >= 1 or loop.max_steps > 0,
         f"{key}.max_epochs",
         "set max_epochs >= 1 or max_steps > 0",
     )
     v = loop.val_check_interval
-    _need(
+    need(
         (_is_count(v) and v >= 1) or (_is_fraction(v) and 0.0 < v <= 1.0),
         f"{key}.val_check_interval",
         f"an int (every N steps, >= 1) or a float (a fraction of an epoch, in (0, 1]); got {v!r}",
     )
     for name in ("limit_train_batches", "limit_val_batches"):
         v = getattr(loop, name)
-        _need(
+        need(
             (_is_count(v) and v >= 0) or (_is_fraction(v) and 0.0 <= v <= 1.0),
             f"{key}.{name}",
             f"an int (a number of global batches) or a float (a fraction, in [0, 1]); got {v!r}",
         )
-    _need(loop.save_interval >= 0, f"{key}.save_interval", "must be >= 0")
-    _need(loop.gradient_clip_val >= 0, f"{key}.gradient_clip_val", "must be >= 0")
+    need(loop.save_interval >= 0, f"{key}.save_interval", "must be >= 0")
+    need(loop.gradient_clip_val >= 0, f"{key}.gradient_clip_val", "must be >= 0")
 
 
 def validate(
@@ -306,7 +145,7 @@ def validate(
     check_known_keys(cfg)
     m, t = cfg.model, cfg.trainer
     canonical_precision(t.precision)
-    _need(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", "must be >= 1")
+    need(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", "must be >= 1")
     if t.max_time:
         from megatron_kto.checkpointing.preemption import parse_max_time
 
@@ -315,7 +154,7 @@ def validate(
         except ValueError as e:
             raise ConfigError(f"trainer.max_time: {e}") from e
     if t.devices is not None:
-        _need(
+        need(
             t.devices * t.num_nodes == world_size,
             "trainer.devices",
             f"trainer.devices ({t.devices}) x trainer.num_nodes ({t.num_nodes}) != launched world "
@@ -332,7 +171,7 @@ def validate(
         ("pipeline_model_parallel_size", pp),
         ("context_parallel_size", cp),
     ):
-        _need(value >= 1, f"model.{key}", f"must be >= 1, got {value}")
+        need(value >= 1, f"model.{key}", f"must be >= 1, got {value}")
     dp = data_parallel_size(cfg, world_size)
     _check_architecture(m)
     check_layout(m, tp, pp, vpp, architecture_file=architecture_file)
@@ -345,7 +184,7 @@ def validate(
         tp=tp,
         etp=m.expert_tensor_parallel_size,
     )
-    _need(
+    need(
         cp == 1 or not (m.num_moe_experts and m.moe_aux_loss_coeff),
         "model.moe_aux_loss_coeff",
         f"{m.moe_aux_loss_coeff}: the router load-balancing loss is not supported with "
@@ -353,47 +192,47 @@ def validate(
         "model.moe_aux_loss_coeff=0 or model.context_parallel_size=1",
     )
     if m.num_moe_experts and m.moe_aux_loss_coeff:
-        _need(m.moe_aux_loss_coeff > 0, "model.moe_aux_loss_coeff", "must be >= 0")
+        need(m.moe_aux_loss_coeff > 0, "model.moe_aux_loss_coeff", "must be >= 0")
         # The balance statistics of a micro-batch span every layer's router: each rank's
         # model chunk must run a micro-batch's layers in one forward (`models.router_stats`).
-        _need(
+        need(
             vpp is None or vpp == 1,
             "model.moe_aux_loss_coeff",
             f"{m.moe_aux_loss_coeff}: the router load-balancing loss is not supported with "
             "virtual_pipeline_model_parallel_size > 1 (a rank's layers run its micro-batches "
             "interleaved); set model.moe_aux_loss_coeff=0 to train without it",
         )
-        _need(
+        need(
             m.activations_checkpoint_granularity != "full",
             "model.moe_aux_loss_coeff",
             f"{m.moe_aux_loss_coeff}: the router load-balancing loss is not supported with "
             "activations_checkpoint_granularity=full (the routers re-run in the backward "
             "pass); use selective or no recompute, or set model.moe_aux_loss_coeff=0",
         )
-    _need(
+    need(
         not (m.num_moe_experts and tp > 1) or m.sequence_parallel,
         "model.sequence_parallel",
         "a mixture-of-experts model with tensor_model_parallel_size > 1 trains with sequence "
         "parallelism (megatron-core requires it): set model.sequence_parallel=true",
     )
-    _need(
+    need(
         not m.sequence_parallel or tp > 1,
         "model.sequence_parallel",
         "needs tensor_model_parallel_size > 1",
     )
     if vpp is not None:
-        _need(
+        need(
             pp > 1,
             "model.virtual_pipeline_model_parallel_size",
             "needs pipeline_model_parallel_size > 1",
         )
-    _need(m.micro_batch_size >= 1, "model.micro_batch_size", "must be >= 1")
-    _need(
+    need(m.micro_batch_size >= 1, "model.micro_batch_size", "must be >= 1")
+    need(
         m.logprob_chunk_size >= 0,
         "model.logprob_chunk_size",
         f"must be >= 0 (0 computes full logits), got {m.logprob_chunk_size}",
     )
-    _need(
+    need(
         m.global_batch_size % (m.micro_batch_size * dp) == 0,
         "model.global_batch_size",
         f"{m.global_batch_size} is not divisible by micro_batch_size ({m.micro_batch_size}) x "
@@ -402,7 +241,7 @@ def validate(
     per_rank = m.global_batch_size // dp
     if vpp is not None:
         num_micro = per_rank // m.micro_batch_size
-        _need(
+        need(
             num_micro % pp == 0,
             "model.global_batch_size",
             f"interleaved pipelining needs micro-batches per step ({num_micro}) divisible by PP={pp}",
@@ -412,19 +251,19 @@ def validate(
     _choice(m.data.truncation_mode, "model.data.truncation_mode", ("keep_end", "keep_start"))
     _choice(m.tokenizer.library, "model.tokenizer.library", ("sentencepiece", "huggingface"))
     _check_optimizer(m.optim)
-    _need(
+    need(
         len(m.data.data_prefix.train) > 0, "model.data.data_prefix.train", "no training files given"
     )
-    _need(m.data.pad_to_multiple_of >= 1, "model.data.pad_to_multiple_of", "must be >= 1")
+    need(m.data.pad_to_multiple_of >= 1, "model.data.pad_to_multiple_of", "must be >= 1")
     max_len = m.data.max_length or m.encoder_seq_length
     limit = (
         f"the position limit {m.encoder_seq_length} in {architecture_file}"
         if architecture_file
         else f"model.encoder_seq_length {m.encoder_seq_length}"
     )
-    _need(max_len <= m.encoder_seq_length, "model.data.max_length", f"{max_len} exceeds {limit}")
+    need(max_len <= m.encoder_seq_length, "model.data.max_length", f"{max_len} exceeds {limit}")
     if m.data.max_prompt_length is not None:
-        _need(
+        need(
             1 <= m.data.max_prompt_length < max_len,
             "model.data.max_prompt_length",
             f"must be between 1 and max_length - 1 ({max_len - 1}), got {m.data.max_prompt_length}",
@@ -432,22 +271,22 @@ def validate(
     loop = t.kto if algorithm == "kto" else t.dpo
     _check_loop(loop, f"trainer.{algorithm}")
     loss = m.kto if algorithm == "kto" else m.dpo
-    _need(
+    need(
         loss.preference_loss_weight >= 0,
         f"model.{algorithm}.preference_loss_weight",
         "must be >= 0",
     )
-    _need(loss.sft_loss_weight >= 0, f"model.{algorithm}.sft_loss_weight", "must be >= 0")
+    need(loss.sft_loss_weight >= 0, f"model.{algorithm}.sft_loss_weight", "must be >= 0")
     if algorithm == "kto":
         k = m.kto
         _choice(k.loss_type, "model.kto.loss_type", ("kto", "apo_zero_unpaired"))
-        _need(k.ref_policy_kl_penalty > 0, "model.kto.ref_policy_kl_penalty", "β must be > 0")
-        _need(
+        need(k.ref_policy_kl_penalty > 0, "model.kto.ref_policy_kl_penalty", "β must be > 0")
+        need(
             k.desirable_loss_weight >= 0 and k.undesirable_loss_weight >= 0,
             "model.kto.desirable_loss_weight",
             "weights must be >= 0",
         )
-        _need(
+        need(
             m.global_batch_size >= 2,
             "model.global_batch_size",
             "KL pairs need >= 2 examples per global batch (prompt i is paired with completion "
@@ -457,15 +296,15 @@ def validate(
     else:
         d = m.dpo
         _choice(d.loss_type, "model.dpo.loss_type", ("sigmoid", "ipo", "hinge"))
-        _need(d.ref_policy_kl_penalty > 0, "model.dpo.ref_policy_kl_penalty", "β must be > 0")
-        _need(0.0 <= d.label_smoothing < 0.5, "model.dpo.label_smoothing", "must be in [0, 0.5)")
+        need(d.ref_policy_kl_penalty > 0, "model.dpo.ref_policy_kl_penalty", "β must be > 0")
+        need(0.0 <= d.label_smoothing < 0.5, "model.dpo.label_smoothing", "must be in [0, 0.5)")
         fwd = d.log_prob_forward_micro_batch_size
     # model.peft.* and the reference policies it allows (architecture fields are resolved).
     check_peft(m, algorithm, m)
     _check_hf_output(cfg.exp_manager, m)
     if fwd is not None:
-        _need(fwd >= 1, f"model.{algorithm}.log_prob_forward_micro_batch_size", "must be >= 1")
-        _need(
+        need(fwd >= 1, f"model.{algorithm}.log_prob_forward_micro_batch_size", "must be >= 1")
+        need(
             per_rank % fwd == 0,
             f"model.{algorithm}.log_prob_forward_micro_batch_size",
             f"must divide the per-rank batch {per_rank}",
@@ -473,7 +312,7 @@ def validate(
     fwd = fwd or m.micro_batch_size
     if vpp is not None:
         # Forward-only passes (reference, KL rows) also run the interleaved schedule.
-        _need(
+        need(
             (per_rank // fwd) % pp == 0,
             f"model.{algorithm}.log_prob_forward_micro_batch_size",
             f"interleaved pipelining needs forward micro-batches per step ({per_rank // fwd}) "
@@ -484,15 +323,15 @@ def validate(
 def _check_hf_output(e: Any, m: Any) -> None:
     """exp_manager.save_hf*: the options that refine save_hf need it (and LoRA, for merging)."""
     for key in ("save_hf_every_save", "save_hf_merged"):
-        _need(
+        need(
             not getattr(e, key) or e.save_hf, f"exp_manager.{key}", "needs exp_manager.save_hf=true"
         )
-    _need(
+    need(
         not e.save_hf_merged or str(m.peft.peft_scheme) == "lora",
         "exp_manager.save_hf_merged",
         "merges LoRA adapters: needs model.peft.peft_scheme=lora",
     )
-    _need(e.save_hf_max_shard_mb > 0, "exp_manager.save_hf_max_shard_mb", "must be > 0")
+    need(e.save_hf_max_shard_mb > 0, "exp_manager.save_hf_max_shard_mb", "must be > 0")
 
 
 def _check_recompute(m: Any, layers_per_chunk: int) -> None:
@@ -506,7 +345,7 @@ def _check_recompute(m: Any, layers_per_chunk: int) -> None:
             ("activations_checkpoint_method", method),
             ("activations_checkpoint_num_layers", num_layers),
         ):
-            _need(
+            need(
                 value is None,
                 f"model.{key}",
                 f"only applies to activations_checkpoint_granularity=full (got granularity "
@@ -515,13 +354,13 @@ def _check_recompute(m: Any, layers_per_chunk: int) -> None:
         return
     _choice(method, "model.activations_checkpoint_method", (None, "uniform", "block"))
     method, num_layers = method or "uniform", num_layers or 1
-    _need(
+    need(
         1 <= num_layers <= layers_per_chunk,
         "model.activations_checkpoint_num_layers",
         f"must be between 1 and the {layers_per_chunk} layers of each model chunk "
         f"(num_layers / (PP x VPP)), got {num_layers}",
     )
-    _need(
+    need(
         method != "uniform" or layers_per_chunk % num_layers == 0,
         "model.activations_checkpoint_num_layers",
         f"with method 'uniform' it must divide the {layers_per_chunk} layers of each model "

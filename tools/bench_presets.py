@@ -1,0 +1,82 @@
+"""The `--preset`s of `tools/bench_kto.py` (also used by `profile_kto.py` and
+`bench_lora_memory.py`): the overrides every bench run starts from, the long-tailed data set and
+the model shapes measured on it.
+
+Standard library only, like `bench_kto.py`'s module level (see its note on max-RSS).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: Overrides the bench puts before the user's: outputs that cost time but are not measured.
+BENCH_DEFAULTS = [
+    "exp_manager.create_checkpoint_callback=false",
+    "exp_manager.create_tensorboard_logger=false",
+    "exp_manager.resume_if_exists=false",
+    "trainer.kto.limit_val_batches=0",
+    "trainer.kto.save_interval=0",
+    "model.data.shuffle=false",
+]
+
+#: The long-tailed benchmark set: `tools/make_bench_data.py` arguments (its defaults, named so
+#: the file name changes if they do).
+LONGTAIL_DATA = {"rows": 2048, "seed": 0, "max_length": 1024}
+#: `--preset longtail`: the compute-dominated shape on that set.
+LONGTAIL_MODEL = [
+    "model.num_layers=8",
+    "model.hidden_size=512",
+    "model.ffn_hidden_size=1536",
+    "model.num_attention_heads=8",
+    "model.num_query_groups=4",
+    f"model.encoder_seq_length={LONGTAIL_DATA['max_length']}",
+    f"model.data.max_length={LONGTAIL_DATA['max_length']}",
+    "model.data.data_prefix.validation=[]",
+]
+#: `--preset longtail_moe`: the same shape with a mixture-of-experts MLP in every layer, 8
+#: experts, 2 routed per token, each expert half the dense width (so a token's MLP FLOPs equal
+#: the dense model's, which is what the MFU count assumes), and the router load-balancing loss
+#: (coefficient 0.01) on both sides. Add model.expert_model_parallel_size=2 under torchrun for EP
+#: (and model.expert_tensor_parallel_size for an expert TP apart from TP).
+LONGTAIL_MOE = [
+    "model.num_moe_experts=8",
+    "model.moe_router_topk=2",
+    "model.moe_ffn_hidden_size=768",
+    "model.moe_aux_loss_coeff=0.01",
+]
+
+
+def longtail_data() -> Path:
+    """The long-tailed set, generated on first use (in a subprocess, so that this process does
+    not import the tokenizer: see the note on max-RSS above)."""
+    d = LONGTAIL_DATA
+    path = (
+        Path(tempfile.gettempdir())
+        / "megatron_kto_bench"
+        / (f"kto_longtail_rows{d['rows']}_seed{d['seed']}_max{d['max_length']}.jsonl")
+    )
+    if not path.exists():
+        cmd = [sys.executable, str(Path(__file__).with_name("make_bench_data.py")), "--out",
+               str(path), "--rows", str(d["rows"]), "--seed", str(d["seed"]),
+               "--max-length", str(d["max_length"])]  # fmt: skip
+        subprocess.run(cmd, check=True, cwd=REPO, stdout=sys.stderr)
+    return path
+
+
+def preset_overrides(preset: str) -> list[str]:
+    """Hydra overrides of a `--preset` (before the user's own)."""
+    if preset == "example":
+        return []
+    # The bundled example's settings (fp32, tokenizer, batch sizes, lr) under the larger shape:
+    # a run that names its own data no longer gets them implicitly (config/entry.py).
+    return [
+        "example=tiny_kto",
+        *LONGTAIL_MODEL,
+        *(LONGTAIL_MOE if preset == "longtail_moe" else []),
+        f"model.data.data_prefix.train=[{longtail_data()}]",
+    ]
