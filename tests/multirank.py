@@ -14,6 +14,11 @@ Public API (keep it small):
   run on the whole batch before the real world is joined). Call `teardown()` before leaving it.
 - ``MultirankError``: raised in the pytest process.
 
+Every run of several ranks also records each rank's torch.distributed calls and replays them
+under NCCL's ordering rules (`nccl_order`): a run whose order would deadlock on GPUs (or whose
+ranks disagree on a collective) fails with the stuck queue heads of every rank, even though gloo
+let it finish.
+
 Rules for ``fn``: it must be a module-level function of an importable module (a test module in
 ``tests/`` is fine — spawned children get the parent's ``sys.path``), its arguments and return
 value must be picklable (CPU tensors are), and it should call ``teardown()`` at the end. Each
@@ -36,9 +41,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import nccl_order
 import torch.multiprocessing as mp
 
-from megatron_kto.runtime.distributed import rendezvous_port
+if os.environ.get(nccl_order.TRACE_ENV) and mp.current_process().name != "MainProcess":
+    # A spawned rank (named by `run_multirank`): this module is unpickled (imported) before the
+    # test's function, so before megatron-core, which binds torch.distributed functions at import.
+    nccl_order.install(os.environ[nccl_order.TRACE_ENV])
+
+from megatron_kto.runtime.distributed import rendezvous_port  # noqa: E402
 
 __all__ = ["MultirankError", "run_multirank", "solo_world"]
 
@@ -68,12 +79,14 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, ar
     import torch
 
     torch.set_num_threads(1)
+    nccl_order.bind_rank(rank, world_size)
     out = Path(out_dir)
     try:
         result = fn(rank, world_size, *args)
     except BaseException:
         (out / f"{rank}.err").write_text(traceback.format_exc())
         raise SystemExit(1) from None
+    nccl_order.dump()
     tmp = out / f"{rank}.pkl.tmp"
     with open(tmp, "wb") as f:
         pickle.dump(result, f)
@@ -121,9 +134,19 @@ def run_multirank(
     ]
     out = Path(out_dir)
     name = getattr(fn, "__qualname__", repr(fn))
+    trace_dir = out / "nccl_trace"
+    saved_trace_env = os.environ.get(nccl_order.TRACE_ENV)
     try:
-        for p in procs:
-            p.start()
+        # Every multi-rank run records its communication for the NCCL order replay.
+        os.environ[nccl_order.TRACE_ENV] = str(trace_dir)
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            if saved_trace_env is None:
+                os.environ.pop(nccl_order.TRACE_ENV, None)
+            else:
+                os.environ[nccl_order.TRACE_ENV] = saved_trace_env
         deadline = time.monotonic() + timeout
         failed_at: float | None = None
         timed_out = False
@@ -155,6 +178,11 @@ def run_multirank(
             )
         if problems:
             raise MultirankError(f"{name} failed on {world_size} ranks:\n" + "\n".join(problems))
+        if world_size > 1:
+            try:
+                nccl_order.check_trace_dir(trace_dir, world_size)
+            except nccl_order.NcclOrderError as err:
+                raise MultirankError(f"{name} on {world_size} ranks: {err}") from None
         results = []
         for rank in range(world_size):
             with open(out / f"{rank}.pkl", "rb") as f:
