@@ -15,7 +15,12 @@ sequence) the ranks holding parts of a micro-batch share their statistics: `fini
 asynchronous all-reduce of this rank's [counts, probability sums, tokens] over them — the later
 stages have not run the micro-batch yet — and its result is read when this stage runs the
 micro-batch's backward (every stage has run its forward by then), and for the logged value
-(`step_values`, the whole model's, on every rank). Each router's share of the gradient,
+(`step_values`, the whole model's, on every rank). That all-reduce runs on a process group of its
+own (`own_group`: the ranks of megatron's pipeline or model-parallel group, another NCCL
+communicator). On megatron's pipeline group it would deadlock NCCL, which runs a group's
+collectives and batched sends in issue order on one communicator: stage 0 queues [all-reduce(mb0),
+send(mb0)], the last stage [recv(mb0), ..., all-reduce(mb0)] (gloo lets it pass; the tests replay
+the order as NCCL would, `tests/nccl_order.py`). Each router's share of the gradient,
 E · C / T² per expert with the global counts C and token total T, enters through megatron-core's
 `MoEAuxLossAutoScaler` on the router's output (how megatron attaches its own MoE losses on every
 stage, with the main loss's scale). Virtual pipelining (several chunks per rank, their micro-
@@ -110,6 +115,38 @@ def announce_micro_batches(forward_step: Callable, stats: RouterStatistics) -> C
     return step
 
 
+#: (megatron's group, the group of its own made from it by `own_group`), most recent last.
+_OWN_GROUPS: list[tuple[object, object]] = []
+
+
+def own_group(group):
+    """A process group with the ranks of `group` (one of megatron's) but a communicator of its own.
+
+    NCCL runs all of a communicator's collectives and batched point-to-point operations in the
+    order each rank issued them; the statistics' all-reduce, issued between stages' sends and
+    receives, must not share a queue with them. Every group needs every rank to call
+    `torch.distributed.new_group` for it, in the same order: each rank shares its group's rank
+    list over the world (the partition megatron made, e.g. all pipeline groups) and all create
+    the distinct lists in sorted order. Collective over the whole world: every rank calls it at
+    the same point, with its own group of the same kind; made once per megatron group (cached).
+    """
+    for source, own in _OWN_GROUPS:
+        if source is group:
+            return own
+    import torch.distributed as dist
+
+    mine = dist.get_process_group_ranks(group)
+    lists: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(lists, mine)
+    own = None
+    for ranks in sorted({tuple(r) for r in lists}):
+        created = dist.new_group(list(ranks), group_desc="ROUTER_STATISTICS")
+        if list(ranks) == mine:
+            own = created
+    _OWN_GROUPS[:] = [(group, own)]  # a new parallel state replaces the old one's groups
+    return own
+
+
 class _Totals:
     """One micro-batch's statistics [counts E, probability sums E, tokens], summed over the ranks
     that route parts of it (pipeline stages; TP ranks under sequence parallelism). Filled when
@@ -177,9 +214,9 @@ class RouterStatistics:
         self._tp = tp if config.sequence_parallel and tp > 1 else 1
         self._group = None
         if self._tp > 1:
-            self._group = parallel_state.get_model_parallel_group()
+            self._group = own_group(parallel_state.get_model_parallel_group())
         elif pp > 1:
-            self._group = parallel_state.get_pipeline_model_parallel_group()
+            self._group = own_group(parallel_state.get_pipeline_model_parallel_group())
         self.routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
         self._handles = [r.register_forward_hook(self._hook) for r in self.routers]
 
