@@ -3,7 +3,10 @@ a starting checkpoint, and read checkpoints back into a TP=1 model.
 
 The entry scripts are launched exactly as a user would: ``python examples/train_gpt_kto.py`` for
 one rank, ``python -m torch.distributed.run --nproc_per_node N ...`` (torchrun) for several, with
-one intra-op thread per rank (CI has 2 cores).
+one intra-op thread per rank (CI has 2 cores). A run of several ranks goes through
+``tests/nccl_trace_main.py``, which records each rank's torch.distributed calls; when the run
+succeeds they are replayed under NCCL's ordering rules (`nccl_order`), and an order that would
+deadlock NCCL (gloo let it pass) fails the run with every rank's stuck queue heads.
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import nccl_order
 from multirank import run_multirank
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,14 +72,21 @@ def launch(
     (stdout, stderr) per rank, in rank order; otherwise that list is empty.
     """
     extra = ["--log-dir", str(logs), "--redirects", "3"] if nproc > 1 and logs else []
-    proc = subprocess.run(
-        [*launcher(nproc, extra), *args],
-        cwd=REPO,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    env = cli_env()
+    with tempfile.TemporaryDirectory(prefix="nccl_trace_") as trace_dir:
+        if nproc > 1:
+            env[nccl_order.TRACE_ENV] = trace_dir
+            args = [str(REPO / "tests" / "nccl_trace_main.py"), *args]
+        proc = subprocess.run(
+            [*launcher(nproc, extra), *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if nproc > 1 and proc.returncode == 0:
+            nccl_order.check_trace_dir(trace_dir, nproc)
     ranks = []
     if extra:
         for err in sorted(logs.rglob("stderr.log"), key=lambda p: int(p.parent.name)):
