@@ -10,7 +10,9 @@ fc1 linears of the TE spec), which normalises its input itself — TE's own norm
 the base is asked to return (`return_layernorm_output`, see `attach`). The adapter holds no
 reference to the base's norm weight (its state is (A, B) only, the same keys under every layer
 spec) and recomputes no norm: the normalised tensor it reads is the one TE made, in the
-activation dtype, shared with what TE keeps for its own backward.
+activation dtype. A's matmul saves it for A's gradient, and TE saves the same tensor whenever it
+returns it (TE 2.9 `layernorm_linear.py`): one normalised input per adapted linear, as the memory
+plan counts it (`planning.activations`, LoRA).
 
 One `LoRALinear` serves one megatron linear and holds one (A, B) pair per Hugging Face projection
 it fuses — `linear_qkv` = q/k/v, a gated `linear_fc1` = gate/up, the others one — so an adapter
