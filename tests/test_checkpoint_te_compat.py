@@ -22,50 +22,14 @@ Facts of TE's own (not derivable without it; from its sources): its modules keep
 
 from __future__ import annotations
 
-import ast
-import re
 from pathlib import Path
 
 import pytest
 import torch
 from multirank import run_multirank
+from te_standin import TE_EMPTY_EXTRA_STATE, image_te_version, real_method, te_spec
 
 pytestmark = pytest.mark.multirank
-
-REPO = Path(__file__).resolve().parents[1]
-TE_EMPTY_EXTRA_STATE = torch.empty(0, dtype=torch.uint8)
-
-
-def _image_te_version() -> str:
-    text = (REPO / "Dockerfile").read_text()
-    return re.search(r"^ARG NGC_TRANSFORMER_ENGINE=(\S+)$", text, re.M)[1]
-
-
-def _te_spec(te_version: str):
-    """megatron-core's TE layer spec and its module of TE classes, built without TE."""
-    from megatron.core import utils as mcore_utils
-    from megatron.core.extensions import transformer_engine as te_ext
-    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
-    from megatron.core.models.gpt import gpt_layer_specs
-    from packaging.version import Version
-
-    mcore_utils._te_version = Version(te_version)  # what get_te_version() reads with TE present
-    # The names gpt_layer_specs imports inside its `try: import transformer_engine` block.
-    gpt_layer_specs.TESpecProvider = TESpecProvider
-    gpt_layer_specs.TENorm, gpt_layer_specs.TEFusedMLP = te_ext.TENorm, te_ext.TEFusedMLP
-    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(), te_ext
-
-
-def _real_method(te_ext, class_name: str, method: str = "sharded_state_dict"):
-    """A method of one of megatron-core's TE classes, compiled from megatron-core's source in
-    that module's namespace (the classes themselves subclass a stand-in without TE)."""
-    path = Path(te_ext.__file__)
-    tree = ast.parse(path.read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
-    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == method)
-    namespace = dict(vars(te_ext))
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), namespace)
-    return namespace[method]
 
 
 class _TEModuleState:
@@ -85,7 +49,7 @@ def _te_layout(te_version: str, arch) -> dict:
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.utils import sharded_state_dict_default
 
-    spec, te_ext = _te_spec(te_version)
+    spec, te_ext = te_spec(te_version)
     classes = {
         getattr(te_ext, name): name
         for name in ("TELayerNormColumnParallelLinear", "TERowParallelLinear",
@@ -120,7 +84,7 @@ def _te_layout(te_version: str, arch) -> dict:
         out["classes"][path] = name
         params = {n: torch.zeros(2, 2) for n in names_of.get(name, set()) & kept}
         state = _TEModuleState({**params, "_extra_state": TE_EMPTY_EXTRA_STATE}, tp_group, config)
-        sharded = _real_method(te_ext, name)(
+        sharded = real_method(te_ext, name)(
             state, f"decoder.layers.{path}.", (), {"dp_cp_group": None}
         )
         out["keys"] |= {v.key for v in sharded.values()}
@@ -155,7 +119,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
     root = Path(tmp)
     run = build_run(1, 1, seed=1)
     model = unwrap(run.chunks[0])
-    te = _te_layout(_image_te_version(), tiny_arch())
+    te = _te_layout(image_te_version(), tiny_arch())
     local_sharded = model.sharded_state_dict()
     out = {
         "te": te,

@@ -9,11 +9,15 @@ refuses one whose fingerprint differs.
 The fingerprint is (parameter count, Σw, Σw²) of every frozen tensor in float64, each counted once
 over all ranks (`models.unique_params`: replicas once, every EP rank's experts), so it does not
 depend on the layout beyond float64 rounding; two bases agree when they match to a relative 1e-9.
+The sums read each tensor a slice of `FINGERPRINT_SLICE` elements at a time, so the float64
+working copy is one slice (8 MiB), never a whole tensor: a full float64 copy of Llama-3-8B's
+weights would be 8 GB next to its 16 GB of bf16 weights.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,8 @@ from megatron_kto.models.unique_params import counted_here, world_sum
 BASE_FILE = "lora_base.json"
 _PREFIX = "lora."
 _RTOL = 1e-9
+#: Elements of a tensor the fingerprint converts to float64 at once (8 MiB of float64).
+FINGERPRINT_SLICE = 2**20
 
 
 def adapter_sharded_state_dict(model_sd: dict[str, Any]) -> dict[str, Any]:
@@ -48,15 +54,46 @@ def load_adapter_state(chunk: torch.nn.Module, state: dict[str, Any], where: str
         )
 
 
-def base_fingerprint(chunks: list[torch.nn.Module]) -> list[float]:
+def _slices(w: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
+    """`w`'s elements as 1-D pieces of at most `size` elements (views of a contiguous `w`; a
+    non-contiguous one is read a block of leading-dimension rows at a time)."""
+    if w.is_contiguous() or w.dim() < 2:
+        yield from w.reshape(-1).split(size)
+        return
+    rows = max(1, size // max(1, w[0].numel()))
+    for block in w.split(rows):
+        yield from block.reshape(-1).split(size)  # copies one block, not the tensor
+
+
+def _moments(w: torch.Tensor, slice_elements: int) -> torch.Tensor:
+    """[Σw, Σw²] of one tensor in float64 on its device, converting at most `slice_elements`
+    elements to float64 at a time (a non-contiguous `w` also copies a block of about as many
+    elements in its own dtype)."""
+    total = torch.zeros(2, dtype=torch.float64, device=w.device)
+    for piece in _slices(w.detach(), slice_elements):
+        x = piece.double()
+        # dot(x, x) rather than (x * x).sum(): no second slice-sized temporary.
+        total += torch.stack([x.sum(), torch.dot(x, x)])
+        # Released before the next slice is made, or two slices would be alive at once.
+        del piece, x
+    return total
+
+
+def base_fingerprint(
+    chunks: list[torch.nn.Module], slice_elements: int = FINGERPRINT_SLICE
+) -> list[float]:
     """[count, Σw, Σw²] over the frozen (base) parameters of the whole model, each tensor once
-    whatever the layout, the experts of every EP rank included (a collective over the world)."""
-    sums = [
-        torch.stack([w.new_tensor(float(w.numel())), w.sum(), (w * w).sum()])
-        for w in (p.detach().double() for p in counted_here(chunks) if not p.requires_grad)
-    ]
+    whatever the layout, the experts of every EP rank included (a collective over the world).
+
+    Extra memory is one float64 slice of `slice_elements` elements (and, for a non-contiguous
+    tensor, a block of about as many in its own dtype), whatever the model's size.
+    """
     device = next(unwrap(chunks[0]).parameters()).device
-    total = torch.stack(sums).sum(0) if sums else torch.zeros(3, dtype=torch.float64, device=device)
+    total = torch.zeros(3, dtype=torch.float64, device=device)
+    for p in counted_here(chunks):
+        if not p.requires_grad:
+            total[0] += p.numel()
+            total[1:] += _moments(p, slice_elements).to(device)
     return [float(x) for x in world_sum(total).cpu()]
 
 

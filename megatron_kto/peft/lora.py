@@ -4,6 +4,16 @@ An adapter never replaces the layer it adapts: it is called from a forward hook 
 linear and adds ``scaling · B(A(dropout(x)))`` to the linear's output, so the base module, its
 parameter names and its checkpoint keys stay exactly as megatron-core built them.
 
+The adapter's input ``x`` is what the base's GEMM multiplies: the linear's input, or — for
+Transformer Engine's `LayerNormLinear` (megatron's `TELayerNormColumnParallelLinear`, the QKV and
+fc1 linears of the TE spec), which normalises its input itself — TE's own normalised input, which
+the base is asked to return (`return_layernorm_output`, see `attach`). The adapter holds no
+reference to the base's norm weight (its state is (A, B) only, the same keys under every layer
+spec) and recomputes no norm: the normalised tensor it reads is the one TE made, in the
+activation dtype. A's matmul saves it for A's gradient, and TE saves the same tensor whenever it
+returns it (TE 2.9 `layernorm_linear.py`): one normalised input per adapted linear, as the memory
+plan counts it (`planning.activations`, LoRA).
+
 One `LoRALinear` serves one megatron linear and holds one (A, B) pair per Hugging Face projection
 it fuses — `linear_qkv` = q/k/v, a gated `linear_fc1` = gate/up, the others one — so an adapter
 maps one-to-one to `peft`'s `LoraConfig` (`q_proj`, ..., `down_proj`).
@@ -175,11 +185,6 @@ class LoRALinear(torch.nn.Module):
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        # Transformer Engine's LayerNormLinear normalises its input itself: the adapter must see
-        # the normalised input too (as peft's q_proj does), so it recomputes the norm.
-        self.norm_weight = getattr(base, "layer_norm_weight", None)
-        self.norm_bias = getattr(base, "layer_norm_bias", None)
-        self.norm_config = getattr(base, "config", None) if self.norm_weight is not None else None
         weight = base.weight
         self.adapters = torch.nn.ModuleDict()
         for p in projections:
@@ -234,21 +239,6 @@ class LoRALinear(torch.nn.Module):
                 out[f"adapters.{name}.ref_B"] = b
         return out
 
-    def _normalised(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.norm_config
-        w = self.norm_weight.float()
-        if cfg is not None and cfg.layernorm_zero_centered_gamma:
-            w = w + 1
-        xf = x.float()
-        if cfg is not None and cfg.normalization == "LayerNorm":
-            eps = cfg.layernorm_epsilon
-            b = None if self.norm_bias is None else self.norm_bias.float()
-            y = torch.nn.functional.layer_norm(xf, xf.shape[-1:], w, b, eps)
-        else:
-            eps = cfg.layernorm_epsilon if cfg is not None else 1e-5
-            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w
-        return y.to(x.dtype)
-
     def _dropped(self, x: torch.Tensor) -> torch.Tensor:
         if self.dropout is None or not self.training:
             return x
@@ -259,10 +249,8 @@ class LoRALinear(torch.nn.Module):
         return self.dropout(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The adapters' contribution to the base linear's output for its input `x` (with the
-        frozen copy, and no dropout, while `use_reference`)."""
-        if self.norm_weight is not None:
-            x = self._normalised(x)
+        """The adapters' contribution to the base linear's output for `x`, the input of the
+        base's GEMM (with the frozen copy, and no dropout, while `use_reference`)."""
         if self.use_reference:
             # The reference is a fixed function: no dropout; buffers need no DDP pre-hook.
             pairs = {n: self.adapters[n].reference() for n in self.names}
@@ -327,17 +315,51 @@ def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], w.shape[0])
 
 
+def fuses_norm(base: torch.nn.Module) -> bool:
+    """Whether `base` normalises its input before its GEMM (TE's `LayerNormLinear`)."""
+    return hasattr(base, "layer_norm_weight") and hasattr(base, "return_layernorm_output")
+
+
+def _split_te_output(output: tuple) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(out, bias, normalised input) of megatron's `TELayerNormColumnParallelLinear` asked for
+    TE's norm output: TE returns `(out, ln_out)`, or `(out, bias, ln_out)` with `return_bias`;
+    the wrapper passes the latter on as is and pairs the former with None."""
+    if len(output) == 3:
+        return output
+    (out, ln_out), bias = output
+    return out, bias, ln_out
+
+
 def attach(base: torch.nn.Module, adapter: LoRALinear) -> Callable[[], None]:
     """Add `adapter`'s output to `base`'s through a forward hook; returns the hook's remover.
 
     megatron's linears (local and TE wrappers) return `(output, bias)`; the adapter's term is
-    added to `output` only, and only while `adapter.enabled`.
+    added to `output` only, and only while `adapter.enabled`. A TE `LayerNormLinear` base is
+    made to return its normalised input too (`return_layernorm_output`), which the hook gives
+    the adapter and strips, so the base still returns `(output, bias)`. That norm output is this
+    rank's sequence chunk under sequence parallelism (`return_layernorm_output_gathered` stays
+    off: TE 2.9's backward drops the gradient of the gathered one, and the adapter gathers its
+    r-wide A output instead of the h-wide input). The remover restores TE's setting.
     """
+    fused = fuses_norm(base)
+    if fused:
+        base.return_layernorm_output = True
+        base.return_layernorm_output_gathered = False
 
     def hook(module, args, output):
+        if fused:
+            out, bias, x = _split_te_output(output)
+        else:
+            (out, bias), x = output, args[0]
         if not adapter.enabled:
-            return output
-        out, bias = output
-        return out + adapter(args[0]).to(out.dtype), bias
+            return out, bias
+        return out + adapter(x).to(out.dtype), bias
 
-    return base.register_forward_hook(hook).remove
+    handle = base.register_forward_hook(hook)
+
+    def remove() -> None:
+        handle.remove()
+        if fused:
+            base.return_layernorm_output = False
+
+    return remove
