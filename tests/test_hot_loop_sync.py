@@ -19,6 +19,13 @@ PP=2). Packed micro-batches pass THD parameters to megatron's attention; its *un
 the host — four syncs per layer and micro-batch, which the guard is shown to see — so our non-TE
 layer specs rotate packed queries and keys with `models.packed_rope` instead, which reads
 nothing. No file is left out for packed runs.
+
+Context parallelism (CP=2, two ranks), MoE router statistics (one rank, and PP=2 where they
+are all-reduced over the stages) and LoRA (reference = adapters off) run under the guard too.
+The CP steps showed three per-micro-batch syncs before `models.context_parallel` built its
+indices on the device and counted each rank's scored positions on the host: the output layer's
+`nonzero()`, and the host-built keep and reorder indices copied to the device (the latter in
+every layer) — 50 records on rank 0's padded KTO step. Router statistics and LoRA showed none.
 """
 
 from __future__ import annotations
