@@ -9,14 +9,15 @@ import torch
 from megatron_kto.config.entry import compose_run_config
 from megatron_kto.config.validate import ConfigError
 from megatron_kto.models.context_parallel import (
-    global_order,
     local_chunks,
-    local_index,
+    local_scored,
     row_multiple,
+    split_index,
     split_micro_batch,
 )
 from megatron_kto.models.logprobs import IGNORE_INDEX
 from megatron_kto.models.packing import PACKED, pack_micro_batch, packed_length, segment_sums
+from megatron_kto.models.schedule import NUM_SCORED, SCORED_SPANS, label_spans
 
 CPU = torch.device("cpu")
 
@@ -32,24 +33,57 @@ def test_each_rank_keeps_an_early_and_a_late_chunk_of_every_segment():
     0 and 3, rank 1 chunks 1 and 2 (positions written out)."""
     assert local_chunks([8, 4], 2, 0) == [(0, 2), (6, 2), (8, 1), (11, 1)]
     assert local_chunks([8, 4], 2, 1) == [(2, 2), (4, 2), (9, 1), (10, 1)]
-    assert local_index([8, 4], 2, 0, CPU).tolist() == [0, 1, 6, 7, 8, 11]
-    assert local_index([8, 4], 2, 1, CPU).tolist() == [2, 3, 4, 5, 9, 10]
+    cu = _bounds([8, 4])
+    assert split_index(12, 2, 0, CPU, cu).local.tolist() == [0, 1, 6, 7, 8, 11]
+    assert split_index(12, 2, 1, CPU, cu).local.tolist() == [2, 3, 4, 5, 9, 10]
+    assert split_index(12, 2, 1, CPU, cu).positions.tolist() == [*range(8), *range(4)]
     with pytest.raises(ValueError, match="cannot be split into 4 chunks"):
         local_chunks([6], 2, 0)
 
 
-def test_global_order_undoes_the_split():
-    """Gathering the ranks' local sequences rank after rank and applying `global_order`
-    gives the whole sequence back."""
-    seqlens = [12, 4, 8]
-    for cp in (2,):
-        whole = torch.arange(sum(seqlens))
-        gathered = torch.cat([whole[local_index(seqlens, cp, r, CPU)] for r in range(cp)])
-        assert torch.equal(gathered[global_order(seqlens, cp, CPU)], whole)
-    seqlens = [16]
-    whole = torch.arange(16)
-    gathered = torch.cat([whole[local_index(seqlens, 4, r, CPU)] for r in range(4)])
-    assert torch.equal(gathered[global_order(seqlens, 4, CPU)], whole)
+def _bounds(seqlens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *seqlens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    ("seqlens", "cp"), [([12, 4, 8], 2), ([16], 4), ([8, 0, 24, 16], 4), ([4, 4], 2)]
+)
+def test_split_index_is_the_chunks_and_its_order_undoes_the_split(seqlens, cp):
+    """Each rank keeps exactly `local_chunks` (written out by hand above); gathering the ranks'
+    local sequences rank after rank and applying `order` gives the whole sequence back — with
+    empty segments too, and for one segment without bounds (a padded row)."""
+    total = sum(seqlens)
+    whole = torch.arange(total)
+    cu = _bounds(seqlens)
+    parts = [split_index(total, cp, r, CPU, cu) for r in range(cp)]
+    for r, part in enumerate(parts):
+        want = [p for s, c in local_chunks(seqlens, cp, r) for p in range(s, s + c)]
+        assert part.local.tolist() == want
+        assert torch.equal(part.order, parts[0].order)
+    gathered = torch.cat([whole[p.local] for p in parts])
+    assert torch.equal(gathered[parts[0].order], whole)
+    if len(seqlens) == 1:
+        for r in range(cp):
+            alone = split_index(total, cp, r, CPU)
+            assert torch.equal(alone.local, parts[r].local)
+            assert torch.equal(alone.order, parts[r].order)
+
+
+def test_each_ranks_scored_count_is_known_from_host_spans():
+    """`local_scored` from (start, end) runs equals counting the labels each rank keeps, for
+    rows with holes, rows scored up to their end, and unscored rows."""
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 50, (5, 16), generator=g)
+    labels[torch.rand(5, 16, generator=g) < 0.4] = IGNORE_INDEX
+    labels[2] = IGNORE_INDEX
+    labels[3, :] = 7
+    spans = label_spans(labels)
+    assert spans[2] == () and spans[3] == ((0, 16),)
+    for cp in (2, 4):
+        for r in range(cp):
+            kept = labels.index_select(1, split_index(16, cp, r, CPU).local)
+            want = int((kept != IGNORE_INDEX).sum())
+            assert local_scored(spans, [16] * 5, cp, r) == want
 
 
 def _micro_batch():
@@ -77,6 +111,11 @@ def test_packed_rows_are_padded_to_the_multiple_and_split():
     assert packed["labels"][0].tolist() == want_labels
 
     rank1 = split_micro_batch(dict(packed, num_scored=5), 2, 1)
+    assert NUM_SCORED not in rank1  # no host spans: the local count is not known
+    rank1 = split_micro_batch(dict(packed, num_scored=5, scored_spans=[((2, 5),), ((1, 3),)]), 2, 1)
+    assert rank1[NUM_SCORED] == 5  # every scored position is in rank 1's chunks
+    rank0 = split_micro_batch(dict(packed, num_scored=5, scored_spans=[((2, 5),), ((1, 3),)]), 2, 0)
+    assert rank0[NUM_SCORED] == 0
     q = rank1[PACKED]
     # Rank 1 keeps chunks 1 and 2 of each segment: positions 2-5 of row 0, 1-2 of row 1.
     assert rank1["tokens"][0].tolist() == [13, 14, 15, 16, 22, 23]
@@ -85,7 +124,9 @@ def test_packed_rows_are_padded_to_the_multiple_and_split():
     assert q.positions.tolist() == [2, 3, 4, 5, 1, 2]
     assert q.row_ids.tolist() == [0, 0, 0, 0, 1, 1]
     assert (q.cp_size, q.cp_rank) == (2, 1)
-    assert "num_scored" not in rank1  # the local count is not known on the host
+    # The gathered keys' reorder index, built once with the split.
+    # Whole position g is gathered entry: rank 0 holds 0 1 6 7 8 11, rank 1 holds 2 3 4 5 9 10.
+    assert q.cp_order.tolist() == [0, 1, 6, 7, 8, 9, 2, 3, 4, 10, 11, 5]
     # What megatron-core hands Transformer Engine: the whole segments, padded bounds = bounds
     # (no padding between sequences), the longest segment for RoPE.
     assert q.cu_seqlens_q_padded.tolist() == q.cu_seqlens_q.tolist() == [0, 8, 12]
@@ -99,9 +140,14 @@ def test_packed_rows_are_padded_to_the_multiple_and_split():
 
 def test_padded_rows_are_split_along_the_sequence():
     batch = _micro_batch()
-    batch = {k: torch.nn.functional.pad(v, (0, 2), value=0) for k, v in batch.items()}
+    batch = {
+        k: torch.nn.functional.pad(v, (0, 2), value=IGNORE_INDEX if k == "labels" else 0)
+        for k, v in batch.items()
+    }
     batch["position_ids"] = torch.arange(8).expand(2, 8)
+    batch[SCORED_SPANS] = label_spans(batch["labels"])
     rank0, rank1 = (split_micro_batch(batch, 2, r) for r in (0, 1))
+    assert (rank0[NUM_SCORED], rank1[NUM_SCORED]) == (1, 4)
     # [2, 8] rows in 4 chunks of 2: rank 0 keeps columns 0-1 and 6-7, rank 1 columns 2-5.
     assert rank0["tokens"].tolist() == [[11, 12, 0, 0], [21, 22, 0, 0]]
     assert rank0["position_ids"].tolist() == [[0, 1, 6, 7], [0, 1, 6, 7]]

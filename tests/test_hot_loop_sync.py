@@ -19,6 +19,13 @@ PP=2). Packed micro-batches pass THD parameters to megatron's attention; its *un
 the host — four syncs per layer and micro-batch, which the guard is shown to see — so our non-TE
 layer specs rotate packed queries and keys with `models.packed_rope` instead, which reads
 nothing. No file is left out for packed runs.
+
+Context parallelism (CP=2, two ranks), MoE router statistics (one rank, and PP=2 where they
+are all-reduced over the stages) and LoRA (reference = adapters off) run under the guard too.
+The CP steps showed three per-micro-batch syncs before `models.context_parallel` built its
+indices on the device and counted each rank's scored positions on the host: the output layer's
+`nonzero()`, and the host-built keep and reorder indices copied to the device (the latter in
+every layer) — 50 records on rank 0's padded KTO step. Router statistics and LoRA showed none.
 """
 
 from __future__ import annotations
@@ -49,6 +56,16 @@ from megatron_kto.runtime import init_runtime, teardown
 HOST_ONLY = ("megatron/core/tensor_parallel/random.py",)
 #: megatron-core's unfused RoPE (what packed runs without Transformer Engine used to call).
 ROPE_UTILS = "megatron/core/models/common/embeddings/rope_utils.py"
+# Under context parallelism megatron-core's RoPE slices its angle table for this rank's chunks
+# (padded micro-batches, once per forward) with an index it copies from *pinned* host memory,
+# non-blocking: an asynchronous copy on a GPU, which the guard cannot tell from a blocking one.
+CP_ROPE_SLICE = " get_pos_emb_on_this_cp_rank"
+# megatron-core's dropless MoE reads each layer's tokens per expert on the host — its all-to-all
+# dispatcher (`sort_chunks_by_idxs` splits) and `SequentialMLP` (one GEMM per expert) need the
+# sizes; that is megatron's own per-layer sync point, the same with and without our router
+# statistics. Only these two places are left out: megatron's `MoEAuxLossAutoScaler`, which our
+# router statistics go through, lives in the same moe_utils.py and stays guarded.
+MOE_DISPATCH = (" sort_chunks_by_idxs", "megatron/core/transformer/moe/experts.py")
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +98,15 @@ def test_guard_records_what_blocks_and_nothing_else() -> None:
     with HostSyncGuard(ignore=("test_hot_loop_sync.py",)) as guard:
         x.sum().item()
     assert guard.calls == []
+    # Host->device moves: recorded when non-blocking to a named device (what a host-built index
+    # copied to the GPU looks like); dtype casts and plain moves are not.
+    with HostSyncGuard() as guard:
+        x.to("cpu", non_blocking=True)
+        x.to(device=torch.device("cpu"), non_blocking=True)
+        x.to(torch.device("cpu"), torch.float64, True)
+        x.to(torch.float64, non_blocking=True)
+        x.to("cpu")
+    assert [c.name for c in guard.calls] == ["Tensor.to"] * 3, guard.report()
 
 
 def _thd_rope_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -174,16 +200,7 @@ def test_dpo_step_has_no_host_sync_before_its_metrics(runtime, pack) -> None:
         pack_sequences=pack,
     )
     model = MegatronGPTDPOModel(chunks, CPUSwapReference(chunks), settings)
-    kto = _batch()
-    batch = {
-        "chosen": kto["samples"],
-        "rejected": kto["kl_samples"],
-        "chosen_labels": kto["sample_labels"],
-        "rejected_labels": kto["kl_sample_labels"],
-        "position_ids": kto["position_ids"],
-    }
-    batch["rejected_labels"][:, 8:] = -100  # shorter rejected rows
-    batch = to_device(batch, runtime.device)
+    batch = _dpo_batch(runtime.device)
     with HostSyncGuard(ignore=HOST_ONLY) as guard:
         ref = model.get_ref_policy_logprobs(batch)
         batch[REF_CHOSEN], batch[REF_REJECTED] = ref.chunk(2)
@@ -243,6 +260,153 @@ def test_packed_steps_under_tp_sp_pp_have_no_host_sync() -> None:
             )
             assert got["megatron"], f"rank {rank} {name}: the guard saw megatron's RoPE do nothing"
             assert all(ROPE_UTILS in where for where in got["megatron"]), got["megatron"]
+
+
+def _moe_arch() -> GPTArchitecture:
+    """The default tiny model with 4 experts (top-2) in every layer."""
+    return GPTArchitecture(vocab_size=VOCAB, num_moe_experts=4, moe_ffn_hidden_size=32)
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("case", ["moe_router_stats", "lora"])
+def test_router_statistics_and_lora_steps_have_no_host_sync(runtime, case, pack) -> None:
+    """A KTO training step of an MoE model with the router load-balancing loss
+    (`models.router_stats`: hooks on every router, the final token appended to each row), and
+    one of a LoRA model whose reference is the same chunks with the adapters off — reference
+    pass, KL pass, forward + backward over 4 micro-batches — make no host synchronisation
+    before their metrics (megatron's own MoE dispatch left out: `MOE_DISPATCH`); the aux loss
+    is then read back with them."""
+    from megatron_kto.peft.reference import AdaptersOffReference
+    from megatron_kto.peft.wiring import LoRASettings, apply_lora
+
+    moe = case == "moe_router_stats"
+    arch = _moe_arch() if moe else GPTArchitecture(vocab_size=VOCAB)
+    chunks = build_gpt_chunks(arch, ParallelLayout(), runtime.device)
+    if not moe:
+        apply_lora(chunks, arch, LoRASettings(rank=4, alpha=8.0, init_b="xavier"))
+    chunks = wrap_ddp(chunks, False)
+    reference = CPUSwapReference(chunks) if moe else AdaptersOffReference(chunks)
+    settings = _settings(1, pack_sequences=pack, router_aux_loss_coeff=0.01 if moe else 0.0)
+    model = MegatronGPTKTOModel(chunks, reference, settings)
+    assert (model.router_stats is not None) == moe
+    batch = _device_batch(runtime)
+    with HostSyncGuard(ignore=HOST_ONLY + MOE_DISPATCH) as guard:
+        ref = model.get_ref_policy_logprobs(batch)
+        batch[REF_SAMPLES], batch[REF_KL] = ref.chunk(2)
+        sums, scalars = model.get_loss_and_metric_sums(batch, forward_only=False)
+    assert guard.calls == [], guard.report()
+    metrics = model.finalize_metrics(sums, scalars)
+    assert ("aux_loss" in metrics) == moe
+    assert metrics["loss"] > 0
+
+
+def _two_rank_step_syncs(rank: int, world_size: int) -> dict:
+    """Training steps on two ranks under the guard (reference pass, KL pass, forward + backward
+    over several micro-batches): at CP=2, KTO and DPO with padded and packed micro-batches; at
+    PP=2, an MoE KTO step with the router load-balancing loss, whose statistics are all-reduced
+    over the pipeline stages. Per step: the guard's records, and how many micro-batches reached
+    the output layer with / without a host-known scored count."""
+    from megatron_kto.models import output_head
+
+    counted = []
+    real = output_head.scored_positions
+
+    def scored_positions(labels, num_scored):
+        counted.append(num_scored is not None)
+        return real(labels, num_scored)
+
+    output_head.scored_positions = scored_positions
+    out = {}
+
+    def run(key, step, chunks, pack, batch, ignore):
+        counted.clear()
+        with HostSyncGuard(ignore=(*HOST_ONLY, *ignore)) as guard:
+            step(chunks, pack, batch)
+        out[key] = {
+            "calls": [f"{c.name} at {c.where}" for c in guard.calls],
+            "host_counts": counted.count(True),
+            "device_counts": counted.count(False),
+        }
+
+    rt = init_runtime(1, 1, seed=11, context_parallel_size=2)
+    layout = ParallelLayout(context_parallel_size=2, attention_backend="sdpa")
+    for pack in (False, True):
+        for algorithm in ("kto", "dpo"):
+            chunks = wrap_ddp(
+                build_gpt_chunks(GPTArchitecture(vocab_size=VOCAB), layout, rt.device), False
+            )
+            # Batches arrive as the trainer hands them over (`to_device`, outside the loop).
+            if algorithm == "kto":
+                step, batch = _kto_step, _device_batch(rt)
+            else:
+                step, batch = _dpo_step, _dpo_batch(rt.device)
+            key = f"cp2/{algorithm}/{'packed' if pack else 'padded'}"
+            run(key, step, chunks, pack, batch, (CP_ROPE_SLICE,))
+    rt = init_runtime(1, 2, seed=11)
+    layout = ParallelLayout(pipeline_model_parallel_size=2)
+    for pack in (False, True):
+        chunks = wrap_ddp(build_gpt_chunks(_moe_arch(), layout, rt.device), False)
+        key = f"pp2_moe_router_stats/kto/{'packed' if pack else 'padded'}"
+        run(key, _kto_step, chunks, pack, _device_batch(rt), MOE_DISPATCH)
+    output_head.scored_positions = real
+    teardown()
+    return out
+
+
+def _kto_step(chunks, pack: bool, batch: dict) -> None:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    moe = any(isinstance(m, TopKRouter) for c in chunks for m in c.modules())
+    settings = _settings(1, pack_sequences=pack, router_aux_loss_coeff=0.01 if moe else 0.0)
+    model = MegatronGPTKTOModel(chunks, CPUSwapReference(chunks), settings)
+    ref = model.get_ref_policy_logprobs(batch)
+    batch[REF_SAMPLES], batch[REF_KL] = ref.chunk(2)
+    model.get_loss_and_metric_sums(batch, forward_only=False)
+
+
+def _dpo_batch(device) -> dict:
+    kto = _batch()
+    batch = {
+        "chosen": kto["samples"],
+        "rejected": kto["kl_samples"],
+        "chosen_labels": kto["sample_labels"],
+        "rejected_labels": kto["kl_sample_labels"],
+        "position_ids": kto["position_ids"],
+    }
+    batch["rejected_labels"][:, 8:] = -100  # shorter rejected rows
+    return to_device(batch, device)
+
+
+def _dpo_step(chunks, pack: bool, batch: dict) -> None:
+    settings = DPOSettings(
+        beta=0.1, loss_type="sigmoid", label_smoothing=0.0, average_log_probs=False,
+        sft_loss_weight=0.5, micro_batch_size=1, forward_micro_batch_size=2,
+        vocab_size=VOCAB, pack_sequences=pack,
+    )  # fmt: skip
+    model = MegatronGPTDPOModel(chunks, CPUSwapReference(chunks), settings)
+    ref = model.get_ref_policy_logprobs(batch)
+    batch[REF_CHOSEN], batch[REF_REJECTED] = ref.chunk(2)
+    model.get_loss_and_metric_sums(batch, forward_only=False)
+
+
+@pytest.mark.multirank
+def test_context_parallel_and_pipelined_router_steps_have_no_host_sync() -> None:
+    """KTO and DPO training steps at CP=2 (padded and packed micro-batches, our SDPA context-
+    parallel attention) and MoE KTO steps with router statistics at PP=2 make no host
+    synchronisation before their metrics (megatron's own MoE dispatch left out: `MOE_DISPATCH`).
+    Before this test the guard found, per CP micro-batch: the output layer's `nonzero()` (the
+    scored count was dropped by the split) and the host-built CP index copied to the device —
+    the split's, and the key reorder's in every layer. Every micro-batch now reaches the output
+    layer with this rank's scored count known on the host."""
+    reports = run_multirank(_two_rank_step_syncs, 2, timeout=300)
+    for rank, report in enumerate(reports):
+        assert len(report) == 6, sorted(report)
+        for key, got in report.items():
+            assert got["calls"] == [], f"rank {rank} {key}:\n" + "\n".join(got["calls"])
+            # PP=2: the first stage has no output layer.
+            if key.startswith("cp2") or rank == 1:
+                assert got["host_counts"] > 0, (rank, key, got)
+            assert got["device_counts"] == 0, (rank, key, got)
 
 
 def test_cuda_runs_load_batches_into_pinned_memory(tmp_path) -> None:

@@ -14,6 +14,13 @@ row); for a packed micro-batch, `PackedRows` keeps the whole segments (`seqlens`
 for the split carries no label (`packing.PAD_VALUES`) and, coming after a row's real tokens,
 is never attended to by them.
 
+Nothing here waits for the device. The split's indices — which positions this rank keeps, and
+the order that puts the CP ranks' gathered keys and values back in row order — are built once
+per micro-batch on the device from the segment bounds already there (`split_index`) and read by
+every layer (`PackedRows.cp_order`; a padded micro-batch's are shared by shape). The number of
+scored positions this rank keeps, which lets the output layer select them with a static size,
+is counted on the host from each row's scored runs (`local_scored`, `schedule.SCORED_SPANS`).
+
 Per-row statistics are partial on each rank (its chunks' completion tokens) and are summed over
 the CP group by `reduce_row_stats` — see its docstring for why the gradient stays right.
 """
@@ -22,11 +29,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_kto.models.packed_rope import segment_positions
 from megatron_kto.models.packing import PACKED, PackedRows
 
 #: Micro-batch keys of [rows, T] tensors that the split follows.
@@ -61,37 +68,87 @@ def local_chunks(seqlens: Sequence[int], cp_size: int, cp_rank: int) -> list[tup
     return out
 
 
-@functools.lru_cache(maxsize=64)
-def _local_index_cpu(seqlens: tuple[int, ...], cp_size: int, cp_rank: int) -> torch.Tensor:
-    parts = [torch.arange(s, s + c) for s, c in local_chunks(seqlens, cp_size, cp_rank)]
-    return torch.cat(parts)
+class SplitIndex(NamedTuple):
+    """Where this CP rank's positions come from and go to: device tensors, built once per
+    micro-batch (`split_micro_batch`) and read by every layer."""
+
+    local: torch.Tensor
+    """[L / CP] indices into the whole sequence of the positions this rank keeps, in order."""
+    order: torch.Tensor
+    """[L] permutation taking the rank-major all-gather of the CP ranks' local sequences to the
+    whole sequence's order (what `cp_attention` gathers keys and values with)."""
+    positions: torch.Tensor
+    """[L] position of every whole-sequence token within its segment."""
 
 
-def local_index(
-    seqlens: Sequence[int], cp_size: int, cp_rank: int, device: torch.device
-) -> torch.Tensor:
-    """[Σ seqlens / CP] indices into the whole sequence of the positions this rank keeps."""
-    return _local_index_cpu(tuple(int(n) for n in seqlens), cp_size, cp_rank).to(
-        device, non_blocking=True
-    )
+def split_index(
+    total: int,
+    cp_size: int,
+    cp_rank: int,
+    device: torch.device,
+    cu_seqlens: torch.Tensor | None = None,
+) -> SplitIndex:
+    """The `SplitIndex` of a sequence of `total` tokens, computed on `device` from the segment
+    bounds already there: no host data is copied and nothing is read back, so a micro-batch's
+    split never waits for the device (a host-built index would be a host->device copy).
+
+    Args:
+        total: whole-sequence length (a host int).
+        cp_size, cp_rank: the CP group's size and this rank.
+        device: where the tensors are built.
+        cu_seqlens: [segments + 1] bounds of whole segments (every one a multiple of 2·CP) on
+            `device`; None: one segment of `total` tokens (a padded micro-batch's row).
+    """
+    tokens = torch.arange(total, device=device)
+    if cu_seqlens is None:
+        start, chunk_len = 0, total // (2 * cp_size)
+    else:
+        bounds = cu_seqlens.long()
+        # right=True: a token at a segment's start belongs to that segment, also after empty ones.
+        segment = torch.searchsorted(bounds, tokens, right=True) - 1
+        start = bounds.index_select(0, segment)
+        chunk_len = (bounds.index_select(0, segment + 1) - start) // (2 * cp_size)
+    offset = tokens - start
+    chunk = offset // chunk_len
+    late = chunk >= cp_size
+    owner = torch.where(late, 2 * cp_size - 1 - chunk, chunk)
+    local_len = total // cp_size
+    # Size known on the host (L / CP), so selecting the kept positions never waits.
+    local = torch.nonzero_static(owner == cp_rank, size=local_len).squeeze(1)
+    # A rank's local sequence holds, segment after segment, its early then its late chunk: a
+    # segment starting at s begins at s / CP there (every earlier segment gave 2·CP-th parts).
+    within = start // cp_size + late * chunk_len + offset - chunk * chunk_len
+    return SplitIndex(local, owner * local_len + within, offset)
 
 
-@functools.lru_cache(maxsize=64)
-def _global_order_cpu(seqlens: tuple[int, ...], cp_size: int) -> torch.Tensor:
-    # The CP ranks' local sequences gathered rank after rank: position p of rank j is entry
-    # j * local + p. For every whole-sequence position, the entry that holds it.
-    local = sum(seqlens) // cp_size
-    order = torch.empty(sum(seqlens), dtype=torch.long)
-    for rank in range(cp_size):
-        index = _local_index_cpu(seqlens, cp_size, rank)
-        order[index] = torch.arange(rank * local, (rank + 1) * local)
-    return order
+@functools.lru_cache(maxsize=8)
+def padded_split_index(length: int, cp_size: int, cp_rank: int, device: torch.device) -> SplitIndex:
+    """`split_index` of a padded micro-batch's rows of `length` tokens, built on the device once
+    per shape and shared by every micro-batch and layer that has it (a padded micro-batch has no
+    `PackedRows` to carry it to the attention)."""
+    return split_index(length, cp_size, cp_rank, device)
 
 
-def global_order(seqlens: Sequence[int], cp_size: int, device: torch.device) -> torch.Tensor:
-    """[Σ seqlens] permutation taking the rank-major all-gather of the CP ranks' local sequences
-    to the whole sequence's order."""
-    return _global_order_cpu(tuple(int(n) for n in seqlens), cp_size).to(device, non_blocking=True)
+def local_scored(
+    spans: Sequence[Sequence[tuple[int, int]]], seqlens: Sequence[int], cp_size: int, cp_rank: int
+) -> int:
+    """How many scored positions this CP rank keeps, from host facts alone.
+
+    Args:
+        spans: per row, its scored columns as (start, end) runs (`schedule.SCORED_SPANS`).
+        seqlens: per row, its whole (padded) length, a multiple of 2·CP.
+        cp_size, cp_rank: the CP group's size and this rank.
+
+    Returns:
+        The scored positions in this rank's chunks r and 2·CP−1−r of every row.
+    """
+    count = 0
+    for runs, n in zip(spans, seqlens, strict=True):
+        c = n // (2 * cp_size)
+        for chunk in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            lo, hi = chunk * c, (chunk + 1) * c
+            count += sum(max(0, min(hi, b) - max(lo, a)) for a, b in runs)
+    return count
 
 
 def split_micro_batch(batch: dict, cp_size: int, cp_rank: int) -> dict:
@@ -104,24 +161,37 @@ def split_micro_batch(batch: dict, cp_size: int, cp_rank: int) -> dict:
 
     Returns:
         A new micro-batch: `SPLIT_KEYS` tensors cut to this rank's positions ([1, L/CP] or
-        [rows, T/CP]); a packed one's `PackedRows` made context-parallel (module docstring).
-        The number of scored positions is no longer known on the host (`NUM_SCORED` dropped).
+        [rows, T/CP]); a packed one's `PackedRows` made context-parallel (module docstring),
+        carrying the micro-batch's `SplitIndex.order` for every layer's attention. `NUM_SCORED`
+        becomes this rank's count when the micro-batch carries its rows' `SCORED_SPANS` (host
+        facts), and is dropped otherwise (the output layer then counts on the device).
+
+    Raises:
+        ValueError: a segment (or padded row) that is not a multiple of 2·CP.
     """
-    from megatron_kto.models.schedule import NUM_SCORED
+    from megatron_kto.models.schedule import NUM_SCORED, SCORED_SPANS
 
     if cp_size == 1:
         return batch
     packed: PackedRows | None = batch.get(PACKED)
-    width = batch["position_ids"].shape[1]
+    rows, width = batch["position_ids"].shape
     seqlens = packed.seqlens if packed is not None else (width,)
+    bad = [n for n in seqlens if n % (2 * cp_size)]
+    if bad:
+        raise ValueError(f"segments of {bad} tokens cannot be split into {2 * cp_size} chunks")
     device = batch["position_ids"].device
-    index = local_index(seqlens, cp_size, cp_rank, device)
+    if packed is not None:
+        index = split_index(width, cp_size, cp_rank, device, packed.cu_seqlens_q)
+    else:
+        index = padded_split_index(width, cp_size, cp_rank, device)
     out = {k: v for k, v in batch.items() if k != NUM_SCORED}
+    if SCORED_SPANS in batch:
+        row_lengths = packed.seqlens[: packed.num_rows] if packed is not None else (width,) * rows
+        out[NUM_SCORED] = local_scored(batch[SCORED_SPANS], row_lengths, cp_size, cp_rank)
     for key in SPLIT_KEYS:
         if key in batch:
-            out[key] = batch[key].index_select(1, index)
+            out[key] = batch[key].index_select(1, index.local)
     if packed is not None:
-        positions = segment_positions(packed.cu_seqlens_q, width).index_select(0, index)
         # TE reads the padded bounds under CP (megatron-core passes `cu_seqlens_*_padded`); every
         # segment is already whole there, so both bounds are the same tensor: no padding between
         # sequences, which every TE kernel with CP takes.
@@ -135,10 +205,11 @@ def split_micro_batch(batch: dict, cp_size: int, cp_rank: int) -> dict:
             max_seqlen_kv=packed.max_seqlen_kv,
             seqlens=packed.seqlens,
             num_rows=packed.num_rows,
-            row_ids=packed.row_ids.index_select(0, index),
+            row_ids=packed.row_ids.index_select(0, index.local),
             cp_size=cp_size,
             cp_rank=cp_rank,
-            positions=positions.long(),
+            positions=index.positions.index_select(0, index.local),
+            cp_order=index.order,
         )
     return out
 

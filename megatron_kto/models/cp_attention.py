@@ -18,7 +18,9 @@ in row order, and attends with its own queries only:
 Memory: the gathered keys and values are whole rows (2 × groups/TP × d per token — with GQA a
 small fraction of the hidden size); the scores, the large part, stay per local query. Packed
 micro-batches use the whole segments of `PackedRows.seqlens`; a padded micro-batch [s, b, ...]
-is one segment of length s·CP per row.
+is one segment of length s·CP per row. The gathered keys are put in row order with an index
+built once per micro-batch on the device (`context_parallel.SplitIndex.order`): a packed one's
+`PackedRows.cp_order`, a padded one's shape's `padded_split_index`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch.nn.attention.bias import causal_lower_right
 
-from megatron_kto.models.context_parallel import global_order
+from megatron_kto.models.context_parallel import padded_split_index
 
 
 def context_parallel_attention(
@@ -75,7 +77,15 @@ def context_parallel_attention(
     local = query.shape[0]
     if sum(seqlens) != local * cp_size:
         raise ValueError(f"segments of {sum(seqlens)} tokens, but {local} × CP {cp_size} given")
-    order = global_order(seqlens, cp_size, query.device)
+    # Built once per micro-batch on the device (`context_parallel.split_micro_batch`), never
+    # per layer, and never copied from the host.
+    order = (
+        packed_seq_params.cp_order
+        if packed
+        else padded_split_index(seqlens[0], cp_size, cp_rank, query.device).order
+    )
+    if order is None:
+        raise ValueError("a context-parallel PackedRows without cp_order (split_micro_batch)")
     # Whole rows in order: [S, b, groups, d] (all-gather forward, reduce-scatter backward).
     key, value = (
         tensor_parallel.gather_from_sequence_parallel_region(

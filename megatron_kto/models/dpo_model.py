@@ -33,11 +33,13 @@ from megatron_kto.models.router_stats import (
 )
 from megatron_kto.models.schedule import (
     NUM_SCORED,
+    SCORED_SPANS,
     Batch,
     broadcast_from_last_stage,
     row_lengths,
     run_schedule,
     scored_per_row,
+    scored_spans,
 )
 
 REF_CHOSEN = "ref_policy_log_probs_chosen"
@@ -95,6 +97,7 @@ class MegatronGPTDPOModel:
         s = self.settings
         mbs = micro_batch_size or s.forward_micro_batch_size
         scored = scored_per_row(batch, "chosen_labels") + scored_per_row(batch, "rejected_labels")
+        spans = scored_spans(batch, "chosen_labels", "rejected_labels")
         lengths = None
         if s.pack_sequences:
             lengths = row_lengths(batch, "chosen_labels") + row_lengths(batch, "rejected_labels")
@@ -109,6 +112,7 @@ class MegatronGPTDPOModel:
             scored,
             s.pack_sequences,
             lengths,
+            spans,
         )
         return _logps(stats, s.average_log_probs)
 
@@ -155,6 +159,9 @@ class MegatronGPTDPOModel:
             raise ValueError(f"{pairs} pairs cannot be split into micro-batches of {mbs}")
         chosen_scored = scored_per_row(batch, "chosen_labels")
         rejected_scored = scored_per_row(batch, "rejected_labels")
+        chosen_spans = scored_spans(batch, "chosen_labels")
+        rejected_spans = scored_spans(batch, "rejected_labels")
+        # Kept in two parts: a micro-batch's rows are its pairs' chosen rows, then their rejected.
         pack = self.settings.pack_sequences
         chosen_lengths = row_lengths(batch, "chosen_labels") if pack else None
         rejected_lengths = row_lengths(batch, "rejected_labels") if pack else None
@@ -173,6 +180,8 @@ class MegatronGPTDPOModel:
                     NUM_SCORED: sum(chosen_scored[sl]) + sum(rejected_scored[sl]),
                 }
             )
+            if chosen_spans is not None and rejected_spans is not None:
+                micro[-1][SCORED_SPANS] = chosen_spans[sl] + rejected_spans[sl]
             if pack:
                 micro[-1][ROW_LENGTHS] = chosen_lengths[sl] + rejected_lengths[sl]
         return micro

@@ -26,9 +26,11 @@ from megatron_kto.models.packing import DEFAULT_PACK_SEQUENCES, PACKED, PackedRo
 from megatron_kto.models.schedule import (
     NUM_SCORED,
     Batch,
+    Spans,
     broadcast_from_last_stage,
     row_lengths,
     run_schedule,
+    scored_spans,
     split_micro_batches,
 )
 
@@ -152,6 +154,7 @@ def forward_sequence_stats(
     scored: list[int] | None = None,
     pack: bool = DEFAULT_PACK_SEQUENCES,
     lengths: list[int] | None = None,
+    spans: list[Spans] | None = None,
 ) -> torch.Tensor:
     """Forward-only pass over N rows through the pipeline schedule, without an autograd graph.
 
@@ -167,6 +170,9 @@ def forward_sequence_stats(
         pack: padding-free micro-batches (`models.packing`).
         lengths: packed row lengths as host ints (`schedule.row_lengths`); None computes them
             from `labels` when packing (one device-to-host copy on an accelerator).
+        spans: scored runs per row as host ints (`schedule.scored_spans`), for each context-
+            parallel rank's count of scored positions; None: under context parallelism they are
+            computed from `labels` (one device-to-host copy on an accelerator).
 
     Returns:
         [N, 3] float32 (`LOGP_SUM`, `NUM_TOKENS`, `LOGIT_SUM` columns) on every pipeline stage.
@@ -176,8 +182,14 @@ def forward_sequence_stats(
         scored = (labels != IGNORE_INDEX).sum(dim=-1).tolist()
     if pack and lengths is None:
         lengths = row_lengths(batch, "labels")
+    if chunk_size and spans is None:
+        spans = scored_spans(batch, "labels")
     micro = split_micro_batches(
-        batch, micro_batch_size, scored=scored, lengths=lengths if pack else None
+        batch,
+        micro_batch_size,
+        scored=scored,
+        lengths=lengths if pack else None,
+        spans=spans if chunk_size else None,
     )
     step = stats_forward_step(lambda b, stats: stats, vocab_size, chunk_size)
     with torch.no_grad(), eval_mode(chunks):

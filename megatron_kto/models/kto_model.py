@@ -50,6 +50,7 @@ from megatron_kto.models.schedule import (
     row_lengths,
     run_schedule,
     scored_per_row,
+    scored_spans,
     split_micro_batches,
 )
 
@@ -118,6 +119,7 @@ class MegatronGPTKTOModel:
         labels = torch.cat([batch[lab] for _, lab in keys])
         positions = torch.cat([batch["position_ids"]] * len(keys))
         scored = [n for _, lab in keys for n in scored_per_row(batch, lab)]
+        spans = scored_spans(batch, *(lab for _, lab in keys))
         s = self.settings
         lengths = (
             [n for _, lab in keys for n in row_lengths(batch, lab)] if s.pack_sequences else None
@@ -133,6 +135,7 @@ class MegatronGPTKTOModel:
             scored,
             s.pack_sequences,
             lengths,
+            spans,
         )
         return stats[:, LOGP_SUM]
 
@@ -162,6 +165,7 @@ class MegatronGPTKTOModel:
             scored_per_row(batch, "kl_sample_labels"),
             s.pack_sequences,
             row_lengths(batch, "kl_sample_labels") if s.pack_sequences else None,
+            scored_spans(batch, "kl_sample_labels"),
         )
 
     def kl_reference_point(self, batch: Batch) -> torch.Tensor:
@@ -239,6 +243,7 @@ class MegatronGPTKTOModel:
             s.micro_batch_size,
             scored=scored_per_row(batch, "sample_labels"),
             lengths=row_lengths(batch, "sample_labels") if s.pack_sequences else None,
+            spans=scored_spans(batch, "sample_labels"),
         )
         step = stats_forward_step(
             lambda b, stats: self._loss_fn(b, stats, z0), s.vocab_size, s.logprob_chunk_size

@@ -20,8 +20,8 @@ same output weight to the selected positions, in chunks (`models.chunked_logprob
   megatron DDP's `main_grad`, as megatron's own layers do (`models.weight_grad`).
 
 Selection is free of host syncs when the number of scored positions of the micro-batch is known
-on the host (`num_scored`, see `schedule.to_device`): `torch.nonzero_static` then has a static
-size. Per-row sums scatter the per-token values back into a [rows × row length] layout and sum
+on the host (`num_scored`, see `schedule.to_device`; under context parallelism this rank's
+count, `context_parallel.split_micro_batch`): `torch.nonzero_static` then has a static size. Per-row sums scatter the per-token values back into a [rows × row length] layout and sum
 each row (deterministic, unlike an atomic index_add; `packing.segment_sums`); a packed
 micro-batch ([1, total tokens]) maps each position to its row with the packing's row ids.
 """

@@ -79,6 +79,10 @@ class PackedRows(PackedSeqParams):
     positions: torch.Tensor | None = None
     """[L / cp_size] position of each of this rank's tokens within its segment (set under
     context parallelism; None: derived from `cu_seqlens_q`)."""
+    cp_order: torch.Tensor | None = None
+    """[L] under context parallelism: the permutation taking the CP ranks' gathered local
+    sequences to the whole sequence's order (`context_parallel.SplitIndex.order`), built once
+    per micro-batch on the device for every layer's attention."""
 
 
 def kept_lengths(labels: torch.Tensor, tail: int = 0) -> torch.Tensor:

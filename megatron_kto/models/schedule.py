@@ -50,30 +50,59 @@ Batch = dict[str, Any]
 HOST_SCORED = "host_scored"
 #: Batch key of host-side facts about label tensors: {labels key: `packing.kept_lengths` per row}.
 HOST_LENGTHS = "host_lengths"
-#: Micro-batch key: number of scored positions in the micro-batch, a host int.
+#: Batch key of host-side facts about label tensors: {labels key: `label_spans` per row}.
+HOST_SPANS = "host_spans"
+#: Micro-batch key: number of scored positions in the micro-batch, a host int (under context
+#: parallelism, this rank's: `context_parallel.split_micro_batch`).
 NUM_SCORED = "num_scored"
+#: Micro-batch key: per row, its scored columns as (start, end) runs (host ints) — what a
+#: context-parallel split needs to know each rank's `NUM_SCORED` without reading the device.
+SCORED_SPANS = "scored_spans"
+
+#: One row's scored columns: (start, end) runs, in order.
+Spans = tuple[tuple[int, int], ...]
+
+
+def label_spans(labels: torch.Tensor) -> list[Spans]:
+    """Per row of `labels` ([rows, T]), its scored columns (label != -100) as (start, end) runs.
+
+    A completion is one run in practice, so this is a few ints per row — cheap to keep on the
+    host and to slice into micro-batches. Reads `labels` on the host (a device-to-host copy if
+    they are on an accelerator).
+    """
+    mask = (labels != IGNORE_INDEX).to(torch.int8).cpu()
+    # +1 where a run starts, -1 one past where it ends.
+    edges = torch.diff(F.pad(mask, (1, 1)), dim=-1)
+    spans: list[list[int]] = [[] for _ in range(mask.shape[0])]
+    for row, col in edges.nonzero().tolist():
+        spans[row].append(col)
+    return [tuple(zip(cols[::2], cols[1::2], strict=True)) for cols in spans]
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
     """Move every tensor of a batch to `device` (non-blocking on CUDA).
 
-    Label tensors still on the host (keys ending in ``labels``) also leave per-row host ints:
-    their counts of scored positions under `HOST_SCORED` and their packed lengths
-    (`packing.kept_lengths`) under `HOST_LENGTHS` — the completion-only output layer and the
-    packing of micro-batches need them without a device-to-host sync in every micro-batch.
+    Label tensors still on the host (keys ending in ``labels``) also leave per-row host facts:
+    their counts of scored positions under `HOST_SCORED`, their packed lengths
+    (`packing.kept_lengths`) under `HOST_LENGTHS` and their scored runs (`label_spans`) under
+    `HOST_SPANS` — the completion-only output layer, the packing of micro-batches and their
+    context-parallel split need them without a device-to-host sync in every micro-batch.
     """
     scored = dict(batch.get(HOST_SCORED, {}))
     lengths = dict(batch.get(HOST_LENGTHS, {}))
+    spans = dict(batch.get(HOST_SPANS, {}))
     for k, v in batch.items():
         if k.endswith("labels") and torch.is_tensor(v) and v.device.type == "cpu":
             scored[k] = (v != IGNORE_INDEX).sum(dim=-1).tolist()
             lengths[k] = host_row_lengths(v)
+            spans[k] = label_spans(v)
     out = {
         k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
     }
     if scored:
         out[HOST_SCORED] = scored
         out[HOST_LENGTHS] = lengths
+        out[HOST_SPANS] = spans
     return out
 
 
@@ -87,6 +116,22 @@ def scored_per_row(batch: Batch, key: str) -> list[int]:
     if recorded is not None:
         return list(recorded)
     return (batch[key] != IGNORE_INDEX).sum(dim=-1).tolist()
+
+
+def scored_spans(batch: Batch, *keys: str) -> list[Spans] | None:
+    """`label_spans` of the rows of `batch[key]` (labels tensors), key after key.
+
+    From `HOST_SPANS` when `to_device` recorded them. Otherwise computed — one device-to-host
+    copy on an accelerator, once per pass — only under context parallelism, the one reader of
+    them (`context_parallel.split_micro_batch`); None without it.
+    """
+    recorded = batch.get(HOST_SPANS, {})
+    if not all(k in recorded for k in keys) and context_parallel_size() == 1:
+        return None
+    out: list[Spans] = []
+    for key in keys:
+        out += recorded[key] if key in recorded else label_spans(batch[key])
+    return out
 
 
 def row_lengths(batch: Batch, key: str) -> list[int]:
@@ -105,6 +150,7 @@ def split_micro_batches(
     keys: Sequence[str] | None = None,
     scored: Sequence[int] | None = None,
     lengths: Sequence[int] | None = None,
+    spans: Sequence[Spans] | None = None,
 ) -> list[Batch]:
     """Split a batch of B rows into B / micro_batch_size micro-batches along dim 0.
 
@@ -116,6 +162,8 @@ def split_micro_batches(
             under `NUM_SCORED`.
         lengths: packed lengths per row (host ints, `row_lengths`); each micro-batch then gets
             its rows' under `ROW_LENGTHS` (what `run_schedule` packs it with).
+        spans: scored runs per row (host ints, `scored_spans`); each micro-batch then gets its
+            rows' under `SCORED_SPANS` (what a context-parallel split counts `NUM_SCORED` with).
 
     Returns:
         The micro-batches, in order.
@@ -124,7 +172,7 @@ def split_micro_batches(
     rows = batch[keys[0]].shape[0]
     if rows % micro_batch_size:
         raise ValueError(f"{rows} rows cannot be split into micro-batches of {micro_batch_size}")
-    for name, values in (("scored counts", scored), ("row lengths", lengths)):
+    for name, values in (("scored counts", scored), ("row lengths", lengths), ("spans", spans)):
         if values is not None and len(values) != rows:
             raise ValueError(f"{len(values)} {name} for {rows} rows")
     micro = []
@@ -134,6 +182,8 @@ def split_micro_batches(
             part[NUM_SCORED] = int(sum(scored[i : i + micro_batch_size]))
         if lengths is not None:
             part[ROW_LENGTHS] = list(lengths[i : i + micro_batch_size])
+        if spans is not None:
+            part[SCORED_SPANS] = list(spans[i : i + micro_batch_size])
         micro.append(part)
     return micro
 
