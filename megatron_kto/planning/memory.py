@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron_kto.models.architecture import GPTArchitecture
-from megatron_kto.peft.settings import reference_strategy, uses_lora
+from megatron_kto.peft.settings import reference_strategy, tuning_value, uses_lora
 from megatron_kto.planning.activations import (
     ActivationInputs,
     activation_bytes,
@@ -213,8 +213,8 @@ def run_lora(model_cfg: Any) -> LoRAShape | None:
         return None
     lt = model_cfg.peft.lora_tuning
     return LoRAShape(
-        rank=int(lt.adapter_dim),
-        targets=tuple(str(t) for t in lt.target_modules),
+        rank=int(tuning_value(model_cfg, "adapter_dim")),
+        targets=tuple(str(t) for t in tuning_value(model_cfg, "target_modules")),
         layers=None if lt.layer_selection is None else tuple(int(n) for n in lt.layer_selection),
     )
 
