@@ -25,6 +25,7 @@ from hf_tiny import make_peft_adapter, make_tokenizer
 
 from megatron_kto.checkpointing import files
 from megatron_kto.config.entry import compose_run_config
+from megatron_kto.config.prepare import prepare_run_config
 from megatron_kto.config.validate import ConfigError
 from megatron_kto.models.architecture import GPTArchitecture
 
@@ -218,10 +219,19 @@ def test_lora_settings_come_from_the_starting_adapter(ckpt, tmp_path):
         tmp_path / "adapter", 6, r=4, lora_alpha=8, target_modules=r".*\.(q_proj|o_proj)"
     )
     lora = ["model.peft.peft_scheme=lora", f"model.peft.restore_from_path={adapter}"]
-    lt = _run(ckpt, *lora).cfg.model.peft.lora_tuning
+    prepared = _run(ckpt, *lora)
+    lt = prepared.cfg.model.peft.lora_tuning
     assert (lt.adapter_dim, lt.alpha, list(lt.target_modules), lt.layer_selection) == (
         4, 8.0, ["o_proj", "q_proj"], None,
     )  # fmt: skip
+    # The run prepares its (already resolved) config again: the written-back values agree.
+    again = prepare_run_config(prepared.cfg, "kto", world_size=1).cfg.model.peft.lora_tuning
+    assert again == lt
+    # The same targets as peft's string form on the command line (Hydra's quoting) agree.
+    regex = "model.peft.lora_tuning.target_modules='.*\\.(o_proj|q_proj)'"
+    assert list(_run(ckpt, *lora, regex).cfg.model.peft.lora_tuning.target_modules) == [
+        "o_proj", "q_proj",
+    ]  # fmt: skip
     stated = [
         "model.peft.lora_tuning.adapter_dim=16",
         "model.peft.lora_tuning.alpha=8",  # agrees

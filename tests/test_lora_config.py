@@ -7,7 +7,7 @@ A starting adapter (adapter directories written by `peft` itself) is read as `pe
 `target_modules` as a list of names or one regular expression, `layers_to_transform` as a list
 or one index; its rank, alpha, targets, layers and dropout fill the unset `lora_tuning` keys,
 and stated values that differ are refused in one line naming them all, in the keys' own terms
-(1-based layers)."""
+(1-based layers). `model.peft.lora_tuning.target_modules` takes peft's string form too."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from megatron_kto.peft.settings import (
     lora_settings,
     reference_strategy,
     resolve_lora_tuning,
+    targets_and_layers,
 )
 from megatron_kto.peft.targets import DEFAULT_TARGET_MODULES, resolve_targets, selected_layers
 
@@ -279,3 +280,38 @@ def test_without_an_adapter_unset_keys_take_the_built_in_defaults():
         32, None, 0.0, None,
     )  # fmt: skip
     assert list(lt.target_modules) == list(DEFAULT_TARGET_MODULES)
+
+
+def test_a_regex_target_in_the_config_means_what_it_means_to_peft():
+    m = _model()
+    m.peft.lora_tuning.target_modules = r"model\.layers\.[12]\.self_attn\.(q_proj|v_proj)"
+    assert targets_and_layers(m, m) == (["q_proj", "v_proj"], [2, 3])
+    check_peft(m, "kto", m)
+    s = lora_settings(m)
+    assert (s.target_modules, s.layer_selection) == (["q_proj", "v_proj"], [2, 3])
+    resolve_lora_tuning(m, m)  # written back as the projections and layers it selects
+    assert (list(m.peft.lora_tuning.target_modules), list(m.peft.lora_tuning.layer_selection)) == (
+        ["q_proj", "v_proj"], [2, 3],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "targets,layers,message",
+    [
+        (
+            "q_proj",  # a whole-name match: no module is called just q_proj
+            None,
+            "model.peft.lora_tuning.target_modules: 'q_proj' selects none of this model's",
+        ),
+        (".*(q_proj", None, "model.peft.lora_tuning.target_modules: '.*(q_proj' is not a valid"),
+        (".*q_proj", [1], "model.peft.lora_tuning.layer_selection: not with a regular-expression"),
+        (5, None, "model.peft.lora_tuning.target_modules: must be a list of names or one regular"),
+    ],
+)
+def test_bad_target_strings_are_quoted_whole(targets, layers, message):
+    m = _model()
+    m.peft.lora_tuning.target_modules, m.peft.lora_tuning.layer_selection = targets, layers
+    with pytest.raises(ConfigError) as info:
+        check_peft(m, "kto", m)
+    text = str(info.value)
+    assert text.startswith(message) and "\n" not in text and "['" not in text, text

@@ -191,10 +191,14 @@ class LoRATuningConfig:
     else adapter_dim."""
     adapter_dropout: float | None = None
     """Dropout on the adapters' input (training only); None: the starting adapter's, else 0."""
-    target_modules: list[str] | None = None
-    """NeMo names (attention_qkv, attention_dense, mlp_fc1, mlp_fc2, attention, mlp, all) or
-    Hugging Face projections (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj);
-    None: the starting adapter's, else [attention_qkv]."""
+    # Any, not list[str]: peft's LoraConfig also takes one string (a regular expression), which
+    # a list field would refuse; peft.settings.targets_and_layers checks the type.
+    target_modules: Any = None
+    """A list of NeMo names (attention_qkv, attention_dense, mlp_fc1, mlp_fc2, attention, mlp,
+    all) or Hugging Face projections (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    down_proj); or, as in peft, one string: a regular expression matching whole Hugging Face
+    module names (model.layers.0.self_attn.q_proj), which selects the layers too. None: the
+    starting adapter's, else [attention_qkv]."""
     layer_selection: list[int] | None = None
     """1-based layer numbers that get adapters; None: the starting adapter's, else every layer."""
     column_init_method: str = "xavier"

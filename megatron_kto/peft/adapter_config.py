@@ -77,18 +77,17 @@ def peft_selection(
     """(projections, 0-based layers) that a LoraConfig's targets adapt in this architecture.
 
     Raises:
-        ValueError: a bad regular expression, nothing selected, or a selection that is not the
-            same projections in every selected layer (one run's LoRA keys cannot express it).
+        ValueError: starting with the quoted `target_modules`: a bad regular expression, nothing
+            selected, or a selection that is not the same projections in every selected layer
+            (one run's LoRA keys cannot express it).
     """
     if not target_modules:
-        raise ValueError("target_modules is empty")
+        raise ValueError(f"{target_modules!r} names no module")
     if isinstance(target_modules, str):
         try:
             re.compile(target_modules)
         except re.error as e:
-            raise ValueError(
-                f"target_modules {target_modules!r}: bad regular expression ({e})"
-            ) from e
+            raise ValueError(f"{target_modules!r} is not a valid regular expression ({e})") from e
         layer_ok = range(arch.num_layers)
     else:
         target_modules = [str(t) for t in target_modules]
@@ -109,15 +108,21 @@ def peft_selection(
         if names:
             chosen[layer] = names
     if not chosen:
+        regex = (
+            "; a string is a regular expression that must match a whole module name, as in peft "
+            "(names go in a list)"
+            if isinstance(target_modules, str)
+            else ""
+        )
         raise ValueError(
-            f"target_modules {target_modules!r} selects none of this model's projections "
-            f"({', '.join(HF_MODULES[p] for p in available)} in model.layers.<i>)"
+            f"{target_modules!r} selects none of this model's projections "
+            f"({', '.join(HF_MODULES[p] for p in available)} in model.layers.<i>){regex}"
         )
     kinds = set(chosen.values())
     if len(kinds) > 1:
         per_layer = "; ".join(f"layer {i + 1}: {','.join(p)}" for i, p in sorted(chosen.items()))
         raise ValueError(
-            f"target_modules {target_modules!r} adapts different projections in different layers "
+            f"{target_modules!r} adapts different projections in different layers "
             f"({per_layer}); a run adapts the same projections in each selected layer"
         )
     return sorted(kinds.pop()), sorted(chosen)
@@ -134,9 +139,12 @@ def adapter_values(config: dict[str, Any], arch: Any) -> dict[str, Any]:
         ValueError: targets this architecture cannot take (see `peft_selection`).
     """
     get = {k: config.get(k, v) for k, v in PEFT_DEFAULTS.items()}
-    projections, layers = peft_selection(
-        config.get("target_modules"), config.get("layers_to_transform"), arch
-    )
+    try:
+        projections, layers = peft_selection(
+            config.get("target_modules"), config.get("layers_to_transform"), arch
+        )
+    except ValueError as e:
+        raise ValueError(f"target_modules {e}") from e
     return {
         "adapter_dim": int(get["r"]),
         "alpha": float(get["lora_alpha"]),

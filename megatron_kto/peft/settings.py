@@ -6,10 +6,17 @@ validation runs before any model exists).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from megatron_kto.config.errors import ConfigError
-from megatron_kto.peft.adapter_config import FIXED_KEYS, adapter_values, comparable, contradiction
+from megatron_kto.peft.adapter_config import (
+    FIXED_KEYS,
+    adapter_values,
+    comparable,
+    contradiction,
+    peft_selection,
+)
 from megatron_kto.peft.targets import DEFAULT_TARGET_MODULES, resolve_targets, selected_layers
 
 SCHEMES = ("none", "lora")
@@ -51,6 +58,40 @@ def tuning_value(model_cfg: Any, key: str) -> Any:
     return LORA_DEFAULTS.get(key) if value is None else value
 
 
+def targets_and_layers(model_cfg: Any, arch: Any) -> tuple[list[str], list[int] | None]:
+    """(`target_modules`, `layer_selection`) of the config, the built-in targets where unset.
+
+    `target_modules` may also be peft's string form: a regular expression that must match a whole
+    Hugging Face module name (`model.layers.0.self_attn.q_proj`) and so picks the layers too; it
+    stands for the projections and (1-based) layers it selects.
+
+    Raises:
+        ConfigError: naming the key: neither a list nor a string, a regular expression that
+            selects nothing (or not the same projections in each layer), or one given with
+            layer_selection.
+    """
+    lt = model_cfg.peft.lora_tuning
+    targets = tuning_value(model_cfg, "target_modules")
+    if not isinstance(targets, str):
+        if not isinstance(targets, Sequence):
+            raise ConfigError(
+                f"{_KEY}.target_modules: must be a list of names or one regular expression "
+                f"(a string), got {targets!r}"
+            )
+        layers = lt.layer_selection
+        return [str(t) for t in targets], None if layers is None else [int(n) for n in layers]
+    if lt.layer_selection is not None:
+        raise ConfigError(
+            f"{_KEY}.layer_selection: not with a regular-expression {_KEY}.target_modules "
+            f"({targets!r}), which selects the layers itself (as in peft); leave it unset"
+        )
+    try:
+        projections, layers = peft_selection(targets, None, arch)
+    except ValueError as e:
+        raise ConfigError(f"{_KEY}.target_modules: {e}") from e
+    return projections, None if len(layers) == arch.num_layers else [i + 1 for i in layers]
+
+
 def resolve_lora_tuning(
     model_cfg: Any, arch: Any, adapter: dict[str, Any] | None = None, where: str = ""
 ) -> None:
@@ -72,6 +113,8 @@ def resolve_lora_tuning(
             the adapter (one line naming every such key).
     """
     lt = model_cfg.peft.lora_tuning
+    if isinstance(lt.target_modules, str):  # written back as the projections and layers it means
+        lt.target_modules, lt.layer_selection = targets_and_layers(model_cfg, arch)
     if adapter is not None:
         try:
             theirs = adapter_values(adapter, arch)
@@ -134,7 +177,7 @@ def check_peft(model_cfg: Any, algorithm: str, arch: Any) -> None:
         tuning_value(model_cfg, "adapter_dim"),
         tuning_value(model_cfg, "adapter_dropout"),
     )
-    targets = list(tuning_value(model_cfg, "target_modules"))
+    targets, layers = targets_and_layers(model_cfg, arch)
     if lt.weight_tying:
         raise ConfigError(f"{_KEY}.weight_tying: not implemented (adapters are per layer)")
     if lt.position_embedding_strategy is not None:
@@ -155,9 +198,7 @@ def check_peft(model_cfg: Any, algorithm: str, arch: Any) -> None:
     except ValueError as e:
         raise ConfigError(f"{_KEY}.target_modules: {e}") from e
     try:
-        selected_layers(
-            None if lt.layer_selection is None else list(lt.layer_selection), arch.num_layers
-        )
+        selected_layers(layers, arch.num_layers)
     except ValueError as e:
         raise ConfigError(f"{_KEY}.layer_selection: {e}") from e
     if getattr(arch, "num_moe_experts", None):
@@ -193,14 +234,13 @@ def lora_settings(model_cfg: Any) -> Any:
 
     lt = model_cfg.peft.lora_tuning
     rank = int(tuning_value(model_cfg, "adapter_dim"))
+    targets, layers = targets_and_layers(model_cfg, model_cfg)  # the model config holds the shape
     return LoRASettings(
         rank=rank,
         alpha=float(lt.alpha if lt.alpha is not None else rank),
         dropout=float(tuning_value(model_cfg, "adapter_dropout")),
-        target_modules=[str(t) for t in tuning_value(model_cfg, "target_modules")],
-        layer_selection=None
-        if lt.layer_selection is None
-        else [int(n) for n in lt.layer_selection],
+        target_modules=targets,
+        layer_selection=layers,
         init_a=str(lt.column_init_method),
         init_b=str(lt.row_init_method),
         seed=int(model_cfg.seed),
