@@ -113,7 +113,8 @@ def resolve_lora_tuning(
             the adapter (one line naming every such key).
     """
     lt = model_cfg.peft.lora_tuning
-    if isinstance(lt.target_modules, str):  # written back as the projections and layers it means
+    if uses_lora(model_cfg) and isinstance(lt.target_modules, str):
+        # peft's regular-expression form, written back as the projections and layers it means.
         lt.target_modules, lt.layer_selection = targets_and_layers(model_cfg, arch)
     if adapter is not None:
         try:
