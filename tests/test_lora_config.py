@@ -315,3 +315,9 @@ def test_bad_target_strings_are_quoted_whole(targets, layers, message):
         check_peft(m, "kto", m)
     text = str(info.value)
     assert text.startswith(message) and "\n" not in text and "['" not in text, text
+
+
+def test_an_adapter_of_another_peft_method_is_refused_before_any_model(tmp_path):
+    adapter = make_peft_adapter(tmp_path / "dora", 4, target_modules=["q_proj"], use_dora=True)
+    with pytest.raises(ValueError, match=r"adapter_config.json: use_dora=True is not supported$"):
+        read_adapter_config(adapter)

@@ -47,7 +47,8 @@ def read_adapter_config(path: str | Path) -> dict[str, Any]:
     """adapter_config.json of a PEFT adapter directory (whose weights file must exist too).
 
     Raises:
-        ValueError: one line naming the file: missing, not a JSON object.
+        ValueError: one line naming the file: missing, not a JSON object, or a PEFT method other
+            than plain LoRA.
     """
     path = Path(path)
     if not path.is_dir():
@@ -61,6 +62,17 @@ def read_adapter_config(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path / ADAPTER_CONFIG}: not valid JSON: {e}") from e
     if not isinstance(config, dict):
         raise ValueError(f"{path / ADAPTER_CONFIG}: expected a JSON object")
+    checks = {
+        "peft_type": (config.get("peft_type"), "LORA"),
+        "bias": (config.get("bias", "none"), "none"),
+        "use_dora": (bool(config.get("use_dora")), False),
+        "use_rslora": (bool(config.get("use_rslora")), False),
+        "fan_in_fan_out": (bool(config.get("fan_in_fan_out")), False),
+        "modules_to_save": (config.get("modules_to_save") or None, None),
+    }
+    for key, (got, want) in checks.items():
+        if got != want:
+            raise ValueError(f"{path / ADAPTER_CONFIG}: {key}={got!r} is not supported")
     return config
 
 

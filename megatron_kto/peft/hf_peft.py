@@ -141,17 +141,6 @@ def read_adapter(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tens
         config = read_adapter_config(path)
     except ValueError as e:
         raise AdapterError(str(e)) from e
-    checks = {
-        "peft_type": (config.get("peft_type"), "LORA"),
-        "bias": (config.get("bias", "none"), "none"),
-        "use_dora": (bool(config.get("use_dora")), False),
-        "use_rslora": (bool(config.get("use_rslora")), False),
-        "fan_in_fan_out": (bool(config.get("fan_in_fan_out")), False),
-        "modules_to_save": (config.get("modules_to_save") or None, None),
-    }
-    for key, (got, want) in checks.items():
-        if got != want:
-            raise AdapterError(f"{path / ADAPTER_CONFIG}: {key}={got!r} is not supported")
     tensors = {
         k.replace(".default.", "."): v for k, v in load_file(str(path / ADAPTER_WEIGHTS)).items()
     }
