@@ -138,3 +138,29 @@ def make_hf_qwen3_moe(directory: Path, router_aux_loss_coef: float) -> Path:
                 p.normal_(0.0, 1.0)
     model.save_pretrained(directory)
     return directory
+
+
+def make_peft_adapter(directory: Path, num_layers: int, **lora) -> Path:
+    """A LoRA adapter directory written by `peft` itself (`save_pretrained`: adapter_config.json
+    + adapter_model.safetensors) for a tiny random Llama of `num_layers` layers.
+
+    Args:
+        lora: `peft.LoraConfig` arguments (r, lora_alpha, target_modules, layers_to_transform...).
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        max_position_embeddings=32,
+    )
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(task_type="CAUSAL_LM", **lora))
+    model.save_pretrained(str(directory))
+    return directory

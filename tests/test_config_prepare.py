@@ -7,6 +7,10 @@ tokenizer vs the vocabulary) run against it — as file reads only, no megatron-
 checkpoints here are the files `restore_from_path` resolution looks at (architecture.json and
 the dist-checkpoint metadata marker, plus tokenizer files or a run config where a test needs
 them); no tensors are involved.
+
+A LoRA run starting from a PEFT adapter (written by `peft` itself) takes its rank, alpha and
+targets from the adapter's adapter_config.json, refusing stated values that differ in one line
+naming them all; the adapter given as the model is told where it goes.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from hf_tiny import make_tokenizer
+from hf_tiny import make_peft_adapter, make_tokenizer
 
 from megatron_kto.checkpointing import files
 from megatron_kto.config.entry import compose_run_config
+from megatron_kto.config.prepare import prepare_run_config
 from megatron_kto.config.validate import ConfigError
 from megatron_kto.models.architecture import GPTArchitecture
 
@@ -207,3 +212,53 @@ def test_validation_imports_no_megatron_core(ckpt):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_lora_settings_come_from_the_starting_adapter(ckpt, tmp_path):
+    adapter = make_peft_adapter(
+        tmp_path / "adapter", 6, r=4, lora_alpha=8, target_modules=r".*\.(q_proj|o_proj)"
+    )
+    lora = ["model.peft.peft_scheme=lora", f"model.peft.restore_from_path={adapter}"]
+    prepared = _run(ckpt, *lora)
+    lt = prepared.cfg.model.peft.lora_tuning
+    assert (lt.adapter_dim, lt.alpha, list(lt.target_modules), lt.layer_selection) == (
+        4, 8.0, ["o_proj", "q_proj"], None,
+    )  # fmt: skip
+    # The run prepares its (already resolved) config again: the written-back values agree.
+    again = prepare_run_config(prepared.cfg, "kto", world_size=1).cfg.model.peft.lora_tuning
+    assert again == lt
+    # The same targets as peft's string form on the command line (Hydra's quoting) agree.
+    regex = "model.peft.lora_tuning.target_modules='.*\\.(o_proj|q_proj)'"
+    assert list(_run(ckpt, *lora, regex).cfg.model.peft.lora_tuning.target_modules) == [
+        "o_proj", "q_proj",
+    ]  # fmt: skip
+    stated = [
+        "model.peft.lora_tuning.adapter_dim=16",
+        "model.peft.lora_tuning.alpha=8",  # agrees
+        "model.peft.lora_tuning.target_modules=[attention_qkv]",
+        "model.peft.lora_tuning.layer_selection=[1]",
+    ]
+    with pytest.raises(ConfigError) as info:
+        _run(ckpt, *lora, *stated)
+    text = str(info.value)
+    assert "\n" not in text and text.startswith(
+        "model.peft.lora_tuning.adapter_dim=16, "
+        "model.peft.lora_tuning.target_modules=['attention_qkv'], "
+        "model.peft.lora_tuning.layer_selection=[1]: the starting adapter "
+        f"model.peft.restore_from_path={adapter} has adapter_dim=4, "
+        "target_modules=['o_proj', 'q_proj'], layer_selection=None; "
+    ), text
+
+
+def test_an_adapter_given_as_the_model_is_told_where_it_goes(tmp_path):
+    from megatron_kto.checkpointing.errors import CheckpointError
+
+    adapter = make_peft_adapter(tmp_path / "adapter", 2, target_modules=["q_proj"])
+    with pytest.raises(CheckpointError) as info:
+        _run(adapter)
+    text = str(info.value)
+    assert text == (
+        f"{adapter}: a PEFT adapter directory (adapter_config.json), not a model: pass it as "
+        "model.peft.restore_from_path (with model.peft.peft_scheme=lora) and its base model as "
+        "pretrained_checkpoint.restore_from_path"
+    )

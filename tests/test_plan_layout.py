@@ -7,6 +7,8 @@
 * The layout tool: an 8B-shaped config on 8 x 80 GB fits and recommends a layout whose memory
   really is below the GPU's; on 1 x 24 GB full fine-tuning is reported as not fitting
   (exit code 1); a tiny model fits anywhere.
+* The tool plans the embedding the run builds: its vocabulary padded as the run pads a Hugging
+  Face model (`hf_dir.padded_vocab`), and only TP sizes that split those rows.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_kto.conversion.hf_config import architecture_from_hf
+from megatron_kto.conversion.hf_dir import model_architecture
 from megatron_kto.planning.layout import Cluster, candidates
 from megatron_kto.planning.model_state import (
     LoRAShape,
@@ -31,6 +34,7 @@ from megatron_kto.planning.model_state import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -144,9 +148,28 @@ def test_8b_on_8x80gb_fits_and_recommendation_is_within_memory(tmp_path):
     tp, pp, dp, peak = int(cells[0]), int(cells[1]), int(cells[2]), float(cells[8])
     assert tp * pp * dp == 8 and peak < 80e9 / 2**30
     # The plan of that row, recomputed independently of the tool's table, fits too.
-    arch = architecture_from_hf(LLAMA3_8B)
+    arch = model_architecture(LLAMA3_8B, "config.json")
     best = candidates(arch, Cluster(8, 80 * 10**9), 4096, 64)[0]
     assert best.fits and (best.dims.tp, best.dims.pp, best.dims.dp) == (tp, pp, dp)
+
+
+def test_plan_pads_the_vocabulary_as_the_run_does(tmp_path):
+    """A run on a Hugging Face model (direct load or converted) pads its embedding to a multiple
+    of 128 x 8 rows whatever its TP; the tool padded to 128 x TP: at TP=1 it planned 32000 rows
+    of a 32000-token vocabulary where the run builds 32768."""
+    from plan_layout import read_model
+
+    from megatron_kto.checkpointing.locate import read_architecture
+
+    shape = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=4)
+    config = {**LLAMA3_8B, **shape, "num_attention_heads": 12, "num_key_value_heads": 6}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 32000}))
+    plan, run = read_model(tmp_path / "config.json"), read_architecture(tmp_path)
+    for tp in (1, 2, 4):
+        assert plan.padded_vocab(tp) == run.padded_vocab(tp) == 32768
+    # TP 3 and 6 divide the heads and query groups but not the 32768 rows: the run refuses them.
+    found = candidates(plan, Cluster(6, 80 * 10**9), 512, 6)
+    assert {c.dims.tp for c in found} == {1, 2}
 
 
 def test_8b_on_one_24gb_gpu_does_not_fit(tmp_path):

@@ -18,12 +18,13 @@ does, 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
 
-from megatron_kto.conversion.hf_config import ConversionError, architecture_from_hf
+from megatron_kto.conversion.hf_config import ConversionError
+from megatron_kto.conversion.hf_dir import model_architecture, read_json
+from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.peft.targets import resolve_targets
 from megatron_kto.planning.layout import GPU_TYPES, Cluster, candidates, format_candidates
 from megatron_kto.planning.model_state import LoRAShape
@@ -39,6 +40,15 @@ def parse_bytes(text: str) -> int:
         raise ValueError(f"--gpu-memory: cannot read {text!r} (e.g. 80GB or 80GiB)")
     scale = _UNITS[unit] if unit else 1e9
     return int(float(match.group(1)) * scale)
+
+
+def read_model(path: Path) -> GPTArchitecture:
+    """The architecture a run on this Hugging Face config builds (its padded vocabulary too).
+
+    Raises:
+        ConversionError: no readable config.json or an unsupported model, naming the file.
+    """
+    return model_architecture(read_json(path, "--hf-config"), str(path))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         memory = parse_bytes(args.gpu_memory)
         if not path.is_file():
             raise ValueError(f"--hf-config: {path} does not exist")
-        arch = architecture_from_hf(json.loads(path.read_text()), where=str(path))
+        arch = read_model(path)
         if arch.num_moe_experts and args.lora_rank is not None:
             raise ValueError(
                 f"--lora-rank: LoRA of a mixture-of-experts model ({arch.num_moe_experts} "

@@ -13,6 +13,9 @@ Accepted paths (`pretrained_checkpoint.restore_from_path`, the tools' `--policy`
 - a Hugging Face model directory (config.json + safetensors, as the Hub publishes it): its
   architecture is read from config.json (`conversion.hf_dir`; the family registry, and with it
   torch, is imported only then) and `restore_pretrained` reads its weights directly.
+
+A PEFT adapter directory (adapter_config.json, no model weights) is refused with a line
+saying where it goes (`model.peft.restore_from_path`).
 """
 
 from __future__ import annotations
@@ -27,8 +30,15 @@ from megatron_kto.checkpointing import files
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.conversion.hf_config import ConversionError
 from megatron_kto.conversion.hf_dir import CONFIG as HF_CONFIG
-from megatron_kto.conversion.hf_dir import check_hf_dir, looks_like_hf_dir, read_hf_architecture
+from megatron_kto.conversion.hf_dir import (
+    INDEX,
+    SINGLE,
+    check_hf_dir,
+    looks_like_hf_dir,
+    read_hf_architecture,
+)
 from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.peft.adapter_config import ADAPTER_CONFIG, is_adapter_dir
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +69,14 @@ def resolve_pretrained_dir(path: str | Path, warn: Callable[[str], None] = _warn
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: not found (pretrained_checkpoint.restore_from_path)")
+    weights = (SINGLE, INDEX, _DIST_METADATA)
+    if is_adapter_dir(path) and not any((path / name).is_file() for name in weights):
+        # A LoRA adapter holds no base weights (a copied config.json does not make it a model).
+        raise CheckpointError(
+            f"{path}: a PEFT adapter directory ({ADAPTER_CONFIG}), not a model: pass it as "
+            "model.peft.restore_from_path (with model.peft.peft_scheme=lora) and its base model "
+            "as pretrained_checkpoint.restore_from_path"
+        )
     if looks_like_hf_dir(path):
         try:
             check_hf_dir(path)

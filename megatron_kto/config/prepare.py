@@ -14,6 +14,9 @@ process group, no megatron-core — so a bad config stops within a couple of sec
    config); the library is inferred.
 4. The vocabulary: the tokenizer's ids must fit the model's embedding.
 5. `model.optim.sched.min_lr` unset means lr / 10 (so `model.optim.lr=5e-6` alone is valid).
+   Unset LoRA settings (`model.peft.lora_tuning.*`) are the starting adapter's, read from its
+   adapter_config.json, else the built-in defaults; stated values that contradict the adapter
+   are refused.
 6. `validate.validate` with the resolved shape, then the attention backend the run will use
    (`runtime.attention_backend`), with a note saying which and why.
 
@@ -39,7 +42,8 @@ from megatron_kto.config.keys import check_known_keys
 from megatron_kto.config.machine import attention_choice, canonical_precision, device_precision
 from megatron_kto.config.validate import ConfigError, validate
 from megatron_kto.models.architecture import GPTArchitecture
-from megatron_kto.peft.settings import reference_strategy
+from megatron_kto.peft.adapter_config import read_adapter_config
+from megatron_kto.peft.settings import reference_strategy, resolve_lora_tuning, uses_lora
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -244,6 +248,26 @@ def _load_tokenizer_vocab(library: str, model: str, template: str | None) -> int
         ) from e
 
 
+def resolve_lora(model_cfg: Any, arch: GPTArchitecture) -> None:
+    """The unset `model.peft.lora_tuning.*` keys: a LoRA run starting from an adapter
+    (`model.peft.restore_from_path`) reads them from its adapter_config.json, else they take the
+    built-in defaults (`peft.settings.resolve_lora_tuning`).
+
+    Raises:
+        ConfigError: no readable adapter directory, or stated values that contradict it.
+    """
+    from megatron_kto.data.pipeline import resolve_path
+
+    adapter, where, path = None, "", model_cfg.peft.restore_from_path
+    if uses_lora(model_cfg) and path:
+        where = f"model.peft.restore_from_path={path}"
+        try:
+            adapter = read_adapter_config(resolve_path(path))
+        except ValueError as e:
+            raise ConfigError(f"model.peft.restore_from_path: {e}") from e
+    resolve_lora_tuning(model_cfg, arch, adapter, where)
+
+
 def _on_cuda() -> bool:
     # The machine as the attention decision sees it; does not initialise CUDA (the launch
     # environment is applied later, see runtime.gpu_settings).
@@ -298,6 +322,7 @@ def prepare_run_config(
         setattr(m, name, value)
     if m.optim.sched.min_lr is None and m.optim.lr > 0:
         m.optim.sched.min_lr = m.optim.lr / DEFAULT_MIN_LR_DIVISOR
+    resolve_lora(m, arch)
     validate(cfg, world_size, algorithm, architecture_file=arch_file)
     loss = m.kto if algorithm == "kto" else m.dpo
     loss.reference_policy = reference_strategy(m, algorithm)  # its default depends on LoRA

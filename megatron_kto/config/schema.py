@@ -181,17 +181,26 @@ class DPOLossConfig:
 class LoRATuningConfig:
     """`model.peft.lora_tuning.*` (NeMo's names)."""
 
-    adapter_dim: int = 32
-    """LoRA rank r."""
+    # Unset (None) rank, alpha, dropout, targets and layers are read from the starting adapter
+    # (model.peft.restore_from_path), which fixes them, else take the built-in defaults
+    # (peft.settings.LORA_DEFAULTS); config.prepare writes the values used back here.
+    adapter_dim: int | None = None
+    """LoRA rank r; None: the starting adapter's, else 32."""
     alpha: float | None = None
-    """Scaling numerator: adapters add (alpha / adapter_dim)·B·A·x; None means adapter_dim."""
-    adapter_dropout: float = 0.0
-    """Dropout on the adapters' input (training only)."""
-    target_modules: list[str] = field(default_factory=lambda: ["attention_qkv"])
-    """NeMo names (attention_qkv, attention_dense, mlp_fc1, mlp_fc2, attention, mlp, all) or
-    Hugging Face projections (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)."""
+    """Scaling numerator: adapters add (alpha / adapter_dim)·B·A·x; None: the starting adapter's,
+    else adapter_dim."""
+    adapter_dropout: float | None = None
+    """Dropout on the adapters' input (training only); None: the starting adapter's, else 0."""
+    # Any, not list[str]: peft's LoraConfig also takes one string (a regular expression), which
+    # a list field would refuse; peft.settings.targets_and_layers checks the type.
+    target_modules: Any = None
+    """A list of NeMo names (attention_qkv, attention_dense, mlp_fc1, mlp_fc2, attention, mlp,
+    all) or Hugging Face projections (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    down_proj); or, as in peft, one string: a regular expression matching whole Hugging Face
+    module names (model.layers.0.self_attn.q_proj), which selects the layers too. None: the
+    starting adapter's, else [attention_qkv]."""
     layer_selection: list[int] | None = None
-    """1-based layer numbers that get adapters; None means every layer."""
+    """1-based layer numbers that get adapters; None: the starting adapter's, else every layer."""
     column_init_method: str = "xavier"
     """Init of A (the input-side matrix): 'xavier', 'normal', 'kaiming' (peft's) or 'zero'."""
     row_init_method: str = "zero"

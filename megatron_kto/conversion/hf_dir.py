@@ -77,6 +77,19 @@ def padded_vocab(vocab_size: int) -> int:
     return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
+def model_architecture(config: dict[str, Any], where: str) -> GPTArchitecture:
+    """The megatron architecture a run builds from a Hugging Face config.json: its shape, and
+    the vocabulary padding the converter and the direct load give its embedding (`padded_vocab`,
+    whatever the TP size).
+
+    Raises:
+        ConversionError: an unsupported model type or option, naming `where`.
+    """
+    arch = architecture_from_hf(config, where)
+    arch.padded_vocab_size = padded_vocab(arch.vocab_size)
+    return arch
+
+
 def read_hf_architecture(
     hf_dir: str | Path, warn: Callable[[str], None] | None = None
 ) -> tuple[dict[str, Any], GPTArchitecture]:
@@ -93,7 +106,7 @@ def read_hf_architecture(
     hf_dir = Path(hf_dir)
     where = hf_dir / CONFIG
     config = read_json(where, "a Hugging Face model directory needs config.json")
-    arch = architecture_from_hf(config, str(where))
+    arch = model_architecture(config, str(where))
     window = config.get("sliding_window")
     if window and config.get("use_sliding_window", True) and window < arch.encoder_seq_length:
         message = (
@@ -101,5 +114,4 @@ def read_hf_architecture(
             f"results match for sequences up to {window} tokens"
         )
         (warn or logger.warning)(message)
-    arch.padded_vocab_size = padded_vocab(arch.vocab_size)
     return config, arch

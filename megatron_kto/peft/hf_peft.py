@@ -18,12 +18,19 @@ import torch
 
 from megatron_kto.conversion.keymap import fuse_fc1, fuse_qkv
 from megatron_kto.models.builder import unwrap
+from megatron_kto.peft.adapter_config import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    FIXED_KEYS,
+    adapter_values,
+    comparable,
+    contradiction,
+    read_adapter_config,
+)
 from megatron_kto.peft.lora import LoRALinear
 from megatron_kto.peft.targets import HF_MODULES, resolve_targets, selected_layers
 from megatron_kto.peft.wiring import LoRASettings, adapters_of
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model.model.layers"
 
 
@@ -130,21 +137,10 @@ def read_adapter(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tens
     from safetensors.torch import load_file
 
     path = Path(path)
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-        if not (path / name).is_file():
-            raise AdapterError(f"{path}: not a PEFT adapter directory ({name} is missing)")
-    config = json.loads((path / ADAPTER_CONFIG).read_text())
-    checks = {
-        "peft_type": (config.get("peft_type"), "LORA"),
-        "bias": (config.get("bias", "none"), "none"),
-        "use_dora": (bool(config.get("use_dora")), False),
-        "use_rslora": (bool(config.get("use_rslora")), False),
-        "fan_in_fan_out": (bool(config.get("fan_in_fan_out")), False),
-        "modules_to_save": (config.get("modules_to_save") or None, None),
-    }
-    for key, (got, want) in checks.items():
-        if got != want:
-            raise AdapterError(f"{path / ADAPTER_CONFIG}: {key}={got!r} is not supported")
+    try:
+        config = read_adapter_config(path)
+    except ValueError as e:
+        raise AdapterError(str(e)) from e
     tensors = {
         k.replace(".default.", "."): v for k, v in load_file(str(path / ADAPTER_WEIGHTS)).items()
     }
@@ -152,25 +148,25 @@ def read_adapter(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tens
 
 
 def check_matches(config: dict[str, Any], settings: LoRASettings, arch: Any, where: str) -> None:
-    """The adapter's rank, alpha, targets and layers are the run's.
+    """The adapter's rank, alpha, targets and layers are the run's (equivalent spellings agree:
+    NeMo or peft target names, a regular expression, `layers_to_transform` as an index or a list).
 
     Raises:
-        AdapterError: naming the run's key to change.
+        AdapterError: one line naming every run key that differs, with the adapter's values.
     """
-    key = "model.peft.lora_tuning"
-    ours = peft_config(settings, arch, None)
-    pairs = {
-        "adapter_dim": (config.get("r"), ours["r"]),
-        "alpha": (float(config.get("lora_alpha", 8)), float(ours["lora_alpha"])),
-        "target_modules": (sorted(config.get("target_modules") or []), ours["target_modules"]),
-        "layer_selection": (config.get("layers_to_transform"), ours["layers_to_transform"]),
+    try:
+        theirs = adapter_values(config, arch)
+    except ValueError as e:
+        raise AdapterError(f"{where}: {ADAPTER_CONFIG}: {e}") from e
+    run = {
+        "adapter_dim": settings.rank,
+        "alpha": settings.alpha,
+        "target_modules": list(settings.target_modules),
+        "layer_selection": settings.layer_selection,
     }
-    for name, (theirs, mine) in pairs.items():
-        if theirs != mine:
-            raise AdapterError(
-                f"{where}: the adapter has {theirs!r} where the run has {key}.{name}={mine!r}; "
-                f"set {key}.{name} to match the adapter"
-            )
+    differing = {k: run[k] for k in FIXED_KEYS if comparable(k, run[k], arch) != theirs[k]}
+    if differing:
+        raise AdapterError(contradiction(differing, theirs, where))
 
 
 def load_adapter(

@@ -58,7 +58,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
-INIT_METHODS = ("xavier", "normal", "kaiming", "zero")
+from megatron_kto.peft.settings import INIT_METHODS
 
 
 @dataclass(frozen=True)

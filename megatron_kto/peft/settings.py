@@ -6,15 +6,32 @@ validation runs before any model exists).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from megatron_kto.config.errors import ConfigError
-from megatron_kto.peft.targets import resolve_targets, selected_layers
+from megatron_kto.peft.adapter_config import (
+    FIXED_KEYS,
+    adapter_values,
+    comparable,
+    contradiction,
+    peft_selection,
+)
+from megatron_kto.peft.targets import DEFAULT_TARGET_MODULES, resolve_targets, selected_layers
 
 SCHEMES = ("none", "lora")
 #: `model.peft.reference`: the starting policy (base + starting adapter) or the base model.
 REFERENCES = ("start", "base")
+#: LoRA init methods by NeMo's names (`lora._init_full` implements them).
 INIT_METHODS = ("xavier", "normal", "kaiming", "zero")
+#: `model.peft.lora_tuning.*` keys whose unset (None) value means "the starting adapter's
+#: (`model.peft.restore_from_path`), else this built-in default" (NeMo-Aligner's stock block).
+#: `alpha` unset means the adapter's, else adapter_dim; `layer_selection` the adapter's, else all.
+LORA_DEFAULTS: dict[str, Any] = {
+    "adapter_dim": 32,
+    "adapter_dropout": 0.0,
+    "target_modules": list(DEFAULT_TARGET_MODULES),
+}
 #: Reference strategies and whether they fit a LoRA run.
 LORA_REFERENCES = ("adapters_off", "precomputed")
 FULL_REFERENCES = ("cpu_swap", "separate", "precomputed")
@@ -33,6 +50,96 @@ def reference_strategy(model_cfg: Any, algorithm: str) -> str:
     if chosen is not None:
         return str(chosen)
     return "adapters_off" if uses_lora(model_cfg) else "cpu_swap"
+
+
+def tuning_value(model_cfg: Any, key: str) -> Any:
+    """`model.peft.lora_tuning.<key>`, or its built-in default (`LORA_DEFAULTS`) where unset."""
+    value = getattr(model_cfg.peft.lora_tuning, key)
+    return LORA_DEFAULTS.get(key) if value is None else value
+
+
+def targets_and_layers(model_cfg: Any, arch: Any) -> tuple[list[str], list[int] | None]:
+    """(`target_modules`, `layer_selection`) of the config, the built-in targets where unset.
+
+    `target_modules` may also be peft's string form: a regular expression that must match a whole
+    Hugging Face module name (`model.layers.0.self_attn.q_proj`) and so picks the layers too; it
+    stands for the projections and (1-based) layers it selects.
+
+    Raises:
+        ConfigError: naming the key: neither a list nor a string, a regular expression that
+            selects nothing (or not the same projections in each layer), or one given with
+            layer_selection.
+    """
+    lt = model_cfg.peft.lora_tuning
+    targets = tuning_value(model_cfg, "target_modules")
+    if not isinstance(targets, str):
+        if not isinstance(targets, Sequence):
+            raise ConfigError(
+                f"{_KEY}.target_modules: must be a list of names or one regular expression "
+                f"(a string), got {targets!r}"
+            )
+        layers = lt.layer_selection
+        return [str(t) for t in targets], None if layers is None else [int(n) for n in layers]
+    if lt.layer_selection is not None:
+        raise ConfigError(
+            f"{_KEY}.layer_selection: not with a regular-expression {_KEY}.target_modules "
+            f"({targets!r}), which selects the layers itself (as in peft); leave it unset"
+        )
+    try:
+        projections, layers = peft_selection(targets, None, arch)
+    except ValueError as e:
+        raise ConfigError(f"{_KEY}.target_modules: {e}") from e
+    return projections, None if len(layers) == arch.num_layers else [i + 1 for i in layers]
+
+
+def resolve_lora_tuning(
+    model_cfg: Any, arch: Any, adapter: dict[str, Any] | None = None, where: str = ""
+) -> None:
+    """Fill the unset `model.peft.lora_tuning.*` keys in place: from the starting adapter's
+    adapter_config.json (`adapter`) when there is one, else the built-in defaults.
+
+    With an adapter, rank, alpha, targets and layers are the adapter's; a value the config states
+    that differs is refused. Dropout is a training choice, not part of what the adapter computes:
+    a stated value wins.
+
+    Args:
+        model_cfg: `model` of the config.
+        arch: the model's architecture (target names and layers are resolved against it).
+        adapter: the adapter's adapter_config.json, or None.
+        where: how the adapter is named in messages (`model.peft.restore_from_path=<path>`).
+
+    Raises:
+        ConfigError: the adapter's targets do not fit this model, or stated values contradict
+            the adapter (one line naming every such key).
+    """
+    lt = model_cfg.peft.lora_tuning
+    if uses_lora(model_cfg) and isinstance(lt.target_modules, str):
+        # peft's regular-expression form, written back as the projections and layers it means.
+        lt.target_modules, lt.layer_selection = targets_and_layers(model_cfg, arch)
+    if adapter is not None:
+        try:
+            theirs = adapter_values(adapter, arch)
+        except ValueError as e:
+            raise ConfigError(f"{where}: adapter_config.json: {e}") from e
+        stated = {k: getattr(lt, k) for k in FIXED_KEYS if getattr(lt, k) is not None}
+        differing = {}
+        for key, value in stated.items():
+            try:
+                if comparable(key, value, arch) != theirs[key]:
+                    differing[key] = value
+            except ValueError:
+                continue  # an invalid value: check_peft reports it, naming the key
+        if differing:
+            shown = {
+                k: list(v) if k in ("target_modules", "layer_selection") else v
+                for k, v in differing.items()
+            }
+            raise ConfigError(contradiction(shown, theirs, where))
+        for key, value in theirs.items():
+            if getattr(lt, key) is None:
+                setattr(lt, key, value)
+    for key in LORA_DEFAULTS:
+        setattr(lt, key, tuning_value(model_cfg, key))
 
 
 def check_peft(model_cfg: Any, algorithm: str, arch: Any) -> None:
@@ -67,41 +174,44 @@ def check_peft(model_cfg: Any, algorithm: str, arch: Any) -> None:
             f"got {model_cfg.peft.reference!r}"
         )
     lt = model_cfg.peft.lora_tuning
+    rank, dropout = (
+        tuning_value(model_cfg, "adapter_dim"),
+        tuning_value(model_cfg, "adapter_dropout"),
+    )
+    targets, layers = targets_and_layers(model_cfg, arch)
     if lt.weight_tying:
         raise ConfigError(f"{_KEY}.weight_tying: not implemented (adapters are per layer)")
     if lt.position_embedding_strategy is not None:
         raise ConfigError(f"{_KEY}.position_embedding_strategy: not implemented (must be null)")
-    if not (isinstance(lt.adapter_dim, int) and lt.adapter_dim > 0):
-        raise ConfigError(f"{_KEY}.adapter_dim: must be a positive integer, got {lt.adapter_dim!r}")
+    if not (isinstance(rank, int) and rank > 0):
+        raise ConfigError(f"{_KEY}.adapter_dim: must be a positive integer, got {rank!r}")
     if lt.alpha is not None and not lt.alpha > 0:
         raise ConfigError(f"{_KEY}.alpha: must be > 0 (or null for adapter_dim), got {lt.alpha!r}")
-    if not 0.0 <= lt.adapter_dropout < 1.0:
-        raise ConfigError(f"{_KEY}.adapter_dropout: must be in [0, 1), got {lt.adapter_dropout!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ConfigError(f"{_KEY}.adapter_dropout: must be in [0, 1), got {dropout!r}")
     for key in ("column_init_method", "row_init_method"):
         if getattr(lt, key) not in INIT_METHODS:
             raise ConfigError(
                 f"{_KEY}.{key}: must be one of {list(INIT_METHODS)}, got {getattr(lt, key)!r}"
             )
     try:
-        resolve_targets(list(lt.target_modules or []), arch)
+        resolve_targets(targets, arch)
     except ValueError as e:
         raise ConfigError(f"{_KEY}.target_modules: {e}") from e
     try:
-        selected_layers(
-            None if lt.layer_selection is None else list(lt.layer_selection), arch.num_layers
-        )
+        selected_layers(layers, arch.num_layers)
     except ValueError as e:
         raise ConfigError(f"{_KEY}.layer_selection: {e}") from e
     if getattr(arch, "num_moe_experts", None):
         mlp = [
             p
-            for t in resolve_targets(list(lt.target_modules), arch)
+            for t in resolve_targets(targets, arch)
             if t.linear.startswith("mlp.")
             for p in t.projections
         ]
         if mlp:
             raise ConfigError(
-                f"{_KEY}.target_modules: {list(lt.target_modules)} adapts the MLP ({', '.join(mlp)}), "
+                f"{_KEY}.target_modules: {targets} adapts the MLP ({', '.join(mlp)}), "
                 "whose experts take no adapters in a mixture-of-experts model; target the attention "
                 "only (attention_qkv, attention_dense, attention or q_proj/k_proj/v_proj/o_proj)"
             )
@@ -124,14 +234,14 @@ def lora_settings(model_cfg: Any) -> Any:
     from megatron_kto.peft.wiring import LoRASettings
 
     lt = model_cfg.peft.lora_tuning
+    rank = int(tuning_value(model_cfg, "adapter_dim"))
+    targets, layers = targets_and_layers(model_cfg, model_cfg)  # the model config holds the shape
     return LoRASettings(
-        rank=int(lt.adapter_dim),
-        alpha=float(lt.alpha if lt.alpha is not None else lt.adapter_dim),
-        dropout=float(lt.adapter_dropout),
-        target_modules=[str(t) for t in lt.target_modules],
-        layer_selection=None
-        if lt.layer_selection is None
-        else [int(n) for n in lt.layer_selection],
+        rank=rank,
+        alpha=float(lt.alpha if lt.alpha is not None else rank),
+        dropout=float(tuning_value(model_cfg, "adapter_dropout")),
+        target_modules=targets,
+        layer_selection=layers,
         init_a=str(lt.column_init_method),
         init_b=str(lt.row_init_method),
         seed=int(model_cfg.seed),

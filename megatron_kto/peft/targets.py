@@ -57,6 +57,9 @@ NEMO_NAMES: dict[str, tuple[str, ...]] = {
 NEMO_NAMES["attention"] = NEMO_NAMES["attention_qkv"] + NEMO_NAMES["attention_dense"]
 NEMO_NAMES["mlp"] = NEMO_NAMES["mlp_fc1"] + NEMO_NAMES["mlp_fc2"]
 NEMO_NAMES["all"] = NEMO_NAMES["attention"] + NEMO_NAMES["mlp"]
+#: The targets of a LoRA run that names none (and starts from no adapter): NeMo-Aligner's stock
+#: `model.peft.lora_tuning` block. The one definition: the config and `wiring.LoRASettings` use it.
+DEFAULT_TARGET_MODULES: tuple[str, ...] = ("attention_qkv",)
 
 
 @dataclass(frozen=True)

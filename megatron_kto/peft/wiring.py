@@ -23,7 +23,12 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron_kto.models.builder import unwrap
 from megatron_kto.models.unique_params import counted_here, world_sum
 from megatron_kto.peft.lora import FusedLayout, LoRALinear, Projection, attach
-from megatron_kto.peft.targets import projection_shape, resolve_targets, selected_layers
+from megatron_kto.peft.targets import (
+    DEFAULT_TARGET_MODULES,
+    projection_shape,
+    resolve_targets,
+    selected_layers,
+)
 
 
 @dataclass
@@ -33,7 +38,7 @@ class LoRASettings:
     rank: int
     alpha: float
     dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["all"])
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
     layer_selection: list[int] | None = None
     init_a: str = "xavier"
     init_b: str = "zero"

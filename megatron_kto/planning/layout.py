@@ -1,7 +1,8 @@
 """Recommend a layout for a model and a cluster: every valid layout, its memory per rank
 (`memory.worst_rank`) and a roofline estimate of its KTO step time; the fastest that fits wins.
 
-**Valid layouts.** TP divides the attention heads and the query groups, TP ≤ GPUs per node
+**Valid layouts.** TP divides the attention heads, the query groups and a fixed padded vocabulary
+(`padded_vocab_size`, as a run on a Hugging Face model or a converted one has), TP ≤ GPUs per node
 (tensor-parallel collectives need NVLink); PP divides the layers; DP = N / (TP·PP) and the global
 batch divides into micro-batches × DP. Sequence parallelism is on whenever TP > 1 (same
 communication volume, less activation memory), the distributed optimizer whenever DP > 1 (the
@@ -113,6 +114,8 @@ def valid_parallel(arch: GPTArchitecture, cluster: Cluster) -> list[tuple[int, i
     for tp in range(1, min(8, cluster.gpus_per_node, cluster.gpus) + 1):
         if heads % tp or groups % tp or cluster.gpus % tp:
             continue
+        if arch.padded_vocab_size is not None and arch.padded_vocab_size % tp:
+            continue  # the embedding rows must split over TP (config.layout refuses the run)
         for pp in range(1, arch.num_layers + 1):
             if arch.num_layers % pp or cluster.gpus % (tp * pp):
                 continue

@@ -26,7 +26,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron_kto.models.architecture import GPTArchitecture
-from megatron_kto.peft.settings import reference_strategy, uses_lora
+from megatron_kto.peft.settings import (
+    reference_strategy,
+    targets_and_layers,
+    tuning_value,
+    uses_lora,
+)
 from megatron_kto.planning.activations import (
     ActivationInputs,
     activation_bytes,
@@ -211,11 +216,11 @@ def run_lora(model_cfg: Any) -> LoRAShape | None:
     """The `LoRAShape` of a run's `model` config (None without LoRA)."""
     if not uses_lora(model_cfg):
         return None
-    lt = model_cfg.peft.lora_tuning
+    targets, layers = targets_and_layers(model_cfg, model_cfg)  # the model config holds the shape
     return LoRAShape(
-        rank=int(lt.adapter_dim),
-        targets=tuple(str(t) for t in lt.target_modules),
-        layers=None if lt.layer_selection is None else tuple(int(n) for n in lt.layer_selection),
+        rank=int(tuning_value(model_cfg, "adapter_dim")),
+        targets=tuple(targets),
+        layers=None if layers is None else tuple(layers),
     )
 
 
