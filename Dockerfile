@@ -15,7 +15,7 @@
 #     -v /data:/data -v /ckpt:/ckpt megatron_kto \
 #     torchrun --nproc_per_node 8 examples/train_gpt_kto.py trainer.precision=bf16 ...
 # Multi-node (torchrun rendezvous, SLURM srun): README.md, "GPUs".
-# First thing to run in the image (every user path on the GPU, a few minutes):
+# First thing to run in the image (the user paths on the GPU, under 8 minutes on one GPU):
 #   bash tools/gpu_acceptance.sh
 #
 # The base tag and the torch / Transformer Engine versions it ships (NGC release notes; `pip

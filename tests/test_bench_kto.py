@@ -75,6 +75,56 @@ def test_bench_runs_and_reports_positive_figures(tmp_path):
         assert report["ours"]["tokens_per_step"] == report["trl"]["tokens_per_step"]
 
 
+@pytest.mark.e2e
+@pytest.mark.skipif(not HAS_TRL or importlib.util.find_spec("peft") is None, reason="trl+peft")
+def test_lora_mode_trains_the_same_adapters_on_both_sides(tmp_path):
+    """`--lora`: TRL's KTOTrainer + peft trains adapters of the same rank on the same Hugging
+    Face projections of the same layers (q/k/v and down_proj of layer 2 of 2), on the same
+    batch, with the adapters-off reference; both sides' adapter parameter counts agree."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--warmup=1",
+            "--steps=1",
+            "--threads=1",
+            "--preset=example",
+            "--trl",
+            "--lora=4",
+            "--lora-targets=attention_qkv,down_proj",
+            f"--json={out}",
+            "model.peft.lora_tuning.layer_selection=[2]",
+            "model.global_batch_size=4",
+            "model.micro_batch_size=2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    report = json.loads(out.read_text())
+    ours, trl = report["ours"], report["trl"]
+    lora = ours["spec"]["lora"]
+    assert ours["spec"]["reference_policy"] == "adapters_off"
+    assert lora["target_modules"] == ["down_proj", "k_proj", "q_proj", "v_proj"]
+    assert (lora["r"], lora["layers_to_transform"]) == (4, [1])
+    assert trl["lora"] == {
+        **{k: lora[k] for k in ("r", "lora_alpha", "lora_dropout", "target_modules")},
+        "layers_to_transform": [1],
+        "reference": "adapters disabled",
+    }
+    # tiny preset: hidden 64, 4 heads / 2 groups of 16, ffn 128; rank 4 on one layer.
+    assert lora["adapter_parameters"] == 4 * ((64 + 64) + 2 * (64 + 32) + (128 + 64))
+    assert trl["trainable_parameters"] == lora["adapter_parameters"]
+    assert trl["batch_size"] == ours["spec"]["global_batch_size"] == 4
+    assert ours["tokens_per_step"] == trl["tokens_per_step"]
+    for side in (ours, trl):
+        assert _positive(side["samples_per_sec"]["median"]) and _positive(side["peak_memory_gb"])
+    assert "LoRA: rank 4" in proc.stdout and "reference adapters disabled" in proc.stdout
+
+
 def test_table_without_trl_has_no_ratio_column():
     step = {"step_time": 0.5, "samples_per_sec": 8.0, "tokens_per_sec": 100.0, "mfu": 0.01}
     ours = bench_report.combine_runs(

@@ -1,10 +1,12 @@
 """tools/gpu_acceptance.sh on a machine without CUDA, as CI runs it.
 
 Without `--cpu` every check is `SKIP no CUDA` and the script exits 0; with `--cpu` a subset runs
-for real on the CPU (the quick start and a resume of it, ~30 s), so the script's own logic —
-launching, reading metrics.jsonl, the resume verdict, the summary — is exercised. The verdict
-functions are also given hand-made metrics that must FAIL, and a failing command must turn into
-a FAIL line and exit code 1.
+for real on the CPU (the quick start and a resume of it, the MoE check, LoRA, and the MoE model
+at PP=2 over two gloo ranks under torchrun), so the script's own logic — launching, reading
+metrics.jsonl, the resume verdict, the summary — is exercised. The verdict functions are also
+given hand-made metrics that must FAIL, a failing command must turn into a FAIL line and exit
+code 1, a check that overruns its time budget is stopped and FAILs, and on one GPU the 2-GPU
+checks SKIP with their reason.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def test_without_cuda_every_check_skips_and_the_script_exits_0(tmp_path) -> None
 @cpu_only
 @pytest.mark.e2e
 def test_cpu_mode_runs_the_quick_start_resumes_it_and_the_moe_check(tmp_path) -> None:
-    proc = _run("--cpu", "--checks", "quickstart,attention_te,resume,moe", "--work", str(tmp_path))
+    checks = "quickstart,attention_te,resume,moe,lora,moe_pp"
+    proc = _run("--cpu", "--checks", checks, "--work", str(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = _lines(proc.stdout)
     assert lines["quickstart"].startswith("PASS quickstart"), proc.stdout
@@ -69,7 +72,12 @@ def test_cpu_mode_runs_the_quick_start_resumes_it_and_the_moe_check(tmp_path) ->
     assert lines["resume"].startswith("PASS resume") and "resumed at step 2" in lines["resume"]
     # A tiny Qwen3-MoE from its HF directory: hf/ reloads in transformers with our log-probs.
     assert lines["moe"].startswith("PASS moe") and "EP=1, local experts" in lines["moe"]
-    assert "summary: 3 PASS, 0 FAIL, 1 SKIP" in proc.stdout
+    # LoRA: the local spec without TE; step 1 is the adapters-off reference.
+    assert lines["lora"].startswith("PASS lora") and "local spec (SDPA)" in lines["lora"]
+    assert "step 1 loss 0.5, kl 0" in lines["lora"]
+    # The same MoE model at PP=2 on two gloo ranks, the aux loss on.
+    assert lines["moe_pp"].startswith("PASS moe_pp") and "PP=2, local experts" in lines["moe_pp"]
+    assert re.search(r"^summary: 5 PASS, 0 FAIL, 1 SKIP in \d+ s$", proc.stdout, re.M)
     steps = [r["step"] for r in ac.read_metrics(tmp_path / "quickstart")]
     assert steps == [1, 2, 3, 4]
 
@@ -129,3 +137,36 @@ def test_a_failing_command_is_a_fail_line_and_exit_code_1(tmp_path, capsys, monk
     assert "SKIP te_local_checkpoint: needs Transformer Engine on CUDA" in out
     assert "summary: 0 PASS, 1 FAIL, 1 SKIP" in out
     assert (tmp_path / "broken.log").read_text() == "error: boom\n"
+
+
+def test_on_one_gpu_the_two_gpu_checks_skip_with_their_reason(tmp_path, capsys) -> None:
+    ctx = ac.Context(tmp_path, cuda=True, gpus=1, transformer_engine=False, steps=2, timeout=60)
+    results = ac.run_checks(ctx, ["moe_pp", "context_parallel", "pipeline"], gpu_required=False)
+    assert [status for _, status, _ in results] == ["SKIP"] * 3
+    out = capsys.readouterr().out
+    assert "SKIP moe_pp: PP=2 needs 2 GPUs; this machine has 1" in out
+    assert "SKIP context_parallel: CP=2 needs 2 GPUs; this machine has 1" in out
+    assert not list(tmp_path.iterdir()), "a skipped check launched something"
+
+
+def test_a_check_over_its_budget_is_stopped_and_fails(tmp_path, capsys, monkeypatch) -> None:
+    ctx = ac.Context(tmp_path, cuda=False, gpus=0, transformer_engine=False, steps=2, timeout=60)
+
+    def slow(ctx: ac.Context) -> str:
+        ac.launch(ctx, "slow", ["-c", "import time; time.sleep(30)"])
+        return "unreachable"
+
+    monkeypatch.setitem(ac.CHECKS, "slow", slow)
+    monkeypatch.setitem(ac.BUDGETS, "slow", 2.0)
+    results = ac.run_checks(ctx, ["slow"], gpu_required=False, budget_scale=1.0)
+    assert results[0][1] == "FAIL"
+    out = capsys.readouterr().out
+    assert re.search(r"^FAIL slow \(\d s of 2 s\): -c: ran over the check's budget", out, re.M)
+
+
+def test_the_one_gpu_budgets_fit_eight_minutes() -> None:
+    """The header's promise: the checks that run on one GPU fit 8 minutes with time to spare;
+    every check has a budget."""
+    assert set(ac.BUDGETS) == set(ac.CHECKS)
+    two_gpu = {"moe_pp", "context_parallel", "pipeline"}
+    assert sum(v for k, v in ac.BUDGETS.items() if k not in two_gpu) <= 465

@@ -4,10 +4,17 @@
     python tools/acceptance_checks.py [--cpu] [--checks a,b,...] [--work DIR] [--steps N]
 
 Each check launches the real entry scripts and tools in subprocesses and prints one
-`PASS` / `FAIL <why>` / `SKIP <reason>` line with the figures from the run's metrics.jsonl;
-then a summary, and exit code 1 if any check failed. Without CUDA every check is `SKIP no CUDA`
-unless `--cpu` is given: then the same checks run on the CPU with tiny settings (TE and TP=2
-skipped), as CI exercises them. Every command's log is kept under `--work`.
+`PASS` / `FAIL <why>` / `SKIP <reason>` line with its wall time and the figures from the run's
+metrics.jsonl; then a summary with the total time, and exit code 1 if any check failed. Without
+CUDA every check is `SKIP no CUDA` unless `--cpu` is given: then the same checks run on the CPU
+with tiny settings (TE and TP=2 skipped; the 2-rank checks — distributed optimizer at DP=2,
+MoE at PP=2, CP=2, PP=2 — over gloo), as CI exercises them. On one GPU the checks that need two
+print `SKIP ... needs 2 GPUs`. Every command's log is kept under `--work`.
+
+On CUDA each check has a time budget (`BUDGETS`, GPU seconds at the default 20 steps): the
+one-GPU checks sum to 465 s, so the script ends within 8 minutes on one H100 whatever hangs; the
+three 2-GPU checks add 115 s. A check that uses up its budget is stopped and FAILs.
+`--budget-scale` stretches the budgets (0: none).
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ class Context:
     timeout: float
     runs: dict[str, Path] = field(default_factory=dict)
     """Run directories of passed checks, for the checks that build on them."""
+    deadline: float | None = None
+    """`time.monotonic()` by which the running check must end (its budget), None: no budget."""
 
 
 def launch(ctx: Context, name: str, args: list[str], nproc: int = 1) -> str:
@@ -73,14 +82,18 @@ def launch(ctx: Context, name: str, args: list[str], nproc: int = 1) -> str:
     if not ctx.cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""  # --cpu on a GPU machine: the CPU path for real
     log = ctx.work / f"{name}.log"
+    timeout, why = ctx.timeout, f"timed out after --timeout {ctx.timeout:.0f} s"
+    if ctx.deadline is not None and ctx.deadline - time.monotonic() < timeout:
+        timeout, why = max(1.0, ctx.deadline - time.monotonic()), "ran over the check's budget"
     try:
         proc = subprocess.run(
-            [*prefix, *map(str, args)], cwd=REPO, env=env, text=True, timeout=ctx.timeout,
+            [*prefix, *map(str, args)], cwd=REPO, env=env, text=True, timeout=timeout,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )  # fmt: skip
     except subprocess.TimeoutExpired as e:
-        log.write_text(str(e.stdout or ""))
-        raise CheckFailed(f"{Path(args[0]).name}: timed out ({log})") from None
+        out = e.stdout or ""
+        log.write_text(out.decode(errors="replace") if isinstance(out, bytes) else out)
+        raise CheckFailed(f"{Path(args[0]).name}: {why} ({log})") from None
     log.write_text(proc.stdout)
     if proc.returncode != 0:
         lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
@@ -289,39 +302,14 @@ def moe(ctx: Context) -> str:
     writing hf/; the eval tool then loads the checkpoint in the local spec in fp32 (SequentialMLP
     experts: a TE-grouped checkpoint crosses layouts) and its log-probs equal `transformers`' on
     the written hf/."""
-    if importlib.util.find_spec("transformers") is None:
-        raise Skip("transformers is not installed")
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from megatron_kto.data.tokenizers import load_tokenizer
-
-    hf_logging.disable_progress_bar()
     root, max_length = ctx.work / "moe", 64
     ep = 2 if ctx.gpus >= 2 else 1
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-        num_experts_per_tok=2, vocab_size=load_tokenizer("sentencepiece", str(TOKENIZER)).vocab_size,
-        max_position_embeddings=128, initializer_range=0.1, router_aux_loss_coef=0.01,
-    )  # fmt: skip
-    Qwen3MoeForCausalLM(config).save_pretrained(root / "hf")
     run_dir = root / "run"
     launch(ctx, "moe_train", [
-        KTO, f"pretrained_checkpoint.restore_from_path={root / 'hf'}",
-        f"model.data.data_prefix.train=[{TRAIN}]", "model.data.data_prefix.validation=[]",
-        "model.tokenizer.library=sentencepiece", f"model.tokenizer.model={TOKENIZER}",
-        f"trainer.precision={'bf16' if ctx.cuda else 32}", f"exp_manager.explicit_log_dir={run_dir}",
-        f"trainer.kto.max_steps={ctx.steps}", "model.global_batch_size=8",
-        "model.micro_batch_size=2", f"model.data.max_length={max_length}",
+        *_moe_run_args(ctx, _tiny_moe_hf(ctx), run_dir, max_length),
         f"model.expert_model_parallel_size={ep}", "exp_manager.save_hf=true",
     ], nproc=ep)  # fmt: skip
-    rows = read_metrics(run_dir)
-    check_trained(rows, ctx.steps)
-    if not all(math.isfinite(r.get("aux_loss", math.nan)) for r in rows):
-        raise CheckFailed("aux_loss not logged (finite) at every step")
+    rows = _check_aux_loss(read_metrics(run_dir), ctx.steps)
     per_example = root / "eval.jsonl"
     launch(ctx, "moe_eval", [
         TOOLS / "eval_kto_rewards.py", "--policy", run_dir / "checkpoints", "--data", VALIDATION,
@@ -338,6 +326,147 @@ def moe(ctx: Context) -> str:
         f"EP={ep}, {experts} experts; {format_figures(figures(rows))}; eval (local spec, fp32) "
         f"= transformers on hf/ to {worst:.1e}"
     )
+
+
+def _tiny_moe_hf(ctx: Context) -> Path:
+    """A tiny random Qwen3-MoE's Hugging Face directory (4 experts, top-2, router load-balancing
+    loss 0.01) with the bundled tokenizer's vocabulary, written once under `<work>/moe/hf`."""
+    hf_dir = ctx.work / "moe" / "hf"
+    if (hf_dir / "config.json").exists():
+        return hf_dir
+    if importlib.util.find_spec("transformers") is None:
+        raise Skip("transformers is not installed")
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from megatron_kto.data.tokenizers import load_tokenizer
+
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, vocab_size=load_tokenizer("sentencepiece", str(TOKENIZER)).vocab_size,
+        max_position_embeddings=128, initializer_range=0.1, router_aux_loss_coef=0.01,
+    )  # fmt: skip
+    Qwen3MoeForCausalLM(config).save_pretrained(hf_dir)
+    return hf_dir
+
+
+def _moe_run_args(ctx: Context, hf_dir: Path, run_dir: Path, max_length: int = 64) -> list:
+    """The entry script and overrides of a KTO run of `ctx.steps` steps from `hf_dir` (bf16 on
+    CUDA, fp32 on the CPU), global batch 8 in micro-batches of 2."""
+    return [
+        KTO, f"pretrained_checkpoint.restore_from_path={hf_dir}",
+        f"model.data.data_prefix.train=[{TRAIN}]", "model.data.data_prefix.validation=[]",
+        "model.tokenizer.library=sentencepiece", f"model.tokenizer.model={TOKENIZER}",
+        f"trainer.precision={'bf16' if ctx.cuda else 32}", f"exp_manager.explicit_log_dir={run_dir}",
+        f"trainer.kto.max_steps={ctx.steps}", "model.global_batch_size=8",
+        "model.micro_batch_size=2", f"model.data.max_length={max_length}",
+    ]  # fmt: skip
+
+
+def _check_aux_loss(rows: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
+    """An MoE run trained to `steps` and logged a finite, positive router aux loss each step."""
+    check_trained(rows, steps)
+    if not all(math.isfinite(r.get("aux_loss", math.nan)) and r["aux_loss"] > 0 for r in rows):
+        raise CheckFailed("aux_loss not logged (finite, > 0) at every step")
+    return rows
+
+
+def _two_ranks(ctx: Context, what: str) -> int:
+    """2: the processes a multi-rank check runs (2 GPUs, or 2 gloo ranks on the CPU).
+
+    Raises:
+        Skip: on CUDA with fewer than 2 GPUs.
+    """
+    if ctx.cuda and ctx.gpus < 2:
+        raise Skip(f"{what} needs 2 GPUs; this machine has {ctx.gpus}")
+    return 2
+
+
+def _backend(ctx: Context) -> tuple[list[str], str]:
+    """Overrides for Transformer Engine's layer spec when it imports (bf16), else the local spec
+    with SDPA (bf16 on CUDA, fp32 on the CPU); and the words for it."""
+    if ctx.transformer_engine:
+        return ["model.attention_backend=te", "trainer.precision=bf16"], "TE spec"
+    precision = "bf16" if ctx.cuda else "32"
+    return ["model.attention_backend=sdpa", f"trainer.precision={precision}"], "local spec (SDPA)"
+
+
+def lora(ctx: Context) -> str:
+    """LoRA rank 8 on every projection of the bundled example, the adapters-off reference: step
+    1's policy is the reference (B starts at 0), so its loss is 0.5 and z0 is 0 exactly."""
+    overrides, spec = _backend(ctx)
+    lora_args = [
+        "model.peft.peft_scheme=lora", "model.peft.lora_tuning.adapter_dim=8",
+        "model.peft.lora_tuning.target_modules=[all]",
+    ]  # fmt: skip
+    figures_line = train(ctx, "lora", [*overrides, *lora_args])
+    log = (ctx.work / "lora.log").read_text()
+    trainable = [ln for ln in log.splitlines() if ln.startswith("LoRA: ")]
+    if not trainable or "adapters off" not in trainable[0]:
+        raise CheckFailed("the run did not report 'LoRA: ... reference = ... (adapters off)'")
+    first = read_metrics(ctx.work / "lora")[0]
+    if abs(first["loss"] - 0.5) > 1e-6 or first["kl"] != 0:
+        raise CheckFailed(f"step 1 is not the reference: loss {first['loss']}, kl {first['kl']}")
+    count = trainable[0].split(";")[0].removeprefix("LoRA: ")
+    return f"{spec}; {count}; step 1 loss 0.5, kl 0; {figures_line}"
+
+
+def distributed_optimizer(ctx: Context) -> str:
+    """The distributed optimizer with both overlaps on: the gradient reduce-scatter during the
+    backward pass (`model.optim.overlap_grad_sync=true`, megatron DDP's overlap_grad_reduce) and
+    the parameter all-gather during the next forward (overlap_param_gather, on by default with
+    the distributed optimizer); DP=2 on 2 GPUs (2 gloo ranks with --cpu), else DP=1; then a
+    resume from its last checkpoint (saved after the deferred all-gather is completed)."""
+    dp = 1 if ctx.cuda and ctx.gpus < 2 else 2
+    overrides = [
+        "model.optim.name=distributed_fused_adam", "model.optim.overlap_grad_sync=true",
+        f"trainer.precision={'bf16' if ctx.cuda else 32}",
+    ]  # fmt: skip
+    figures_line = train(ctx, "distributed_optimizer", overrides, nproc=dp)
+    run_dir, total = ctx.runs["distributed_optimizer"], ctx.steps + 1
+    output = launch(ctx, "distributed_optimizer_resume", [
+        KTO, f"exp_manager.explicit_log_dir={run_dir}", f"trainer.kto.max_steps={total}",
+        f"trainer.kto.save_interval={total}", f"trainer.kto.val_check_interval={total}",
+        *overrides,
+    ], nproc=dp)  # fmt: skip
+    check_resumed(output, read_metrics(run_dir), ctx.steps, total)
+    return f"DP={dp}, overlapped grad reduce + param gather; resumed; {figures_line}"
+
+
+def moe_pp(ctx: Context) -> str:
+    """The tiny Qwen3-MoE at PP=2 (one layer per stage) with the router load-balancing loss on:
+    its statistics are shared between the stages, the logged aux loss is the whole model's."""
+    ranks = _two_ranks(ctx, "PP=2")
+    run_dir = ctx.work / "moe_pp"
+    launch(ctx, "moe_pp", [
+        *_moe_run_args(ctx, _tiny_moe_hf(ctx), run_dir), "model.pipeline_model_parallel_size=2",
+    ], nproc=ranks)  # fmt: skip
+    rows = _check_aux_loss(read_metrics(run_dir), ctx.steps)
+    experts = "TE grouped" if ctx.transformer_engine else "local"
+    return f"PP=2, {experts} experts, aux loss {rows[-1]['aux_loss']:.4f}; {format_figures(figures(rows))}"
+
+
+def context_parallel(ctx: Context) -> str:
+    """The bundled example at CP=2: every row split over two ranks."""
+    ranks = _two_ranks(ctx, "CP=2")
+    overrides, spec = _backend(ctx)
+    return f"CP=2, {spec}: " + train(
+        ctx, "context_parallel", [*overrides, "model.context_parallel_size=2"], nproc=ranks
+    )
+
+
+def pipeline(ctx: Context) -> str:
+    """The bundled example at PP=2 (one layer per stage)."""
+    ranks = _two_ranks(ctx, "PP=2")
+    overrides = [
+        "model.pipeline_model_parallel_size=2",
+        f"trainer.precision={'bf16' if ctx.cuda else 32}",
+    ]
+    return "PP=2: " + train(ctx, "pipeline", overrides, nproc=ranks)
 
 
 def eval_tool(ctx: Context) -> str:
@@ -403,15 +532,50 @@ CHECKS: dict[str, Callable[[Context], str]] = {
     "moe": moe,
     "eval": eval_tool,
     "resume": resume,
+    "lora": lora,
+    "distributed_optimizer": distributed_optimizer,
+    "moe_pp": moe_pp,
+    "context_parallel": context_parallel,
+    "pipeline": pipeline,
     "bench_trl": bench_trl,
 }
 
+#: Seconds each check may take on CUDA (its commands are stopped when it runs out: FAIL). The
+#: checks that run on one GPU sum to 465 s, inside the 8 minutes the script must fit on one H100;
+#: moe_pp, context_parallel and pipeline need 2 GPUs (SKIP on one) and add 115 s there.
+BUDGETS: dict[str, float] = {
+    "quickstart": 30,
+    "bf16_packing": 30,
+    "attention_sdpa": 25,
+    "attention_te": 30,
+    "te_local_checkpoint": 50,
+    "conversion": 55,
+    "moe": 50,
+    "eval": 40,
+    "resume": 25,
+    "lora": 30,
+    "distributed_optimizer": 40,
+    "moe_pp": 45,
+    "context_parallel": 35,
+    "pipeline": 35,
+    "bench_trl": 60,
+}
 
-def run_checks(ctx: Context, names: list[str], gpu_required: bool) -> list[tuple[str, str, str]]:
-    """Run the named checks in order; prints and returns (name, status, detail) per check."""
+
+def run_checks(
+    ctx: Context, names: list[str], gpu_required: bool, budget_scale: float = 0.0
+) -> list[tuple[str, str, str]]:
+    """Run the named checks in order; prints and returns (name, status, detail) per check.
+
+    Each line gives the check's wall time; with `budget_scale` > 0 a check's commands are
+    stopped once it has used `budget_scale` x its `BUDGETS` entry (FAIL), and the line gives
+    that budget too.
+    """
     results = []
     for name in names:
-        start = time.perf_counter()
+        start = time.monotonic()
+        budget = BUDGETS.get(name, 60.0) * budget_scale
+        ctx.deadline = start + budget if budget > 0 else None
         try:
             if gpu_required:
                 raise Skip("no CUDA (use --cpu to run the checks on the CPU)")
@@ -422,18 +586,24 @@ def run_checks(ctx: Context, names: list[str], gpu_required: bool) -> list[tuple
             status, detail = "FAIL", str(e)
         except Exception as e:  # a bug in a check or an import: report it, run the others
             status, detail = "FAIL", f"{type(e).__name__}: {e}"
-        took = f" ({time.perf_counter() - start:.0f} s)" if status != "SKIP" else ""
+        took = ""
+        if status != "SKIP":
+            took = f" ({time.monotonic() - start:.0f} s" + (
+                f" of {budget:.0f} s)" if budget else ")"
+            )
         print(f"{status} {name}{took}" + (f": {detail}" if detail else ""), flush=True)
         results.append((name, status, detail))
+    ctx.deadline = None
     return results
 
 
-def summary_exit_code(results: list[tuple[str, str, str]]) -> int:
-    """Print the summary line; 1 if any check failed, else 0."""
+def summary_exit_code(results: list[tuple[str, str, str]], seconds: float | None = None) -> int:
+    """Print the summary line (with the total wall time when given); 1 if any check failed."""
     counts = {
         s: sum(1 for _, status, _ in results if status == s) for s in ("PASS", "FAIL", "SKIP")
     }
-    print("summary: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    took = f" in {seconds:.0f} s" if seconds is not None else ""
+    print("summary: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + took)
     return 1 if counts["FAIL"] else 0
 
 
@@ -444,6 +614,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, help="logs and runs (default: a temporary dir)")
     parser.add_argument("--steps", type=int, help="steps per run (default 20 GPU, 2 CPU)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per command")
+    parser.add_argument(
+        "--budget-scale", type=float, default=None,
+        help="multiply each check's time budget (BUDGETS) by this; 0: no budgets "
+        "(default 1 on CUDA with the default --steps, else 0)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     names = [n for n in args.checks.split(",") if n]
     unknown = [n for n in names if n not in CHECKS]
@@ -461,9 +636,19 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(work, cuda, torch.cuda.device_count() if cuda else 0, te,
                   args.steps or (20 if cuda else 2), args.timeout)  # fmt: skip
     where = f"{ctx.gpus} GPU(s) ({torch.cuda.get_device_name(0)})" if cuda else "CPU"
-    print(f"acceptance checks on {where}; TE {'yes' if te else 'no'}; logs in {work}")
+    # Budgets are GPU seconds at the default step count; a CPU's time depends on its load.
+    scale = args.budget_scale
+    if scale is None:
+        scale = 1.0 if cuda and args.steps is None else 0.0
+    budget = sum(BUDGETS.get(n, 60.0) for n in names) * scale
+    print(
+        f"acceptance checks on {where}; TE {'yes' if te else 'no'}; logs in {work}; "
+        + (f"time budget {budget:.0f} s in all" if scale else "no time budgets")
+    )
     gpu_required = not cuda and not args.cpu
-    return summary_exit_code(run_checks(ctx, names, gpu_required))
+    start = time.monotonic()
+    results = run_checks(ctx, names, gpu_required, scale)
+    return summary_exit_code(results, time.monotonic() - start)
 
 
 if __name__ == "__main__":

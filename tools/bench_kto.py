@@ -2,7 +2,8 @@
 """Benchmark KTO training steps: samples/s, tokens/s, MFU and peak memory, side by side with TRL.
 
     python tools/bench_kto.py [--preset longtail|longtail_moe|example] [--warmup 5] [--steps 20]
-        [--repeat 1] [--threads N] [--trl | --no-trl] [--json OUT] [hydra overrides ...]
+        [--repeat 1] [--threads N] [--trl | --no-trl] [--lora RANK [--lora-targets all]]
+        [--json OUT] [hydra overrides ...]
 
 What runs by default (``--preset longtail``) is the compute-dominated case on realistic data:
 a Llama-style model of 8 layers × hidden 512 (ffn 1536, 8 query / 4 KV heads, the bundled
@@ -25,6 +26,14 @@ process) trains ``trl.KTOTrainer`` on a ``transformers`` ``LlamaForCausalLM`` of
 randomly initialised, on the same rows tokenised by the same tokenizer, with the same β, λ_D/λ_U,
 schedule, Adam settings, clip, batch size (one micro-batch) and ``max_length``; each step is timed
 from the end of the previous one, data loading included, as on our side (``tools/trl_baseline.py``).
+
+LoRA (``--lora RANK``, or the ``model.peft.*`` overrides themselves): our side trains adapters of
+that rank on ``--lora-targets`` (default ``all``) with the adapters switched off as the reference;
+the TRL side hands ``KTOTrainer`` the same base model and ``peft_config=LoraConfig(...)`` with the
+same rank, alpha, dropout, Hugging Face projections and layers (``lora_spec``) and no
+``ref_model``, so TRL's reference is that model with its adapters disabled. The report holds both
+sides' settings and adapter parameter counts (ours from the config, TRL's read back from the
+trainer), and TRL's batch size as the trainer holds it.
 
 Both sides count work the same way: tokens are the unpadded input positions of the sample and
 KL rows (length − 1 per row), and MFU counts reference forward (samples + KL) + policy forward
@@ -104,6 +113,7 @@ def trl_spec(cfg: Any) -> dict[str, Any]:
     """Everything the TRL side needs to run the same training as `cfg`, as plain data."""
     from megatron_kto.data.pipeline import resolve_path
     from megatron_kto.data.tokenizers import load_tokenizer
+    from megatron_kto.peft.settings import reference_strategy
 
     m = cfg.model
     tok_path = str(resolve_path(m.tokenizer.model))
@@ -125,7 +135,8 @@ def trl_spec(cfg: Any) -> dict[str, Any]:
         "pad_to_multiple_of": m.data.pad_to_multiple_of,
         "global_batch_size": m.global_batch_size,
         "micro_batch_size": m.micro_batch_size,  # ours only (TRL: one micro-batch)
-        "reference_policy": m.kto.reference_policy,  # ours only
+        "reference_policy": reference_strategy(m, "kto"),  # ours only
+        "lora": lora_spec(m, arch),
         "seed": m.seed,
         "precision": str(cfg.trainer.precision),
         "gradient_checkpointing": m.activations_checkpoint_granularity is not None,
@@ -147,6 +158,27 @@ def trl_spec(cfg: Any) -> dict[str, Any]:
             "eps": m.optim.eps,
             "clip": cfg.trainer.kto.gradient_clip_val,
         },
+    }
+
+
+def lora_spec(model_cfg: Any, arch: Any) -> dict[str, Any] | None:
+    """The run's LoRA adapters as `peft.LoraConfig` arguments (None without LoRA), and the
+    number of adapter parameters they add to the unsharded model: the TRL side wraps its model
+    in the same adapters and reports its own count, which must be this one."""
+    from megatron_kto.peft.hf_peft import peft_config
+    from megatron_kto.peft.settings import lora_settings, uses_lora
+    from megatron_kto.peft.targets import projection_shape, selected_layers
+
+    if not uses_lora(model_cfg):
+        return None
+    settings = lora_settings(model_cfg)
+    config = peft_config(settings, arch, None)
+    layers = selected_layers(settings.layer_selection, arch.num_layers)
+    per_layer = sum(sum(projection_shape(p, arch)) for p in config["target_modules"])
+    keys = ("r", "lora_alpha", "lora_dropout", "target_modules", "layers_to_transform")
+    return {
+        **{k: config[k] for k in keys},
+        "adapter_parameters": settings.rank * per_layer * len(layers),
     }
 
 
@@ -184,6 +216,17 @@ def _mark_cpu_time_per_step() -> dict[int, float]:
     return marks
 
 
+def lora_overrides(rank: int | None, targets: str) -> list[str]:
+    """`--lora RANK --lora-targets T`'s overrides (before the user's own)."""
+    if rank is None:
+        return []
+    return [
+        "model.peft.peft_scheme=lora",
+        f"model.peft.lora_tuning.adapter_dim={rank}",
+        f"model.peft.lora_tuning.target_modules=[{targets}]",
+    ]
+
+
 def run_ours(args: argparse.Namespace) -> dict[str, Any] | None:
     """Run our trainer in this process; returns the run's figures on rank 0, None elsewhere."""
     threads = _set_threads(args.threads)
@@ -198,6 +241,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any] | None:
     overrides = [
         *BENCH_DEFAULTS,
         *preset_overrides(args.preset),
+        *lora_overrides(args.lora, args.lora_targets),
         f"exp_manager.explicit_log_dir={log_dir}",
         *args.overrides,
         f"trainer.kto.max_steps={args.warmup + args.steps}",
@@ -305,6 +349,20 @@ def _parser() -> argparse.ArgumentParser:
         default="longtail",
         help="longtail (default): 8x512 model on long-tailed data; longtail_moe: the same with "
         "8 experts, top-2 (TRL: Mixtral); example: conf as it is",
+    )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=None,
+        metavar="RANK",
+        help="LoRA of this rank on both sides (reference: the adapters switched off; TRL: "
+        "KTOTrainer + peft with the same LoraConfig); same as the model.peft.* overrides",
+    )
+    parser.add_argument(
+        "--lora-targets",
+        default="all",
+        help="with --lora: model.peft.lora_tuning.target_modules, comma-separated NeMo or "
+        "Hugging Face names (default all)",
     )
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")

@@ -108,6 +108,24 @@ def _experts(arch: dict[str, Any]) -> str:
     )
 
 
+def _lora_line(spec: dict[str, Any], trl: dict[str, Any] | None) -> list[str]:
+    """The header's LoRA line (none without LoRA): the adapters both sides train."""
+    lora = spec.get("lora")
+    if not lora:
+        return []
+    line = (
+        f"  LoRA: rank {lora['r']}, alpha {lora['lora_alpha']:g}, dropout "
+        f"{lora['lora_dropout']:g}, on {', '.join(lora['target_modules'])}; "
+        f"{lora['adapter_parameters']:,} adapter parameters; reference: adapters off"
+    )
+    if trl and trl.get("lora"):
+        line += (
+            f" (TRL: KTOTrainer + peft, {trl['trainable_parameters']:,} trainable, "
+            f"reference {trl['lora']['reference']})"
+        )
+    return [line]
+
+
 def render_header(report: dict[str, Any]) -> str:
     ours = report["ours"]
     spec, arch = ours["spec"], ours["spec"]["architecture"]
@@ -123,6 +141,7 @@ def render_header(report: dict[str, Any]) -> str:
             f"global batch {spec['global_batch_size']} "
             f"(ours: micro-batch {spec['micro_batch_size']}, reference {spec['reference_policy']}), "
             f"max_length {spec['max_length']}, beta {spec['kto']['beta']}, lr {spec['optim']['lr']}",
+            *_lora_line(spec, report.get("trl")),
             f"  steps: {report['warmup']} warm-up + {report['steps']} timed, "
             f"{report['repeat']} run(s) per side; world size "
             f"{ours['world_size']}; intra-op threads {ours['threads']}",
@@ -151,10 +170,16 @@ def render_notes(report: dict[str, Any]) -> str:
         "or runs KL rows (reference forward and policy forward+backward over the samples).",
         "Differences: we run megatron-core's GPTModel (TE spec on CUDA with TE, else the local "
         "spec with SDPA attention) through its pipeline schedule in micro-batches (padding-free "
-        "unless model.data.pack_sequences=false) and swap the reference weights in (cpu_swap) or "
-        "keep a copy; "
-        "TRL runs the whole batch as one micro-batch through HF Trainer/accelerate with a second "
-        "model object and a chunked (fused) LM-head log-prob.",
+        "unless model.data.pack_sequences=false) and "
+        + (
+            "switch the adapters off for the reference; TRL runs the whole batch as one "
+            "micro-batch through HF Trainer/accelerate, its reference the same peft model under "
+            "disable_adapter(), and a chunked (fused) LM-head log-prob."
+            if report["ours"]["spec"].get("lora")
+            else "swap the reference weights in (cpu_swap) or keep a copy; TRL runs the whole "
+            "batch as one micro-batch through HF Trainer/accelerate with a second model object "
+            "and a chunked (fused) LM-head log-prob."
+        ),
     ]
     if sft:
         notes.append(f"model.kto.sft_loss_weight={sft} has no TRL counterpart (ignored there).")

@@ -1,15 +1,29 @@
 #!/usr/bin/env bash
-# The first thing to run on a GPU machine or inside the image: every user path on CUDA in a few
+# The first thing to run on a GPU machine or inside the image: the user paths on CUDA in a few
 # minutes — the quick start (fp32), a bf16 packed run (TP=2 under torchrun when 2 GPUs exist),
 # the SDPA and Transformer Engine attention backends and a checkpoint moved between their layer
-# specs, the eval tool, an HF -> megatron -> HF conversion round trip, a tiny Qwen3-MoE trained
-# from its HF directory (TE's grouped experts when TE imports; EP=2 on 2 GPUs) whose checkpoint
-# the local spec reads back and whose hf/ transformers reloads, a resume, and a short
-# benchmark against TRL. One PASS / FAIL / SKIP line per check, with tokens/s, MFU and peak
-# memory from each run's metrics.jsonl, then a summary; exit code 1 if any check failed.
+# specs, an HF -> megatron -> HF conversion round trip, a tiny Qwen3-MoE trained from its HF
+# directory (TE's grouped experts when TE imports; EP=2 on 2 GPUs) whose checkpoint the local
+# spec reads back and whose hf/ transformers reloads, the eval tool, a resume, LoRA (TE spec
+# when TE imports, else the local spec; step 1 must equal the adapters-off reference), the
+# distributed optimizer with overlapped grad reduce-scatter and param all-gather (DP=2 on 2
+# GPUs, else DP=1) and a resume of it, and a short benchmark against TRL. With 2 GPUs also: the
+# MoE model at PP=2 with the router aux loss, CP=2 (TE spec when TE imports) and PP=2; on one
+# GPU these three print SKIP with the reason. One PASS / FAIL / SKIP line per check, with its
+# wall time and budget and tokens/s, MFU and peak memory from each run's metrics.jsonl, then a
+# summary with the total time; exit code 1 if any check failed.
+#
+# Time budgets (tools/acceptance_checks.py BUDGETS, GPU seconds at the default 20 steps; a check
+# that uses up its budget is stopped and FAILs): quickstart 30, bf16_packing 30,
+# attention_sdpa 25, attention_te 30, te_local_checkpoint 50, conversion 55, moe 50, eval 40,
+# resume 25, lora 30, distributed_optimizer 40, bench_trl 60 — 465 s on one GPU, so the script
+# ends within 8 minutes on one H100 (a lent GPU session has 15 minutes with start-up); with 2
+# GPUs moe_pp 45, context_parallel 35 and pipeline 35 add 115 s. --budget-scale F stretches
+# them (0: none; --cpu and a non-default --steps run without budgets).
 #
 #   bash tools/gpu_acceptance.sh                     # all checks (SKIP no CUDA without a GPU)
 #   bash tools/gpu_acceptance.sh --cpu               # the same checks on the CPU, tiny settings
+#                                                    # (the 2-rank ones over gloo, torchrun)
 #   bash tools/gpu_acceptance.sh --checks quickstart,resume --work /tmp/acc --steps 50
 #
 # The checks themselves are tools/acceptance_checks.py (python tools/acceptance_checks.py -h).

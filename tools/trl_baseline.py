@@ -180,8 +180,9 @@ def run_trl_kto(spec: dict[str, Any], max_steps: int) -> dict[str, Any]:
     """Train `trl.KTOTrainer` for `max_steps` steps on the run described by `spec`.
 
     A `LlamaForCausalLM` (`MixtralForCausalLM` for an MoE shape) of the spec's shape (random
-    init, seeded) is the policy and a deep copy
-    of it the reference. Each step is timed from the end of the previous one, so data loading
+    init, seeded) is the policy and a deep copy of it the reference; with the spec's ``lora``,
+    TRL wraps the policy in those `peft` adapters and its reference is the policy with the
+    adapters disabled (no copy). Each step is timed from the end of the previous one, so data loading
     and collation are inside it (as in our trainer's ``step_time``).
 
     Args:
@@ -192,7 +193,8 @@ def run_trl_kto(spec: dict[str, Any], max_steps: int) -> dict[str, Any]:
         ``step_times`` (wall s), ``step_cpu_times`` (CPU s of the process), ``tokens`` ([sample, KL]
         unpadded input positions, i.e. sequence length − 1 per row) and ``row_lengths`` ([sample,
         KL] lists of those per-row lengths) per step, ``peak_memory_gb`` (peak allocated on CUDA, max RSS of the
-        process on CPU), ``versions``, ``optim``, ``attn_implementation`` and ``final_log``.
+        process on CPU), ``versions``, ``optim``, ``attn_implementation``, ``final_log``, and
+        ``batch_size``, ``trainable_parameters`` and ``lora`` as the trainer holds them.
     """
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(var, "1")
@@ -209,7 +211,13 @@ def _train(spec: dict[str, Any], max_steps: int, workdir: Path) -> dict[str, Any
     from trl import KTOTrainer
 
     model = _llama(spec)
-    ref_model = copy.deepcopy(model).eval()  # else TRL reloads the reference by hub name
+    lora = spec.get("lora")
+    if lora:
+        # TRL wraps the model in the adapters itself; without a ref_model its reference is
+        # that model with the adapters disabled, as ours (adapters_off).
+        ref_model, peft_config = None, _lora_config(lora)
+    else:  # a copy, else TRL reloads the reference by hub name
+        ref_model, peft_config = copy.deepcopy(model).eval(), None
     config = _kto_config(spec, max_steps, workdir / "out")
 
     class StepTimer(TrainerCallback):
@@ -252,7 +260,9 @@ def _train(spec: dict[str, Any], max_steps: int, workdir: Path) -> dict[str, Any
         train_dataset=unpaired_dataset(spec["train_files"]),
         processing_class=hf_tokenizer(spec["tokenizer"], workdir),
         callbacks=[timer],
+        peft_config=peft_config,
     )
+    trained = _trained_setup(trainer, config)
     trainer.train()
     if torch.cuda.is_available():
         peak = torch.cuda.max_memory_allocated() / 2**30
@@ -273,6 +283,44 @@ def _train(spec: dict[str, Any], max_steps: int, workdir: Path) -> dict[str, Any
         "optim": getattr(config.optim, "value", str(config.optim)),
         "attn_implementation": model.config._attn_implementation,
         "final_log": logs[-1] if logs else {},
+        **trained,
+    }
+
+
+def _lora_config(lora: dict[str, Any]):
+    """`peft.LoraConfig` of the spec's adapters (rank, alpha, dropout, projections, layers)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=lora["r"],
+        lora_alpha=lora["lora_alpha"],
+        lora_dropout=lora["lora_dropout"],
+        target_modules=list(lora["target_modules"]),
+        layers_to_transform=lora["layers_to_transform"],
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def _trained_setup(trainer: Any, config: Any) -> dict[str, Any]:
+    """What TRL actually trains, read back from the trainer: the batch, the trainable
+    parameter count, and the adapters' settings as peft holds them (None without LoRA)."""
+    model = trainer.model
+    adapters = getattr(model, "peft_config", {}).get("default")
+    lora = None
+    if adapters is not None:
+        lora = {
+            "r": adapters.r,
+            "lora_alpha": adapters.lora_alpha,
+            "lora_dropout": adapters.lora_dropout,
+            "target_modules": sorted(adapters.target_modules),
+            "layers_to_transform": adapters.layers_to_transform,
+            "reference": "adapters disabled" if trainer.ref_model is None else "separate model",
+        }
+    return {
+        "batch_size": config.per_device_train_batch_size * config.gradient_accumulation_steps,
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "lora": lora,
     }
 
 
@@ -310,5 +358,7 @@ def trl_figures(spec: dict[str, Any], peak_flops: float, warmup: int, steps: int
                 "cpu_time": run["step_cpu_times"][i],
             }
         )
-    meta = {k: run[k] for k in ("versions", "optim", "attn_implementation", "final_log")}
+    keys = ("versions", "optim", "attn_implementation", "final_log", "batch_size",
+            "trainable_parameters", "lora")  # fmt: skip
+    meta = {k: run[k] for k in keys}
     return {"steps": per_step, "peak_memory_gb": run["peak_memory_gb"], **meta}
