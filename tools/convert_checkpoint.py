@@ -11,8 +11,9 @@ It runs in one process (no torchrun): the whole model is built once, in float32 
 `export` writes config.json + safetensors (+ tokenizer files) that `transformers` loads; a run
 or checkpoints directory means its latest complete checkpoint. A LoRA run exports as a Hugging
 Face PEFT adapter directory (adapter_config.json + adapter_model.safetensors, for
-`peft.PeftModel.from_pretrained` on the base model), or with `--merge-lora` as a plain model
-with the adapters merged into the weights. Bad input: one `error:` line,
+`peft.PeftModel.from_pretrained` on the base model; only the checkpoint's adapter tensors are
+read, the base is neither built nor needed), or with `--merge-lora` as a plain model with the
+adapters merged into the weights (the whole base is built, as for a full export). Bad input: one `error:` line,
 exit code 2.
 """
 

@@ -18,6 +18,13 @@ a time) and its writer (TP rank 0, DP and CP rank 0) writes the stage's shard fi
 the shards and writes the index and the small files. A rank holds at most one shard file's
 tensors (`exp_manager.save_hf_max_shard_mb`) plus one gathered tensor — never the whole model.
 
+Failing: a write that fails on a writer (a full disk, a lost mount) does not stop it taking part
+in the stage's gathers — it writes nothing more but takes every tensor still due, so no rank is
+left waiting in a collective. All ranks then agree through fixed-size collectives (`_agree`)
+and raise the same one-line `CheckpointError`, naming the directory, the failing rank and the
+cause; rank 0 removes `<name>.tmp/`. The previous directory and the training checkpoints are
+not touched.
+
 Replacing: a directory is written as `<name>.tmp/`; then the previous one is moved to
 `<name>.old/`, the new one renamed in, and the old one removed. An interrupted export leaves
 either the previous directory or (between the renames) `<name>.old/`, which the next export
@@ -57,6 +64,8 @@ HF_DIR, MERGED_DIR = "hf", "hf_merged"
 RECORD = "hf_export.json"
 GENERATION_CONFIG = "generation_config.json"
 CHAT_TEMPLATE = "chat_template.jinja"
+#: Bytes of a failure line sent from the failing rank to the others (longer ones are cut).
+_MESSAGE_BYTES = 1024
 
 
 def _base_source(restore_from_path: str | None) -> tuple[Path | None, dict[str, Any] | None]:
@@ -127,10 +136,23 @@ class HFOutput:
         self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
     # ----------------------------------------------------------------------------------- helpers
-    def _all_ok(self, ok: bool) -> bool:
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
-        return bool(flag.item())
+    def _agree(self, failure: str | None) -> str | None:
+        """Every rank's answer to "did any rank fail?": the failure line of the lowest failing
+        rank (the same text on every rank), or None. Collective; fixed-size messages only (a
+        flag reduction, then one broadcast of `_MESSAGE_BYTES` from that rank), so ranks that
+        disagree about failing still meet in the same two collectives."""
+        world = dist.get_world_size()
+        first = torch.tensor([self._rank if failure is not None else world], dtype=torch.int64)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self._group)
+        src = int(first.item())
+        if src == world:
+            return None
+        buffer = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
+        if src == self._rank:
+            text = failure.encode()[:_MESSAGE_BYTES]  # type: ignore[union-attr]
+            buffer[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        dist.broadcast(buffer, src=src, group=self._group)
+        return bytes(buffer.tolist()).rstrip(b"\0").decode(errors="ignore")
 
     def _dirs(self) -> list[Path]:
         names = [HF_DIR] + ([MERGED_DIR] if self.merged else [])
@@ -153,7 +175,7 @@ class HFOutput:
         if self.last_step == step:
             return  # e.g. the final save right after an interval save at the same step
         tmps = [d.with_name(d.name + ".tmp") for d in self._dirs()]
-        ok = True
+        problem = None
         if self._rank == 0:
             try:
                 for final, tmp in zip(self._dirs(), tmps, strict=True):
@@ -161,36 +183,51 @@ class HFOutput:
                     shutil.rmtree(tmp, ignore_errors=True)
                     tmp.mkdir(parents=True)
             except OSError as e:
-                ok = False
-                logger.error("cannot create %s: %s", tmps[0], e)
-        if not self._all_ok(ok):
-            raise CheckpointError(f"{tmps[0]}: cannot create the Hugging Face output directory")
+                problem = f"{tmps[0]}: cannot create the Hugging Face output directory: {e}"
+        problem = self._agree(problem)
+        if problem is not None:
+            raise CheckpointError(problem)
         # With overlap_param_gather the last step's all-gather may still be pending.
         finish_param_sync(chunks)
-        error: BaseException | None = None
         try:
-            self._write_stage(chunks, tmps)
+            error = self._write_stage(chunks, tmps)
         except Exception as e:  # noqa: BLE001 — every rank must reach the agreement below
             error = e
-        if self._all_ok(error is None) and self._rank == 0:
-            try:
-                self._finish(step, checkpoint, tmps)
-            except Exception as e:  # noqa: BLE001
-                error = e
-        if not self._all_ok(error is None):
+        failure = self._agree(self._failure_line(error, tmps[0]))
+        if failure is None:
             if self._rank == 0:
+                try:
+                    self._finish(step, checkpoint, tmps)
+                except Exception as e:  # noqa: BLE001
+                    error = e
+            failure = self._agree(self._failure_line(error, tmps[0]))
+        if failure is not None:
+            if self._rank == 0:  # every rank has left its writes: nothing is being written
                 for tmp in tmps:
                     shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(
-                f"{tmps[0]}: writing the Hugging Face output failed: "
-                f"{_one_line(error) if error else 'on another rank'}"
-            )
+            raise CheckpointError(failure)
         self.last_step = step
         if self._rank == 0:
             logger.info("wrote the Hugging Face output of step %d to %s", step, self._dirs()[0])
 
-    def _write_stage(self, chunks: list[torch.nn.Module], tmps: list[Path]) -> None:
-        """This pipeline stage's part, on every rank of the stage (the writer keeps it)."""
+    def _failure_line(self, error: BaseException | None, where: Path) -> str | None:
+        """The one line every rank reports for this rank's `error` (None: no error)."""
+        if error is None:
+            return None
+        return (
+            f"{where}: writing the Hugging Face output failed on rank {self._rank}: "
+            f"{_one_line(error)}"
+        )
+
+    def _write_stage(self, chunks: list[torch.nn.Module], tmps: list[Path]) -> Exception | None:
+        """This pipeline stage's part, on every rank of the stage (the writer keeps it).
+
+        Returns:
+            The writer's first failed write (None: all written; always None elsewhere). After a
+            failed write the writer writes nothing more but still takes part in every gather of
+            the stage, so the other ranks are never left waiting in one: all of them reach the
+            agreement in `write` together.
+        """
         from safetensors.torch import save_file
 
         stage = StageTensors(chunks, self.arch, self.model_type)
@@ -200,21 +237,31 @@ class HFOutput:
         )
         part = ps.get_pipeline_model_parallel_rank()
         if self.lora is None:
-            self._write_weights(stage.get, stage, tmps[0], writer, part)
-            return
+            return self._write_weights(stage.get, stage, tmps[0], writer, part)
         from megatron_kto.peft.hf_peft import full_tensors
 
         adapters = full_tensors(chunks)  # collective over TP
+        error: Exception | None = None
         if writer:
-            save_file(adapters, str(tmps[0] / _adapter_part(part)), metadata={"format": "pt"})
+            try:
+                save_file(adapters, str(tmps[0] / _adapter_part(part)), metadata={"format": "pt"})
+            except Exception as e:  # noqa: BLE001 — the merged weights' gathers still follow
+                error = e
         if self.merged:
-            self._write_weights(
-                _merged_getter(stage, chunks, self.arch), stage, tmps[1], writer, part
-            )
+            getter = _merged_getter(stage, chunks, self.arch)
+            late = self._write_weights(getter, stage, tmps[1], writer and error is None, part)
+            error = error or late
+        return error
 
     def _write_weights(
         self, get: Any, stage: StageTensors, out: Path, writer: bool, part: int
-    ) -> None:
+    ) -> Exception | None:
+        """Convert (and gather) the stage's tensors in table order; the writer writes them.
+
+        Returns:
+            The writer's failed write (None: written, or not the writer). The tensors are
+            taken to the end either way: each may be a collective the stage's ranks share.
+        """
         tensors = to_hf(
             get,
             self.arch,
@@ -224,14 +271,18 @@ class HFOutput:
             embedding=stage.first,
             head=stage.last,
         )
-        if not writer:
-            for _ in tensors:  # take part in the gathers; the writer keeps the tensors
-                pass
-            return
-        shards = write_shard_files(
-            tensors, out, DTYPES[self.dtype], self.max_shard_bytes, stem=f"stage{part:03d}"
-        )
-        (out / f"stage{part:03d}.json").write_text(json.dumps(dataclasses.asdict(shards)))
+        error: Exception | None = None
+        if writer:
+            try:
+                shards = write_shard_files(
+                    tensors, out, DTYPES[self.dtype], self.max_shard_bytes, stem=f"stage{part:03d}"
+                )
+                (out / f"stage{part:03d}.json").write_text(json.dumps(dataclasses.asdict(shards)))
+            except Exception as e:  # noqa: BLE001 — e.g. a full disk; see the drain below
+                error = e
+        for _ in tensors:  # non-writers: the gathers; a failed writer: the gathers still due
+            pass
+        return error
 
     # ------------------------------------------------------------------------------ rank 0 only
     def _finish(self, step: int, checkpoint: Path | None, tmps: list[Path]) -> None:

@@ -17,6 +17,7 @@ weights would be 8 GB next to its 16 GB of bf16 weights.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,9 @@ _PREFIX = "lora."
 _RTOL = 1e-9
 #: Elements of a tensor the fingerprint converts to float64 at once (8 MiB of float64).
 FINGERPRINT_SLICE = 2**20
+#: A trained adapter matrix's dist-checkpoint key: lora.layers.<i>.<linear>.adapters.<proj>.<A|B>
+#: (the frozen starting copy, `ref_A` / `ref_B`, is not matched).
+_TRAINED = re.compile(r"lora\.layers\.(\d+)\.\w+\.adapters\.(\w+)\.(lora_A|lora_B)")
 
 
 def adapter_sharded_state_dict(model_sd: dict[str, Any]) -> dict[str, Any]:
@@ -149,6 +153,38 @@ def lora_base_dir(ckpt_dir: Path) -> Path | None:
 
     base = json.loads((Path(ckpt_dir) / BASE_FILE).read_text())["restore_from_path"]
     return resolve_pretrained_dir(base) if base else None
+
+
+def trained_adapter_key(key: str) -> tuple[int, str, str] | None:
+    """(global layer, Hugging Face projection, "lora_A" | "lora_B") of a LoRA checkpoint's
+    tensor key, or None for any other key (the frozen starting copy, optimizer state, ...)."""
+    match = _TRAINED.fullmatch(key)
+    return None if match is None else (int(match[1]), match[2], match[3])
+
+
+def read_trained_adapters(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """The trained adapter matrices of a LoRA checkpoint, by checkpoint key, whole (as one TP=1
+    rank holds them) and in their stored dtype, read from the dist checkpoint's files alone: only
+    these tensors' bytes are read, no model is built and the base is not touched.
+
+    Needs torch.distributed initialised (megatron-core's loader; a world of one is enough).
+
+    Raises:
+        CheckpointError: not a readable dist checkpoint.
+    """
+    from megatron.core import dist_checkpointing
+
+    try:
+        metadata = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
+        wanted = {k: v for k, v in metadata.items() if trained_adapter_key(k) is not None}
+        # Whole tensors: requests of several processes would overlap, which the access-integrity
+        # check refuses (megatron-core's `load_plain_tensors` skips it for the same reason).
+        loaded = dist_checkpointing.load(wanted, str(ckpt_dir), validate_access_integrity=False)
+    except Exception as e:  # megatron-core raises several types; surface one clear line
+        raise CheckpointError(
+            f"{ckpt_dir}: cannot read the adapters: {type(e).__name__}: {e}"
+        ) from e
+    return {k: loaded[k] for k in wanted}  # `load` adds the checkpoint's common (non-tensor) state
 
 
 def load_adapters(ckpt_dir: Path, chunks: list[torch.nn.Module]) -> None:

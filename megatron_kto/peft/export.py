@@ -2,7 +2,10 @@
 
 A LoRA checkpoint holds adapters only; the base is the run's
 `pretrained_checkpoint.restore_from_path` (checked against the fingerprint stored with the
-adapters). Both exports run in one process at TP=1, as the plain export does.
+adapters when it is rebuilt). Both exports run in one process. The adapter export reads only the
+checkpoint's adapter tensors — no model is built and the base is not read, so it takes the
+adapters' few MB whatever the base's size; `--merge-lora` builds the whole base at TP=1, as the
+plain export does.
 """
 
 from __future__ import annotations
@@ -38,29 +41,54 @@ def export_adapter(ckpt: str | Path, out_dir: str | Path) -> Path:
     """Write a LoRA run's adapters as `adapter_config.json` + `adapter_model.safetensors` into a
     new `out_dir`; `peft.PeftModel.from_pretrained(<the base as a HF model>, out_dir)` loads it.
 
+    Only the checkpoint's trained adapter tensors are read (`checkpoint.read_trained_adapters`):
+    no model is built and the base weights are neither read nor needed, so memory is the
+    adapters' size whatever the base's. The tensors are written as fp32, the values the run holds.
+
     Returns:
         The checkpoint directory that was exported.
 
     Raises:
-        CheckpointError: not a LoRA checkpoint, or its base cannot be rebuilt.
+        CheckpointError: not a LoRA checkpoint, or its adapters do not match its run config.
         ConversionError: `out_dir` exists and is not empty.
     """
+    from megatron_kto.checkpointing.errors import CheckpointError
     from megatron_kto.checkpointing.locate import resolve_pretrained_dir
     from megatron_kto.checkpointing.model_io import read_architecture
-    from megatron_kto.conversion.convert import _finish, _prepare_out, _single_process_model
-    from megatron_kto.peft.checkpoint import BASE_FILE, build_lora_model
-    from megatron_kto.peft.hf_peft import write_adapter
-    from megatron_kto.runtime import teardown
+    from megatron_kto.conversion.convert import _finish, _prepare_out
+    from megatron_kto.peft.checkpoint import (
+        BASE_FILE,
+        read_trained_adapters,
+        run_config,
+        trained_adapter_key,
+    )
+    from megatron_kto.peft.hf_peft import expected_keys, hf_key, write_adapter_files
+    from megatron_kto.peft.settings import lora_settings
+    from megatron_kto.runtime import init_runtime, teardown
 
     ckpt_dir = resolve_pretrained_dir(ckpt)
+    cfg = run_config(ckpt_dir)
+    if cfg is None or not is_lora_run(ckpt_dir):
+        raise CheckpointError(f"{ckpt_dir}: not a LoRA training checkpoint")
     arch = read_architecture(ckpt_dir)
+    settings = lora_settings(cfg.model)
+    base = json.loads((ckpt_dir / BASE_FILE).read_text())["restore_from_path"]
     out_dir = Path(out_dir)
     tmp = _prepare_out(out_dir)
     try:
-        model = _single_process_model(arch)
-        settings = build_lora_model(ckpt_dir, [model], arch)
-        base = json.loads((ckpt_dir / BASE_FILE).read_text())["restore_from_path"]
-        write_adapter(tmp, [model], settings, arch, base_model=str(base))
+        init_runtime(1, 1, seed=0)  # megatron-core's checkpoint reader needs a process group
+        tensors = {
+            hf_key(*trained_adapter_key(key)): tensor.float().contiguous()  # type: ignore[misc]
+            for key, tensor in read_trained_adapters(ckpt_dir).items()
+        }
+        expected = expected_keys(settings, arch)
+        if tensors.keys() != expected:
+            missing, extra = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
+            raise CheckpointError(
+                f"{ckpt_dir}: its adapters do not match its run's model.peft.lora_tuning "
+                f"(missing {missing[:2]}, unexpected {extra[:2]})"
+            )
+        write_adapter_files(tmp, tensors, settings, arch, base_model=str(base) if base else None)
         _finish(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -119,11 +119,23 @@ def write_adapter(
     base_model: str | None = None,
 ) -> None:
     """Write `adapter_config.json` + `adapter_model.safetensors` (fp32) into `out_dir`."""
+    write_adapter_files(out_dir, full_tensors(chunks), settings, arch, base_model)
+
+
+def write_adapter_files(
+    out_dir: str | Path,
+    tensors: dict[str, torch.Tensor],
+    settings: LoRASettings,
+    arch: Any,
+    base_model: str | None = None,
+) -> None:
+    """Write PEFT-keyed full `tensors` (as given; fp32 by convention) and the `adapter_config.json`
+    of `settings` into `out_dir` (created if absent)."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(full_tensors(chunks), str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_file(tensors, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = peft_config(settings, arch, base_model)
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
