@@ -75,7 +75,7 @@ def failed_run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PYTHONPATH", f"{inject}{os.pathsep}{path}" if path else str(inject))
         env.setenv("FAIL_HF_WRITE_RANK", "0")
-        proc, ranks = launch(args, 2, timeout=300, logs=root / "torchrun")
+        proc, ranks = launch(args, 2, timeout=240, logs=root / "torchrun")
     return run, proc, ranks, time.time()
 
 
