@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -70,23 +71,28 @@ def launch(
     With several ranks and `logs`, torchrun writes each rank's streams to files under `logs`
     (its own launcher report stays on the process's stderr), and they are returned as
     (stdout, stderr) per rank, in rank order; otherwise that list is empty.
+
+    Raises:
+        nccl_order.NcclOrderError: a successful run of several ranks whose communication would
+            deadlock NCCL or mismatch a collective (the message lists the stuck queue heads).
     """
     extra = ["--log-dir", str(logs), "--redirects", "3"] if nproc > 1 and logs else []
     env = cli_env()
-    with tempfile.TemporaryDirectory(prefix="nccl_trace_") as trace_dir:
-        if nproc > 1:
-            env[nccl_order.TRACE_ENV] = trace_dir
-            args = [str(REPO / "tests" / "nccl_trace_main.py"), *args]
-        proc = subprocess.run(
-            [*launcher(nproc, extra), *args],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        if nproc > 1 and proc.returncode == 0:
-            nccl_order.check_trace_dir(trace_dir, nproc)
+    trace_dir = tempfile.mkdtemp(prefix="nccl_trace_")
+    if nproc > 1:
+        env[nccl_order.TRACE_ENV] = trace_dir
+        args = [str(REPO / "tests" / "nccl_trace_main.py"), *args]
+    proc = subprocess.run(
+        [*launcher(nproc, extra), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if nproc > 1 and proc.returncode == 0:
+        nccl_order.check_trace_dir(trace_dir, nproc)  # the error names the kept trace
+    shutil.rmtree(trace_dir, ignore_errors=True)
     ranks = []
     if extra:
         for err in sorted(logs.rglob("stderr.log"), key=lambda p: int(p.parent.name)):

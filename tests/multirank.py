@@ -179,10 +179,14 @@ def run_multirank(
         if problems:
             raise MultirankError(f"{name} failed on {world_size} ranks:\n" + "\n".join(problems))
         if world_size > 1:
+            kept = Path(tempfile.mkdtemp(prefix="nccl_trace_"))
             try:
-                nccl_order.check_trace_dir(trace_dir, world_size)
+                # Replayed from a copy that outlives the run's directory, named in the error.
+                shutil.copytree(trace_dir, kept, dirs_exist_ok=True)
+                nccl_order.check_trace_dir(kept, world_size)
             except nccl_order.NcclOrderError as err:
                 raise MultirankError(f"{name} on {world_size} ranks: {err}") from None
+            shutil.rmtree(kept, ignore_errors=True)
         results = []
         for rank in range(world_size):
             with open(out / f"{rank}.pkl", "rb") as f:

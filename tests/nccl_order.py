@@ -35,8 +35,21 @@ rank's queues (rank, communicator, operation, shape) and what each host is waiti
 
 Recording: `install(trace_dir, rank)` patches `torch.distributed`'s functions in place (before
 megatron-core is imported: it keeps references to some of them) and writes
-``<trace_dir>/rank<N>.jsonl`` at exit. `tests/multirank.py` and `tests/e2e_cli.py` do this for
-every multi-rank run (`TRACE_ENV`), and replay the traces when the run succeeded.
+``<trace_dir>/rank<N>.jsonl`` at exit. `tests/multirank.py` and `tests/e2e_cli.py` (through
+`tests/nccl_trace_main.py`) do this for every multi-rank run (`TRACE_ENV`), and replay the traces
+when the run succeeded; a run that cannot be traced (a world of another size inside the launch,
+a receive from any source) is not replayed. Recorded: the collectives of `_COLLECTIVES` (object
+collectives through the ones they call), send / recv / isend / irecv, `batch_isend_irecv`,
+`_coalescing_manager` (megatron's bucketed gradient and parameter syncs), `Work.wait`, and
+`new_group` / `init_process_group` (to name communicators). What it cannot see: operations
+issued from C++ or other processes, and device-side waits that are no `wait()` (a compute
+stream waiting on another stream's event) — none in our paths.
+
+Layouts whose CLI runs were replayed clean when this was written (besides every multi-rank test
+of the suite): PP=2 with HF output and checkpoint saves; PP=2 x VPP=2; TP=2 with sequence
+parallelism; DP=2 with the distributed optimizer, overlapped gradient reduction and HF output;
+CP=2; LoRA at TP=2 with HF output; Qwen3-MoE with the aux loss at EP=2 x PP=2, TP=2 (SP) x PP=2,
+and EP=2 with the distributed optimizer and HF output.
 """
 
 from __future__ import annotations

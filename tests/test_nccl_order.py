@@ -217,9 +217,13 @@ def _recorded_worker(rank: int, world_size: int, hang: bool) -> list[str]:
     init_runtime(1, 2, seed=0)
     from megatron.core import parallel_state
 
+    from megatron_kto.models.router_stats import own_group
+
     pp = parallel_state.get_pipeline_model_parallel_group()
-    other = dist.new_group([0, 1])  # same ranks as `pp`: another communicator
-    group = pp if hang else other
+    own = own_group(pp)  # the router statistics' group: `pp`'s ranks, another communicator
+    assert own is not pp and own_group(pp) is own  # made once
+    assert dist.get_process_group_ranks(own) == dist.get_process_group_ranks(pp)
+    group = pp if hang else own
     t = torch.ones(3)
     buf = torch.zeros(2)
     if rank == 0:  # stage 0: the all-reduce of its forward, then the activation's send
