@@ -344,6 +344,13 @@ def _two_rank_step_syncs(rank: int, world_size: int) -> dict:
             run(key, step, chunks, pack, batch, (CP_ROPE_SLICE,))
     rt = init_runtime(1, 2, seed=11)
     layout = ParallelLayout(pipeline_model_parallel_size=2)
+    # The router statistics' own process group is made once, when the trainer builds the model
+    # (a world-wide exchange of rank lists), not in a step: made here, outside the guard.
+    from megatron.core import parallel_state
+
+    from megatron_kto.models.router_stats import own_group
+
+    own_group(parallel_state.get_pipeline_model_parallel_group())
     for pack in (False, True):
         chunks = wrap_ddp(build_gpt_chunks(_moe_arch(), layout, rt.device), False)
         key = f"pp2_moe_router_stats/kto/{'packed' if pack else 'padded'}"

@@ -32,7 +32,9 @@ RTOL = 1e-5
 def _lora(chunks, arch) -> None:
     from megatron_kto.peft.wiring import LoRASettings, apply_lora
 
-    settings = LoRASettings(rank=4, alpha=8, init_a="kaiming", init_b="normal", seed=3)
+    settings = LoRASettings(
+        rank=4, alpha=8, target_modules=["all"], init_a="kaiming", init_b="normal", seed=3
+    )
     apply_lora(chunks, arch, settings)
 
 
