@@ -1,8 +1,8 @@
 """tools/gpu_acceptance.sh on a machine without CUDA, as CI runs it.
 
 Without `--cpu` every check is `SKIP no CUDA` and the script exits 0; with `--cpu` a subset runs
-for real on the CPU (the quick start and a resume of it, the MoE check, LoRA, and the MoE model
-at PP=2 over two gloo ranks under torchrun), so the script's own logic — launching, reading
+for real on the CPU (the quick start and a resume of it, the MoE check, and the MoE model at
+PP=2 over two gloo ranks under torchrun), so the script's own logic — launching, reading
 metrics.jsonl, the resume verdict, the summary — is exercised. The verdict functions are also
 given hand-made metrics that must FAIL, a failing command must turn into a FAIL line and exit
 code 1, a check that overruns its time budget is stopped and FAILs, and on one GPU the 2-GPU
@@ -61,8 +61,10 @@ def test_without_cuda_every_check_skips_and_the_script_exits_0(tmp_path) -> None
 @cpu_only
 @pytest.mark.e2e
 def test_cpu_mode_runs_the_quick_start_resumes_it_and_the_moe_check(tmp_path) -> None:
-    checks = "quickstart,attention_te,resume,moe,lora,moe_pp"
-    proc = _run("--cpu", "--checks", checks, "--work", str(tmp_path), timeout=600)
+    # One of the 2-rank checks (over gloo under torchrun), to keep this test short: the quick
+    # start, resume and MoE checks ~27 s here, moe_pp ~18 s more (lora would add ~10 s).
+    checks = "quickstart,attention_te,resume,moe,moe_pp"
+    proc = _run("--cpu", "--checks", checks, "--work", str(tmp_path), timeout=480)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = _lines(proc.stdout)
     assert lines["quickstart"].startswith("PASS quickstart"), proc.stdout
@@ -72,12 +74,9 @@ def test_cpu_mode_runs_the_quick_start_resumes_it_and_the_moe_check(tmp_path) ->
     assert lines["resume"].startswith("PASS resume") and "resumed at step 2" in lines["resume"]
     # A tiny Qwen3-MoE from its HF directory: hf/ reloads in transformers with our log-probs.
     assert lines["moe"].startswith("PASS moe") and "EP=1, local experts" in lines["moe"]
-    # LoRA: the local spec without TE; step 1 is the adapters-off reference.
-    assert lines["lora"].startswith("PASS lora") and "local spec (SDPA)" in lines["lora"]
-    assert "step 1 loss 0.5, kl 0" in lines["lora"]
     # The same MoE model at PP=2 on two gloo ranks, the aux loss on.
     assert lines["moe_pp"].startswith("PASS moe_pp") and "PP=2, local experts" in lines["moe_pp"]
-    assert re.search(r"^summary: 5 PASS, 0 FAIL, 1 SKIP in \d+ s$", proc.stdout, re.M)
+    assert re.search(r"^summary: 4 PASS, 0 FAIL, 1 SKIP in \d+ s$", proc.stdout, re.M)
     steps = [r["step"] for r in ac.read_metrics(tmp_path / "quickstart")]
     assert steps == [1, 2, 3, 4]
 
@@ -169,4 +168,4 @@ def test_the_one_gpu_budgets_fit_eight_minutes() -> None:
     every check has a budget."""
     assert set(ac.BUDGETS) == set(ac.CHECKS)
     two_gpu = {"moe_pp", "context_parallel", "pipeline"}
-    assert sum(v for k, v in ac.BUDGETS.items() if k not in two_gpu) <= 465
+    assert sum(v for k, v in ac.BUDGETS.items() if k not in two_gpu) <= 455

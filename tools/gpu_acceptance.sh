@@ -15,11 +15,13 @@
 #
 # Time budgets (tools/acceptance_checks.py BUDGETS, GPU seconds at the default 20 steps; a check
 # that uses up its budget is stopped and FAILs): quickstart 30, bf16_packing 30,
-# attention_sdpa 25, attention_te 30, te_local_checkpoint 50, conversion 55, moe 50, eval 40,
-# resume 25, lora 30, distributed_optimizer 40, bench_trl 60 — 465 s on one GPU, so the script
-# ends within 8 minutes on one H100 (a lent GPU session has 15 minutes with start-up); with 2
-# GPUs moe_pp 45, context_parallel 35 and pipeline 35 add 115 s. --budget-scale F stretches
-# them (0: none; --cpu and a non-default --steps run without budgets).
+# attention_sdpa 25, attention_te 30, te_local_checkpoint 50, conversion 55, moe 50, eval 35,
+# resume 25, lora 30, distributed_optimizer 40, bench_trl 55 — 455 s on one GPU, which with
+# ~15 s of start-up ends the script within 8 minutes on one H100 (a lent GPU session has 15
+# minutes, machine start-up included); with 2 GPUs moe_pp 45, context_parallel 35 and
+# pipeline 35 add 115 s. --budget-scale F stretches them (0: none; --cpu and a non-default
+# --steps run without budgets). On the CPU (--cpu, 2 shared cores, 2026-11-27) all checks took
+# 173 s: the longest were distributed_optimizer (30 s, 2 gloo ranks) and conversion (28 s).
 #
 #   bash tools/gpu_acceptance.sh                     # all checks (SKIP no CUDA without a GPU)
 #   bash tools/gpu_acceptance.sh --cpu               # the same checks on the CPU, tiny settings
