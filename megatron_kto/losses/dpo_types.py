@@ -178,6 +178,18 @@ DPO_LOSSES: dict[str, DPOLossKind] = {
 DPO_LOSS_TYPES: tuple[str, ...] = tuple(DPO_LOSSES)
 
 
+class DPOLossConfigError(ValueError):
+    """A refused (loss_type, loss_weights, label_smoothing, discopop_tau) combination.
+
+    Attributes:
+        field: the argument at fault, so a config layer can name its key.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def loss_type_names(loss_type: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
     """``loss_type`` as a tuple of names (a single name or a list of them, as in TRL)."""
     return (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
@@ -192,36 +204,43 @@ def check_loss_mixture(
     """Check a (names, weights, ε, τ) combination; return the weights (default all 1).
 
     Raises:
-        ValueError: one line saying what is wrong (unknown names list the supported ones).
+        DPOLossConfigError: one line saying what is wrong (unknown names list the supported
+            ones), with the argument at fault in ``field``.
     """
     if not loss_types:
-        raise ValueError("loss_type is empty; give one name or a list of names")
-    unknown = [t for t in loss_types if t not in DPO_LOSSES]
+        raise DPOLossConfigError("loss_type", "loss_type is empty; give one name or a list")
+    unknown = [t for t in loss_types if not isinstance(t, str) or t not in DPO_LOSSES]
     if unknown:
-        raise ValueError(
+        raise DPOLossConfigError(
+            "loss_type",
             f"unknown DPO loss_type {', '.join(map(repr, unknown))}; supported: "
-            f"{', '.join(DPO_LOSS_TYPES)}"
+            f"{', '.join(DPO_LOSS_TYPES)}",
         )
     weights = tuple(loss_weights) if loss_weights is not None else (1.0,) * len(loss_types)
     if len(weights) != len(loss_types):
-        raise ValueError(
+        raise DPOLossConfigError(
+            "loss_weights",
             f"loss_weights has {len(weights)} entries but loss_type has {len(loss_types)}; "
-            "give one weight per loss type"
+            "give one weight per loss type",
         )
     if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+        raise DPOLossConfigError(
+            "label_smoothing", f"label_smoothing must be in [0, 0.5), got {label_smoothing}"
+        )
     uses = {DPO_LOSSES[t].label_smoothing for t in loss_types}
     if label_smoothing != 0.0 and uses == {"unused"}:
         # Silently ignoring it would make a config look like it did something it did not.
         readers = [t for t, k in DPO_LOSSES.items() if k.label_smoothing != "unused"]
-        raise ValueError(
+        raise DPOLossConfigError(
+            "label_smoothing",
             f"label_smoothing={label_smoothing} is not read by loss_type {list(loss_types)}; "
-            f"only by {readers}; set label_smoothing to 0.0"
+            f"only by {readers}; set label_smoothing to 0.0",
         )
     if label_smoothing == 0.0 and "required" in uses:
-        raise ValueError(
-            "label_smoothing must be > 0 for loss_type 'exo_pair' (the EXO paper suggests 1e-3)"
+        raise DPOLossConfigError(
+            "label_smoothing",
+            "label_smoothing must be > 0 for loss_type 'exo_pair' (the EXO paper suggests 1e-3)",
         )
     if "discopop" in loss_types and not discopop_tau > 0:
-        raise ValueError(f"discopop_tau must be > 0, got {discopop_tau}")
+        raise DPOLossConfigError("discopop_tau", f"discopop_tau must be > 0, got {discopop_tau}")
     return weights
