@@ -24,6 +24,7 @@ from megatron_kto.data.tokenizers import load_tokenizer
 from megatron_kto.logging.metrics_logger import MetricsLogger
 from megatron_kto.logging.progress import ProgressReporter
 from megatron_kto.logging.throughput import architecture_flops, peak_flops_per_device
+from megatron_kto.losses.dpo_types import loss_type_names
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
 from megatron_kto.models.dpo_model import DPOSettings, MegatronGPTDPOModel
 from megatron_kto.models.kto_model import KTOSettings, MegatronGPTKTOModel
@@ -106,7 +107,13 @@ def _loss_settings(cfg: Any, algorithm: str, vocab_size: int):
             undesirable_weight=m.kto.undesirable_loss_weight,
             **common,
         )
-    return DPOSettings(label_smoothing=m.dpo.label_smoothing, **common)
+    common["loss_type"] = loss_type_names(m.dpo.loss_type)
+    return DPOSettings(
+        label_smoothing=m.dpo.label_smoothing,
+        loss_weights=None if m.dpo.loss_weights is None else tuple(m.dpo.loss_weights),
+        discopop_tau=m.dpo.discopop_tau,
+        **common,
+    )
 
 
 def _build_policy(cfg: Any, algorithm: str, arch, layout: ParallelLayout, runtime):

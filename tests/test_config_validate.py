@@ -148,6 +148,40 @@ def test_dpo_label_smoothing_range():
         compose_run_config("gpt_dpo", ["model.dpo.label_smoothing=0.5"], "dpo")
 
 
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["model.dpo.loss_type=bco_pair"], "loss_type"),
+        (["model.dpo.loss_type=[sigmoid,aot]"], "loss_type"),
+        (["model.dpo.loss_type=[sigmoid,sft]", "model.dpo.loss_weights=[1.0]"], "loss_weights"),
+        (["model.dpo.loss_type=exo_pair"], "label_smoothing"),
+        (["model.dpo.loss_type=apo_zero", "model.dpo.label_smoothing=0.1"], "label_smoothing"),
+        (["model.dpo.loss_type=discopop", "model.dpo.discopop_tau=0"], "discopop_tau"),
+    ],
+)
+def test_dpo_loss_catalogue_refusals_name_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=f"^model.dpo.{key}: ") as e:
+        compose_run_config("gpt_dpo", overrides, "dpo")
+    assert "\n" not in str(e.value)
+    if key == "loss_type":
+        assert "supported: sigmoid, ipo, hinge, exo_pair, nca_pair, robust" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.dpo.loss_type=robust", "model.dpo.label_smoothing=0.1"],
+        ["model.dpo.loss_type=exo_pair", "model.dpo.label_smoothing=1e-3"],
+        ["model.dpo.loss_type=discopop", "model.dpo.discopop_tau=0.1"],
+        ["model.dpo.loss_type=[sigmoid,sft]", "model.dpo.loss_weights=[1.0,0.5]"],
+        ["model.dpo.loss_type=[sigmoid_norm,apo_zero,sppo_hard,nca_pair,apo_down]"],
+    ],
+)
+def test_dpo_loss_catalogue_accepted(overrides):
+    prepared = compose_run_config("gpt_dpo", overrides, "dpo")
+    validate(prepared.cfg, 1, "dpo")
+
+
 # ------------------------------------------------------------ demo values vs real-run defaults
 
 REPO = Path(__file__).resolve().parents[1]

@@ -184,14 +184,20 @@ def test_kto_step_has_no_host_sync_before_its_metrics(runtime, forward_only, pac
     assert metrics["kl"] == pytest.approx(scalars["kl"].item())
 
 
+# The mixture reads the token counts of both completions (sigmoid_norm, sft) and ε (robust).
+@pytest.mark.parametrize(
+    "loss_type,eps",
+    [("sigmoid", 0.0), (("robust", "sigmoid_norm", "sft"), 0.1)],
+    ids=["sigmoid", "mix"],
+)
 @pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
-def test_dpo_step_has_no_host_sync_before_its_metrics(runtime, pack) -> None:
+def test_dpo_step_has_no_host_sync_before_its_metrics(runtime, pack, loss_type, eps) -> None:
     arch = GPTArchitecture(vocab_size=VOCAB)
     chunks = wrap_ddp(build_gpt_chunks(arch, ParallelLayout(), runtime.device), False)
     settings = DPOSettings(
         beta=0.1,
-        loss_type="sigmoid",
-        label_smoothing=0.0,
+        loss_type=loss_type,
+        label_smoothing=eps,
         average_log_probs=False,
         sft_loss_weight=0.5,
         micro_batch_size=1,

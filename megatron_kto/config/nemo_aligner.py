@@ -81,7 +81,8 @@ def _dpo_preference_loss(value: Any) -> str:
     if value not in known:
         raise ConfigError(
             f"model.dpo.preference_loss: {value!r} is not supported (NeMo-Aligner's RPO losses "
-            "are not implemented); use dpo or ipo (our model.dpo.loss_type also offers hinge)"
+            "are not implemented); use dpo or ipo (our model.dpo.loss_type also offers hinge, "
+            "robust, apo_zero and the rest of losses.DPO_LOSS_TYPES)"
         )
     return known[value]
 

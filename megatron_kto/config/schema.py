@@ -158,10 +158,17 @@ class DPOLossConfig:
 
     ref_policy_kl_penalty: float = 0.1
     """β."""
-    loss_type: str = "sigmoid"
-    """'sigmoid', 'ipo' or 'hinge'."""
+    # Any, not str: a name or a list of names (TRL's loss_type list), which one field type
+    # cannot say in OmegaConf; validate checks the names.
+    loss_type: Any = "sigmoid"
+    """A name of losses.DPO_LOSS_TYPES (sigmoid, ipo, hinge, exo_pair, nca_pair, robust,
+    sppo_hard, apo_zero, apo_down, discopop, sigmoid_norm, sft) or a list of them."""
+    loss_weights: Optional[list[float]] = None
+    """One weight per loss_type entry (the loss is their weighted sum); None means all 1."""
     label_smoothing: float = 0.0
-    """Conservative-DPO label smoothing (sigmoid only)."""
+    """ε: label-flip rate read by sigmoid (conservative DPO), robust and exo_pair (> 0)."""
+    discopop_tau: float = 0.05
+    """τ of the discopop loss."""
     preference_average_log_probs: bool = False
     """Length-normalise: use per-token mean log-probs instead of sums."""
     preference_loss_weight: float = 1.0

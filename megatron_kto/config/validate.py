@@ -11,6 +11,7 @@ from megatron_kto.config.errors import ConfigError, need
 from megatron_kto.config.keys import check_known_keys
 from megatron_kto.config.layout import check_expert_layout, check_layout, data_parallel_size
 from megatron_kto.config.machine import attention_choice, canonical_precision
+from megatron_kto.losses.dpo_types import DPOLossConfigError, check_loss_mixture, loss_type_names
 from megatron_kto.peft.settings import check_peft
 
 __all__ = [
@@ -295,9 +296,13 @@ def validate(
         fwd = k.log_prob_forward_micro_batch_size
     else:
         d = m.dpo
-        _choice(d.loss_type, "model.dpo.loss_type", ("sigmoid", "ipo", "hinge"))
         need(d.ref_policy_kl_penalty > 0, "model.dpo.ref_policy_kl_penalty", "β must be > 0")
-        need(0.0 <= d.label_smoothing < 0.5, "model.dpo.label_smoothing", "must be in [0, 0.5)")
+        try:
+            check_loss_mixture(
+                loss_type_names(d.loss_type), d.loss_weights, d.label_smoothing, d.discopop_tau
+            )
+        except DPOLossConfigError as e:
+            raise ConfigError(f"model.dpo.{e.field}: {e}") from None
         fwd = d.log_prob_forward_micro_batch_size
     # model.peft.* and the reference policies it allows (architecture fields are resolved).
     check_peft(m, algorithm, m)

@@ -11,6 +11,7 @@ from megatron_kto.losses.dpo import (
     dpo_loss,
     dpo_total_loss,
 )
+from megatron_kto.losses.dpo_types import DPO_LOSSES, DPOPairs, check_loss_mixture
 from megatron_kto.losses.kto import (
     KTO_LOSS_TYPES,
     KTOLossOutput,
@@ -31,15 +32,18 @@ from megatron_kto.losses.metrics import (
 )
 
 __all__ = [
+    "DPO_LOSSES",
     "DPO_LOSS_TYPES",
     "DPO_METRICS",
     "DPOLossOutput",
+    "DPOPairs",
     "DPOTotalLossOutput",
     "KTO_LOSS_TYPES",
     "KTO_METRICS",
     "KTOLossOutput",
     "KTOTotalLossOutput",
     "MetricSums",
+    "check_loss_mixture",
     "dpo_loss",
     "dpo_metric_sums",
     "dpo_total_loss",

@@ -1,18 +1,14 @@
-"""DPO-family loss math on plain tensors.
+"""DPO-family loss math on plain tensors: the per-pair losses of the catalogue
+(:mod:`megatron_kto.losses.dpo_types`, one table keyed by ``loss_type``), a weighted mixture of
+them (TRL's ``loss_type`` list with ``loss_weights``, MPO-style) and the optional SFT term.
 
 For pair i, h_i = (π_c − ref_c) − (π_r − ref_r), the difference of the chosen and rejected
 policy/reference log-ratios ("logits" below); β is ``beta``; ε is ``label_smoothing``.
 
-``sigmoid`` (DPO, https://arxiv.org/abs/2305.18290; with ε > 0 the conservative DPO of
-    Mitchell 2023, "A note on DPO with noisy preferences"):
-    −(1 − ε) · log σ(β h) − ε · log σ(−β h)
-``ipo`` (https://arxiv.org/abs/2310.12036, eq. 17, β plays τ):  (h − 1/(2β))²
-``hinge`` (SLiC, https://arxiv.org/abs/2305.10425):  max(0, 1 − β h)
-
 **Length normalisation is the caller's job**: pass per-token-mean log-probs (summed log-prob ÷
-completion token count, for policy *and* reference) instead of sums and every formula above
-becomes its length-normalised variant. TRL's ``ipo`` always normalises this way, so to match
-TRL's IPO pass per-token means.
+completion token count, for policy *and* reference) instead of sums and every formula becomes
+its length-normalised variant. TRL's ``ipo`` always normalises this way, so to match TRL's IPO
+pass per-token means. ``sigmoid_norm`` and ``sft`` normalise by themselves from the token counts.
 
 TRL 1.16 no longer applies ``label_smoothing`` to ``sigmoid`` (it only uses it in its ``robust``
 and ``exo_pair`` losses); this module keeps the conservative-DPO form, which reduces to TRL's
@@ -22,16 +18,28 @@ and ``exo_pair`` losses); this module keeps the conservative-DPO form, which red
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_kto.losses._common import as_float, check_batch, mean_or_normalized, sft_nll
+from megatron_kto.losses._common import (
+    as_float,
+    check_batch,
+    mean_or_normalized,
+    per_token_mean,
+    sft_nll,
+)
+from megatron_kto.losses.dpo_types import (
+    DPO_LOSS_TYPES,
+    DPO_LOSSES,
+    DPOPairs,
+    check_loss_mixture,
+    loss_type_names,
+)
 
-DPOLossType = Literal["sigmoid", "ipo", "hinge"]
-DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge")
+__all__ = ["DPO_LOSS_TYPES", "DPOLossOutput", "DPOTotalLossOutput", "dpo_loss", "dpo_total_loss"]
+
+LossTypes = str | list[str] | tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -76,49 +84,64 @@ def dpo_loss(
     ref_chosen_logps: Tensor,
     ref_rejected_logps: Tensor,
     beta: float,
-    loss_type: DPOLossType = "sigmoid",
+    loss_type: LossTypes = "sigmoid",
     label_smoothing: float = 0.0,
+    loss_weights: list[float] | tuple[float, ...] | None = None,
+    discopop_tau: float = 0.05,
+    chosen_num_tokens: Tensor | None = None,
+    rejected_num_tokens: Tensor | None = None,
+    average_log_probs: bool = False,
 ) -> DPOLossOutput:
-    """Per-pair DPO / IPO / hinge loss.
+    """Per-pair DPO-family loss: one catalogue entry, or a weighted sum of several.
+
+    losses_i = Σ_k loss_weights[k] · DPO_LOSSES[loss_type[k]](pair i).
 
     Args:
         policy_chosen_logps: [B] policy log-probs of the chosen completions (with grad); sums
-            over completion tokens, or per-token means for length normalisation.
+            over completion tokens, or per-token means (``average_log_probs``).
         policy_rejected_logps: [B] same for the rejected completions.
         ref_chosen_logps: [B] reference log-probs of the chosen completions (constant).
         ref_rejected_logps: [B] reference log-probs of the rejected completions (constant).
         beta: β (τ for IPO); must be > 0.
-        loss_type: ``"sigmoid"``, ``"ipo"`` or ``"hinge"``.
+        loss_type: a name of :data:`DPO_LOSS_TYPES` or a list of them.
         label_smoothing: ε ∈ [0, 0.5), the assumed probability that a preference label is
-            flipped; only meaningful for ``sigmoid``.
+            flipped; read by ``sigmoid`` (conservative DPO), ``robust`` and ``exo_pair`` (> 0).
+        loss_weights: one weight per ``loss_type`` entry (default all 1).
+        discopop_tau: τ of ``discopop``.
+        chosen_num_tokens: [B] chosen completion token counts (``sigmoid_norm``, ``sft``).
+        rejected_num_tokens: [B] rejected completion token counts (``sigmoid_norm``).
+        average_log_probs: the given log-probs are already per-token means.
 
     Returns:
         :class:`DPOLossOutput`.
 
     Raises:
-        ValueError: on an unknown ``loss_type``, β ≤ 0, ε outside [0, 0.5), ε > 0 with a loss
-            type that ignores it, or mismatched shapes.
+        ValueError: on an unknown ``loss_type``, β ≤ 0, ε outside [0, 0.5), ε > 0 with loss
+            types that ignore it, ε = 0 with ``exo_pair``, missing token counts, or
+            mismatched shapes.
     """
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"unknown DPO loss_type {loss_type!r}; expected one of {DPO_LOSS_TYPES}")
+    names = loss_type_names(loss_type)
+    weights = check_loss_mixture(names, loss_weights, label_smoothing, discopop_tau)
     if beta <= 0:
         raise ValueError(f"beta must be > 0 (IPO divides by it), got {beta}")
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
-    if label_smoothing != 0.0 and loss_type != "sigmoid":
-        # Silently ignoring it would make a config look like it did something it did not.
-        raise ValueError(
-            f"label_smoothing={label_smoothing} only applies to loss_type='sigmoid', "
-            f"not {loss_type!r}; set label_smoothing to 0.0"
-        )
-    check_batch(
-        {
-            "policy_chosen_logps": policy_chosen_logps,
-            "policy_rejected_logps": policy_rejected_logps,
-            "ref_chosen_logps": ref_chosen_logps,
-            "ref_rejected_logps": ref_rejected_logps,
+    tensors = {
+        "policy_chosen_logps": policy_chosen_logps,
+        "policy_rejected_logps": policy_rejected_logps,
+        "ref_chosen_logps": ref_chosen_logps,
+        "ref_rejected_logps": ref_rejected_logps,
+    }
+    counted = chosen_num_tokens is not None and rejected_num_tokens is not None
+    if counted:
+        tensors |= {
+            "chosen_num_tokens": chosen_num_tokens,
+            "rejected_num_tokens": rejected_num_tokens,
         }
-    )
+    needs_counts = [t for t in names if DPO_LOSSES[t].needs_token_counts]
+    if needs_counts and not counted:
+        raise ValueError(
+            f"loss_type {needs_counts} needs chosen_num_tokens and rejected_num_tokens"
+        )
+    check_batch(tensors)
     pc = as_float(policy_chosen_logps)
     pr = as_float(policy_rejected_logps).to(pc.dtype)
     # The reference is a constant of the step: no gradient may reach it.
@@ -127,16 +150,36 @@ def dpo_loss(
 
     chosen_logratios = pc - rc
     rejected_logratios = pr - rr
-    logits = chosen_logratios - rejected_logratios
-
-    if loss_type == "sigmoid":
-        losses = -(1.0 - label_smoothing) * F.logsigmoid(beta * logits)
-        if label_smoothing != 0.0:
-            losses = losses - label_smoothing * F.logsigmoid(-beta * logits)
-    elif loss_type == "ipo":
-        losses = (logits - 1.0 / (2.0 * beta)) ** 2
-    else:  # hinge
-        losses = torch.relu(1.0 - beta * logits)
+    per_token = {"chosen_logratios_per_token": None, "rejected_logratios_per_token": None}
+    chosen_nll_per_token = None
+    if counted:
+        if average_log_probs:
+            per_token = {
+                "chosen_logratios_per_token": chosen_logratios,
+                "rejected_logratios_per_token": rejected_logratios,
+            }
+            chosen_nll_per_token = -pc
+        else:
+            per_token = {
+                "chosen_logratios_per_token": per_token_mean(chosen_logratios, chosen_num_tokens),
+                "rejected_logratios_per_token": per_token_mean(
+                    rejected_logratios, rejected_num_tokens
+                ),
+            }
+            chosen_nll_per_token = -per_token_mean(pc, chosen_num_tokens)
+    pairs = DPOPairs(
+        chosen_logratios=chosen_logratios,
+        rejected_logratios=rejected_logratios,
+        chosen_nll_per_token=chosen_nll_per_token,
+        beta=beta,
+        label_smoothing=label_smoothing,
+        discopop_tau=discopop_tau,
+        **per_token,
+    )
+    if len(names) == 1 and weights[0] == 1.0:
+        losses = DPO_LOSSES[names[0]].fn(pairs)  # bit-identical to the un-mixed loss
+    else:
+        losses = sum(w * DPO_LOSSES[t].fn(pairs) for t, w in zip(names, weights, strict=True))
 
     return DPOLossOutput(
         losses=losses,
@@ -151,7 +194,7 @@ def dpo_total_loss(
     ref_chosen_logps: Tensor,
     ref_rejected_logps: Tensor,
     beta: float,
-    loss_type: DPOLossType = "sigmoid",
+    loss_type: LossTypes = "sigmoid",
     label_smoothing: float = 0.0,
     sft_loss_weight: float = 0.0,
     chosen_num_tokens: Tensor | None = None,
@@ -159,6 +202,9 @@ def dpo_total_loss(
     average_log_probs: bool = False,
     sft_average_log_probs: bool = True,
     preference_loss_weight: float = 1.0,
+    loss_weights: list[float] | tuple[float, ...] | None = None,
+    discopop_tau: float = 0.05,
+    rejected_num_tokens: Tensor | None = None,
 ) -> DPOTotalLossOutput:
     """DPO loss plus the optional SFT term on the chosen completions, reduced to a scalar.
 
@@ -175,6 +221,7 @@ def dpo_total_loss(
             the SFT term then recovers the sums as mean × chosen_num_tokens.
         sft_average_log_probs: the SFT NLL per token (True) or summed (False).
         preference_loss_weight: weight of the DPO term.
+        loss_weights, discopop_tau, rejected_num_tokens: as in :func:`dpo_loss`.
 
     Returns:
         :class:`DPOTotalLossOutput`.
@@ -190,6 +237,11 @@ def dpo_total_loss(
         beta,
         loss_type=loss_type,
         label_smoothing=label_smoothing,
+        loss_weights=loss_weights,
+        discopop_tau=discopop_tau,
+        chosen_num_tokens=chosen_num_tokens if rejected_num_tokens is not None else None,
+        rejected_num_tokens=rejected_num_tokens,
+        average_log_probs=average_log_probs,
     )
     if sft_loss_weight != 0.0:
         if chosen_num_tokens is None:

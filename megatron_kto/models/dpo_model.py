@@ -51,7 +51,8 @@ class DPOSettings:
     """Loss and batching settings of a DPO run."""
 
     beta: float
-    loss_type: str
+    loss_type: str | tuple[str, ...]
+    """A name of losses.DPO_LOSS_TYPES or several (their weighted sum)."""
     label_smoothing: float
     average_log_probs: bool
     sft_loss_weight: float
@@ -64,6 +65,10 @@ class DPOSettings:
     """Tokens per chunk of the completion-only output layer; 0 computes full logits."""
     pack_sequences: bool = DEFAULT_PACK_SEQUENCES
     """Padding-free micro-batches: rows packed end to end (`models.packing`)."""
+    loss_weights: tuple[float, ...] | None = None
+    """One weight per loss_type entry; None means all 1."""
+    discopop_tau: float = 0.05
+    """τ of the discopop loss."""
     router_aux_loss_coeff: float = 0.0
     """MoE only: weight of the router load-balancing loss over each training micro-batch (its
     chosen and rejected rows, one forward as TRL's concatenated pass); 0 = off."""
@@ -138,6 +143,9 @@ class MegatronGPTDPOModel:
             average_log_probs=s.average_log_probs,
             sft_average_log_probs=s.sft_average_log_probs,
             preference_loss_weight=s.preference_loss_weight,
+            loss_weights=s.loss_weights,
+            discopop_tau=s.discopop_tau,
+            rejected_num_tokens=stats[n:, NUM_TOKENS],
         )
         sums = dpo_metric_sums(
             out.chosen_rewards,

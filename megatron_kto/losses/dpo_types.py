@@ -1,0 +1,246 @@
+"""The DPO loss catalogue: one table from ``model.dpo.loss_type`` names to pure per-pair losses.
+
+Each entry maps a :class:`DPOPairs` (the per-pair log-ratios of one micro-batch and the loss
+parameters) to a [B] tensor of per-pair losses. Only losses that read nothing beyond the pairs
+themselves are here: TRL's ``bco_pair`` (a running reward mean), ``aot`` / ``aot_unpaired``
+(sorting over the batch) need statistics across the batch and are not.
+
+Notation: c = π_c − ref_c, r = π_r − ref_r (sums over completion tokens, or per-token means when
+the caller length-normalises), h = c − r, x = β·h, ε = ``label_smoothing``, τ = ``discopop_tau``,
+n_c / n_r the completion token counts. Formulas follow TRL 1.16's ``DPOTrainer._compute_loss``:
+
+========================  ========================================================  =========
+name                      per-pair loss                                             ε
+========================  ========================================================  =========
+``sigmoid``               −(1 − ε)·log σ(x) − ε·log σ(−x)  (cDPO; TRL: ε ignored)    optional
+``ipo``                   (h − 1/(2β))²                                             —
+``hinge``                 max(0, 1 − x)                                             —
+``exo_pair``              σ(x)(log σ(x) − log(1 − ε)) + σ(−x)(log σ(−x) − log ε)    required
+``nca_pair``              −log σ(βc) − ½·log σ(−βc) − ½·log σ(−βr)                  —
+``robust``                (−(1 − ε)·log σ(x) + ε·log σ(−x)) / (1 − 2ε)              optional
+``sppo_hard``             (c − 1/(2β))² + (r + 1/(2β))²                             —
+``apo_zero``              1 − σ(βc) + σ(βr)                                         —
+``apo_down``              σ(βc) + 1 − σ(x)                                          —
+``discopop``              (1 − m)·(−log σ(x)) + m·exp(−x),  m = σ(x/τ)              —
+``sigmoid_norm``          −log σ(β(c/n_c − r/n_r))  (per-token log-ratios)          —
+``sft``                   −π_c / n_c  (chosen NLL per token)                        —
+========================  ========================================================  =========
+
+TRL's ``ipo`` divides the log-ratios by the token counts itself; ours (unchanged) does so when
+the caller passes per-token means (``model.dpo.preference_average_log_probs``). TRL's ``sft`` is
+the token-weighted mean NLL over its micro-batch; ours is each pair's per-token NLL averaged over
+pairs (equal when the chosen completions have equal lengths), so it does not depend on how a
+global batch is split into micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class DPOPairs:
+    """What a DPO loss reads about a micro-batch of pairs (all tensors [B], float).
+
+    Attributes:
+        chosen_logratios: c = π_c − ref_c as given (sums or per-token means), with grad.
+        rejected_logratios: r = π_r − ref_r, with grad.
+        chosen_logratios_per_token: c / n_c (None when no token counts were given).
+        rejected_logratios_per_token: r / n_r (None when no token counts were given).
+        chosen_nll_per_token: −π_c / n_c (None when no token counts were given).
+        beta: β > 0.
+        label_smoothing: ε ∈ [0, 0.5).
+        discopop_tau: τ > 0 of ``discopop``.
+    """
+
+    chosen_logratios: Tensor
+    rejected_logratios: Tensor
+    chosen_logratios_per_token: Tensor | None
+    rejected_logratios_per_token: Tensor | None
+    chosen_nll_per_token: Tensor | None
+    beta: float
+    label_smoothing: float
+    discopop_tau: float
+
+    @property
+    def logits(self) -> Tensor:
+        """h = c − r."""
+        return self.chosen_logratios - self.rejected_logratios
+
+
+def _sigmoid(p: DPOPairs) -> Tensor:
+    x, eps = p.beta * p.logits, p.label_smoothing
+    losses = -(1.0 - eps) * F.logsigmoid(x)
+    if eps != 0.0:
+        losses = losses - eps * F.logsigmoid(-x)
+    return losses
+
+
+def _ipo(p: DPOPairs) -> Tensor:
+    return (p.logits - 1.0 / (2.0 * p.beta)) ** 2
+
+
+def _hinge(p: DPOPairs) -> Tensor:
+    return torch.relu(1.0 - p.beta * p.logits)
+
+
+def _exo_pair(p: DPOPairs) -> Tensor:
+    # KL(softmax over {chosen, rejected} of the implicit rewards ‖ [1 − ε, ε]), EXO eq. 16.
+    x, eps = p.beta * p.logits, p.label_smoothing
+    chosen_term = torch.sigmoid(x) * (F.logsigmoid(x) - math.log1p(-eps))
+    rejected_term = torch.sigmoid(-x) * (F.logsigmoid(-x) - math.log(eps))
+    return chosen_term + rejected_term
+
+
+def _nca_pair(p: DPOPairs) -> Tensor:
+    bc, br = p.beta * p.chosen_logratios, p.beta * p.rejected_logratios
+    return -F.logsigmoid(bc) - 0.5 * F.logsigmoid(-bc) - 0.5 * F.logsigmoid(-br)
+
+
+def _robust(p: DPOPairs) -> Tensor:
+    # Unbiased under a label-flip rate ε (Chowdhury et al. 2024): the flipped term is subtracted.
+    x, eps = p.beta * p.logits, p.label_smoothing
+    return (-(1.0 - eps) * F.logsigmoid(x) + eps * F.logsigmoid(-x)) / (1.0 - 2.0 * eps)
+
+
+def _sppo_hard(p: DPOPairs) -> Tensor:
+    half_over_beta = 0.5 / p.beta
+    return (p.chosen_logratios - half_over_beta) ** 2 + (p.rejected_logratios + half_over_beta) ** 2
+
+
+def _apo_zero(p: DPOPairs) -> Tensor:
+    return (
+        1.0
+        - torch.sigmoid(p.beta * p.chosen_logratios)
+        + torch.sigmoid(p.beta * p.rejected_logratios)
+    )
+
+
+def _apo_down(p: DPOPairs) -> Tensor:
+    return torch.sigmoid(p.beta * p.chosen_logratios) + 1.0 - torch.sigmoid(p.beta * p.logits)
+
+
+def _discopop(p: DPOPairs) -> Tensor:
+    x = p.beta * p.logits
+    mix = torch.sigmoid(x / p.discopop_tau)
+    return (1.0 - mix) * -F.logsigmoid(x) + mix * torch.exp(-x)
+
+
+def _sigmoid_norm(p: DPOPairs) -> Tensor:
+    assert p.chosen_logratios_per_token is not None  # dpo_loss checks needs_token_counts
+    assert p.rejected_logratios_per_token is not None
+    h = p.chosen_logratios_per_token - p.rejected_logratios_per_token
+    return -F.logsigmoid(p.beta * h)
+
+
+def _sft(p: DPOPairs) -> Tensor:
+    assert p.chosen_nll_per_token is not None  # dpo_loss checks needs_token_counts
+    return p.chosen_nll_per_token
+
+
+@dataclass(frozen=True)
+class DPOLossKind:
+    """One catalogue entry.
+
+    Attributes:
+        fn: DPOPairs → [B] per-pair losses.
+        label_smoothing: whether ε is read ('optional'), must be > 0 ('required') or is not
+            read ('unused'; a non-zero ε with only such losses is refused).
+        needs_token_counts: reads the per-token fields of :class:`DPOPairs`.
+    """
+
+    fn: Callable[[DPOPairs], Tensor]
+    label_smoothing: Literal["unused", "optional", "required"] = "unused"
+    needs_token_counts: bool = False
+
+
+DPO_LOSSES: dict[str, DPOLossKind] = {
+    "sigmoid": DPOLossKind(_sigmoid, label_smoothing="optional"),
+    "ipo": DPOLossKind(_ipo),
+    "hinge": DPOLossKind(_hinge),
+    "exo_pair": DPOLossKind(_exo_pair, label_smoothing="required"),
+    "nca_pair": DPOLossKind(_nca_pair),
+    "robust": DPOLossKind(_robust, label_smoothing="optional"),
+    "sppo_hard": DPOLossKind(_sppo_hard),
+    "apo_zero": DPOLossKind(_apo_zero),
+    "apo_down": DPOLossKind(_apo_down),
+    "discopop": DPOLossKind(_discopop),
+    "sigmoid_norm": DPOLossKind(_sigmoid_norm, needs_token_counts=True),
+    "sft": DPOLossKind(_sft, needs_token_counts=True),
+}
+DPO_LOSS_TYPES: tuple[str, ...] = tuple(DPO_LOSSES)
+
+
+class DPOLossConfigError(ValueError):
+    """A refused (loss_type, loss_weights, label_smoothing, discopop_tau) combination.
+
+    Attributes:
+        field: the argument at fault, so a config layer can name its key.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def loss_type_names(loss_type: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """``loss_type`` as a tuple of names (a single name or a list of them, as in TRL)."""
+    return (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
+
+
+def check_loss_mixture(
+    loss_types: tuple[str, ...],
+    loss_weights: tuple[float, ...] | None,
+    label_smoothing: float,
+    discopop_tau: float = 0.05,
+) -> tuple[float, ...]:
+    """Check a (names, weights, ε, τ) combination; return the weights (default all 1).
+
+    Raises:
+        DPOLossConfigError: one line saying what is wrong (unknown names list the supported
+            ones), with the argument at fault in ``field``.
+    """
+    if not loss_types:
+        raise DPOLossConfigError("loss_type", "loss_type is empty; give one name or a list")
+    unknown = [t for t in loss_types if not isinstance(t, str) or t not in DPO_LOSSES]
+    if unknown:
+        raise DPOLossConfigError(
+            "loss_type",
+            f"unknown DPO loss_type {', '.join(map(repr, unknown))}; supported: "
+            f"{', '.join(DPO_LOSS_TYPES)}",
+        )
+    weights = tuple(loss_weights) if loss_weights is not None else (1.0,) * len(loss_types)
+    if len(weights) != len(loss_types):
+        raise DPOLossConfigError(
+            "loss_weights",
+            f"loss_weights has {len(weights)} entries but loss_type has {len(loss_types)}; "
+            "give one weight per loss type",
+        )
+    if not 0.0 <= label_smoothing < 0.5:
+        raise DPOLossConfigError(
+            "label_smoothing", f"label_smoothing must be in [0, 0.5), got {label_smoothing}"
+        )
+    uses = {DPO_LOSSES[t].label_smoothing for t in loss_types}
+    if label_smoothing != 0.0 and uses == {"unused"}:
+        # Silently ignoring it would make a config look like it did something it did not.
+        readers = [t for t, k in DPO_LOSSES.items() if k.label_smoothing != "unused"]
+        raise DPOLossConfigError(
+            "label_smoothing",
+            f"label_smoothing={label_smoothing} is not read by loss_type {list(loss_types)}; "
+            f"only by {readers}; set label_smoothing to 0.0",
+        )
+    if label_smoothing == 0.0 and "required" in uses:
+        raise DPOLossConfigError(
+            "label_smoothing",
+            "label_smoothing must be > 0 for loss_type 'exo_pair' (the EXO paper suggests 1e-3)",
+        )
+    if "discopop" in loss_types and not discopop_tau > 0:
+        raise DPOLossConfigError("discopop_tau", f"discopop_tau must be > 0, got {discopop_tau}")
+    return weights
