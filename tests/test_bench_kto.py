@@ -27,30 +27,25 @@ def _positive(value: float) -> bool:
     return math.isfinite(value) and value > 0
 
 
+def _bench(out, *args: str) -> subprocess.CompletedProcess:
+    """One timed step of the example preset at global batch 4 (micro-batch 2), as a user runs
+    the script, writing its JSON report to `out`; the run must succeed."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--warmup=1", "--steps=1", "--threads=1",
+         "--preset=example", f"--json={out}", *args,
+         "model.global_batch_size=4", "model.micro_batch_size=2"],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
 @pytest.mark.e2e
 def test_bench_runs_and_reports_positive_figures(tmp_path):
     """One run of the script as a user runs it; with TRL installed the TRL side runs as well
     (one invocation covers both sides: each side is a fresh process and start-up dominates)."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH),
-            "--warmup=1",
-            "--steps=1",
-            "--threads=1",
-            "--preset=example",
-            "--trl" if HAS_TRL else "--no-trl",
-            f"--json={out}",
-            "model.global_batch_size=4",
-            "model.micro_batch_size=2",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = _bench(out, "--trl" if HAS_TRL else "--no-trl")
     assert "samples/s" in proc.stdout and "peak memory (GiB)" in proc.stdout
     # No peak stated and no GPU datasheet on this machine: the header says it was measured at
     # the model's own GEMM shapes, and MFU against it cannot exceed 1.
@@ -82,28 +77,13 @@ def test_lora_mode_trains_the_same_adapters_on_both_sides(tmp_path):
     Face projections of the same layers (q/k/v and down_proj of layer 2 of 2), on the same
     batch, with the adapters-off reference; both sides' adapter parameter counts agree."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH),
-            "--warmup=1",
-            "--steps=1",
-            "--threads=1",
-            "--preset=example",
-            "--trl",
-            "--lora=4",
-            "--lora-targets=attention_qkv,down_proj",
-            f"--json={out}",
-            "model.peft.lora_tuning.layer_selection=[2]",
-            "model.global_batch_size=4",
-            "model.micro_batch_size=2",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    proc = _bench(
+        out,
+        "--trl",
+        "--lora=4",
+        "--lora-targets=attention_qkv,down_proj",
+        "model.peft.lora_tuning.layer_selection=[2]",
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     report = json.loads(out.read_text())
     ours, trl = report["ours"], report["trl"]
     lora = ours["spec"]["lora"]
