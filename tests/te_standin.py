@@ -25,7 +25,9 @@ norm output to the input gradient only when it is not the gathered one (`layerno
 `if ctx.return_layernorm_output and not ctx.return_layernorm_output_gathered`), so a consumer of
 the gathered output would lose its input gradient.
 
-Core attention (`TEDotProductAttention`) is replaced by our `SDPAttention`: it has no parameters.
+Core attention (`TEDotProductAttention`) is replaced by our `SDPAttention` (it has no parameters),
+or — `te_spec_models(attention="te")` — is megatron-core's `TEDotProductAttention` compiled over
+`te_attention_standin.DotProductAttention`, which checks TE's context-parallel contract.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ WRAPPERS = (
     "TELayerNormColumnParallelLinear",
     "TEColumnParallelLinear",
     "TERowParallelLinear",
+    "TEDotProductAttention",
 )
 
 
@@ -251,6 +254,7 @@ def te_wrappers() -> dict[str, type]:
     """megatron-core's TE wrapper classes (`WRAPPERS`), compiled from its source over the
     stand-ins: name -> class."""
     from megatron.core.extensions import transformer_engine as te_ext
+    from te_attention_standin import CPStream, DotProductAttention
 
     te_spec(image_te_version())  # sets the TE version the wrappers' version checks read
     path = Path(te_ext.__file__)
@@ -258,23 +262,31 @@ def te_wrappers() -> dict[str, type]:
     namespace = dict(vars(te_ext))
     namespace["HAVE_TE"] = True
     namespace["te"] = SimpleNamespace(
-        pytorch=SimpleNamespace(Linear=Linear, LayerNormLinear=LayerNormLinear)
+        pytorch=SimpleNamespace(
+            Linear=Linear, LayerNormLinear=LayerNormLinear, DotProductAttention=DotProductAttention
+        )
     )
     for name in WRAPPERS:
         cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
         exec(compile(ast.Module(body=[cls], type_ignores=[]), str(path), "exec"), namespace)
+    # The wrapper creates its class-wide CP stream with `torch.cuda.Stream()` when it has none.
+    namespace["TEDotProductAttention"].cp_stream = CPStream()
     return {name: namespace[name] for name in WRAPPERS}
 
 
-def te_layer_spec():
-    """megatron-core's TE layer spec with its TE classes replaced by the compiled wrappers (and
-    core attention by `SDPAttention`); any other TE class in it is an error."""
+def te_layer_spec(attention: str = "sdpa"):
+    """megatron-core's TE layer spec with its TE classes replaced by the compiled wrappers; core
+    attention: `SDPAttention` ('sdpa') or the compiled `TEDotProductAttention` ('te'). Any other
+    TE class in it is an error."""
     from megatron_kto.models.attention import SDPAttention
 
     spec, te_ext = te_spec(image_te_version())
     wrappers = te_wrappers()
     swap = {getattr(te_ext, name): cls for name, cls in wrappers.items()}
-    swap[te_ext.TEDotProductAttention] = SDPAttention
+    if attention == "sdpa":
+        swap[te_ext.TEDotProductAttention] = SDPAttention
+    elif attention != "te":
+        raise ValueError(f"attention must be 'sdpa' or 'te', got {attention!r}")
 
     def sub(module):
         if module in swap:
@@ -298,9 +310,9 @@ def te_layer_spec():
 
 
 @contextlib.contextmanager
-def te_spec_models() -> Iterator[None]:
+def te_spec_models(attention: str = "sdpa") -> Iterator[None]:
     """Inside the scope, `models.builder.build_gpt_chunks` builds the stand-in TE spec (this
-    process)."""
+    process), with `attention` as core attention (`te_layer_spec`)."""
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
@@ -309,7 +321,7 @@ def te_spec_models() -> Iterator[None]:
     from megatron_kto.models import builder
     from megatron_kto.models.norms import LocalNorm
 
-    layer = te_layer_spec()
+    layer = te_layer_spec(attention)
 
     def block_spec(config, normalization, backend, vp_stage):
         # The final norm: megatron would pick TENorm with TE; ours has the same parameters.
