@@ -218,7 +218,7 @@ class DotProductAttention(torch.nn.Module):
         rank = self.cp_group.rank() if self.cp_group is not None else 0
         if fmt == "thd":
             starts, lengths, real = self._thd_segments(
-                q, mask, cp, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                q, attention_mask, mask, cp, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                 cu_seqlens_kv_padded, max_seqlen_q,
             )  # fmt: skip
             q3, k3, v3 = q, k, v
@@ -252,9 +252,12 @@ class DotProductAttention(torch.nn.Module):
         rows_out = out.view(rows, local, -1)
         return rows_out.transpose(0, 1) if fmt == "sbhd" else rows_out
 
-    def _thd_segments(self, q, mask, cp, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_seqlen_q):
+    def _thd_segments(
+        self, q, attention_mask, mask, cp, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_seqlen_q
+    ):
         """(starts, padded lengths, real lengths) of the `thd` segments, checked."""
         _require(q.dim() == 3, "thd takes 3-D tensors")
+        _require(attention_mask is None, "thd takes its padding from cu_seqlens, no attention_mask")
         _require("padding" in mask, f"thd needs a padding mask type, got {mask!r}")
         _require(cu_q is not None and cu_kv is not None, "thd needs cu_seqlens_q and _kv")
         _require(cu_q.shape == cu_kv.shape and cu_q.dim() == 1, "cu_seqlens shapes differ")
