@@ -24,10 +24,10 @@ from megatron_kto.data.tokenizers import load_tokenizer
 from megatron_kto.logging.metrics_logger import MetricsLogger
 from megatron_kto.logging.progress import ProgressReporter
 from megatron_kto.logging.throughput import architecture_flops, peak_flops_per_device
-from megatron_kto.losses.dpo_types import loss_type_names
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
-from megatron_kto.models.dpo_model import DPOSettings, MegatronGPTDPOModel
-from megatron_kto.models.kto_model import KTOSettings, MegatronGPTKTOModel
+from megatron_kto.models.dpo_model import MegatronGPTDPOModel
+from megatron_kto.models.kto_model import MegatronGPTKTOModel
+from megatron_kto.models.loss_settings import loss_settings
 from megatron_kto.models.reference import (
     CPUSwapReference,
     PrecomputedReference,
@@ -83,39 +83,6 @@ def _parse_max_time(value: str | None) -> float | None:
         raise ConfigError(f"trainer.max_time: {e}") from e
 
 
-def _loss_settings(cfg: Any, algorithm: str, vocab_size: int):
-    m = cfg.model
-    loss_cfg = m.kto if algorithm == "kto" else m.dpo
-    common = {
-        "micro_batch_size": m.micro_batch_size,
-        "forward_micro_batch_size": loss_cfg.log_prob_forward_micro_batch_size
-        or m.micro_batch_size,
-        "vocab_size": vocab_size,
-        "beta": loss_cfg.ref_policy_kl_penalty,
-        "loss_type": loss_cfg.loss_type,
-        "sft_loss_weight": loss_cfg.sft_loss_weight,
-        "sft_average_log_probs": loss_cfg.sft_average_log_probs,
-        "preference_loss_weight": loss_cfg.preference_loss_weight,
-        "average_log_probs": loss_cfg.preference_average_log_probs,
-        "logprob_chunk_size": m.logprob_chunk_size,
-        "pack_sequences": m.data.pack_sequences,
-        "router_aux_loss_coeff": float(m.moe_aux_loss_coeff or 0.0) if m.num_moe_experts else 0.0,
-    }
-    if algorithm == "kto":
-        return KTOSettings(
-            desirable_weight=m.kto.desirable_loss_weight,
-            undesirable_weight=m.kto.undesirable_loss_weight,
-            **common,
-        )
-    common["loss_type"] = loss_type_names(m.dpo.loss_type)
-    return DPOSettings(
-        label_smoothing=m.dpo.label_smoothing,
-        loss_weights=None if m.dpo.loss_weights is None else tuple(m.dpo.loss_weights),
-        discopop_tau=m.dpo.discopop_tau,
-        **common,
-    )
-
-
 def _build_policy(cfg: Any, algorithm: str, arch, layout: ParallelLayout, runtime):
     """Policy chunks (restored if configured, DDP-wrapped) and the preference model around them.
 
@@ -156,7 +123,7 @@ def _build_policy(cfg: Any, algorithm: str, arch, layout: ParallelLayout, runtim
             f"LoRA: {trainable:,} trainable of {total:,} parameters "
             f"({100 * trainable / total:.3f}%); reference = {_lora_reference_words(m)}",
         )
-    settings = _loss_settings(cfg, algorithm, arch.vocab_size)
+    settings = loss_settings(cfg, algorithm, arch.vocab_size)
     model_cls = MegatronGPTKTOModel if algorithm == "kto" else MegatronGPTDPOModel
     return model_cls(chunks, reference, settings)
 
