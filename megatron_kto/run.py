@@ -18,9 +18,9 @@ from megatron_kto.algorithms.kto import KTOTrainer
 from megatron_kto.checkpointing.model_io import CheckpointError
 from megatron_kto.config.prepare import prepare_run_config
 from megatron_kto.config.validate import ConfigError
-from megatron_kto.conversion.hf_output import hf_output_of_run
 from megatron_kto.data.pipeline import build_split, resolve_path
 from megatron_kto.data.tokenizers import load_tokenizer
+from megatron_kto.hf_writer.output import hf_output_of_run
 from megatron_kto.logging.metrics_logger import MetricsLogger
 from megatron_kto.logging.progress import ProgressReporter
 from megatron_kto.logging.throughput import architecture_flops, peak_flops_per_device

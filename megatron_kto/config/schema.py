@@ -103,7 +103,7 @@ class ExpManagerConfig:
     """Checkpoint retention."""
     save_hf: bool = False
     """Also write the trained model as a Hugging Face directory, `<explicit_log_dir>/hf/`, at the
-    final save (a LoRA run: the PEFT adapter directory); see conversion/hf_output.py."""
+    final save (a LoRA run: the PEFT adapter directory); see hf_writer/output.py."""
     save_hf_every_save: bool = False
     """With save_hf: replace `hf/` at every checkpoint save, not only the final one."""
     save_hf_merged: bool = False

@@ -53,9 +53,9 @@ from megatron_kto.conversion.convert import (
     source_config,
     source_dir,
 )
-from megatron_kto.conversion.gather import StageTensors
 from megatron_kto.conversion.mappings import to_hf
 from megatron_kto.conversion.safetensors_io import ShardSet, finish_shards, write_shard_files
+from megatron_kto.hf_writer.gather import StageTensors
 from megatron_kto.models.architecture import GPTArchitecture
 
 logger = logging.getLogger(__name__)
