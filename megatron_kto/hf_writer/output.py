@@ -248,7 +248,7 @@ class HFOutput:
             except Exception as e:  # noqa: BLE001 — the merged weights' gathers still follow
                 error = e
         if self.merged:
-            getter = _merged_getter(stage, chunks, self.arch)
+            getter = _merged_getter(stage, chunks)
             late = self._write_weights(getter, stage, tmps[1], writer and error is None, part)
             error = error or late
         return error
@@ -397,10 +397,12 @@ def _adapter_part(stage: int) -> str:
     return f"adapter-stage{stage:03d}.tmp"
 
 
-def _merged_getter(stage: StageTensors, chunks: list[torch.nn.Module], arch: GPTArchitecture):
-    """`stage.get` with every adapted linear's weight merged: W + (alpha/r)·B·A, computed on the
-    gathered (full) weight and adapters exactly as `hf_peft.merge_and_strip` does at TP=1."""
-    from megatron_kto.peft.hf_peft import full_pair, fused_delta
+def _merged_getter(stage: StageTensors, chunks: list[torch.nn.Module]):
+    """`stage.get` with every adapted linear's weight merged (`peft.merge.merge_lora`: W +
+    (alpha/r)·B·A) on the gathered (full) weight and adapters — the merge of
+    `hf_peft.merge_and_strip` at TP=1. Gathers the adapters over TP (collective)."""
+    from megatron_kto.peft.hf_peft import full_pair
+    from megatron_kto.peft.merge import merge_lora
     from megatron_kto.peft.wiring import adapters_of
 
     adapters = {f"{a.key}.weight": a for a in adapters_of(chunks)}
@@ -410,9 +412,10 @@ def _merged_getter(stage: StageTensors, chunks: list[torch.nn.Module], arch: GPT
         adapter = adapters.get(name)
         if adapter is None:
             return base
-        pairs = {n: full_pair(adapter, n) for n in adapter.names}
-        delta = fused_delta(pairs, adapter.all_names, adapter.layout, arch, adapter.scaling)
-        return base + delta.to(base.dtype)
+        # Gathered in the adapter's own order (every TP rank asks for the same pairs in turn).
+        full = {n: full_pair(adapter, n) for n in adapter.names}
+        pairs = [full.get(n) for n in adapter.all_names]
+        return merge_lora(base, pairs, adapter.scaling, adapter.layout)
 
     return get
 

@@ -1,4 +1,5 @@
-"""Hugging Face PEFT adapter directories in and out, and merging adapters into the base weights.
+"""Hugging Face PEFT adapter directories in and out, and folding adapters into a model's base
+weights (`merge_and_strip`, a loop over `merge.merge_lora`).
 
 A `peft` LoRA directory holds `adapter_config.json` and `adapter_model.safetensors` with keys
 `base_model.model.model.layers.{i}.<module>.lora_{A,B}.weight` (A [r, in], B [out, r]). Our
@@ -16,7 +17,6 @@ from typing import Any
 
 import torch
 
-from megatron_kto.conversion.keymap import fuse_fc1, fuse_qkv
 from megatron_kto.models.builder import unwrap
 from megatron_kto.peft.adapter_config import (
     ADAPTER_CONFIG,
@@ -28,6 +28,7 @@ from megatron_kto.peft.adapter_config import (
     read_adapter_config,
 )
 from megatron_kto.peft.lora import LoRALinear
+from megatron_kto.peft.merge import merge_lora
 from megatron_kto.peft.targets import HF_MODULES, resolve_targets, selected_layers
 from megatron_kto.peft.wiring import LoRASettings, adapters_of
 
@@ -213,48 +214,17 @@ def load_adapter(
                     param.copy_(part)
 
 
-def fused_delta(
-    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    all_names: list[str],
-    layout: Any,
-    arch: Any,
-    scaling: float,
-) -> torch.Tensor:
-    """scaling · B·A of one linear's full (unsharded) adapters, laid out as its base weight:
-    q/k/v fused per query group, gate/up stacked; projections without an adapter add zero.
-
-    Args:
-        pairs: projection name -> (lora_A [r, in], lora_B [out, r]), full tensors.
-        all_names: every projection of the linear, in fused order.
-        layout: the linear's `lora.FusedLayout`.
-        arch: the model's architecture.
-        scaling: alpha / r.
-    """
-    deltas = {name: (b.float() @ a.float()) * scaling for name, (a, b) in pairs.items()}
-    like = next(iter(deltas.values()))
-    if len(all_names) == 1:
-        return deltas[all_names[0]]
-    if layout.kind == "fc1":
-        gate, up = (deltas.get(n, torch.zeros_like(like)) for n in all_names)
-        return fuse_fc1(gate, up)
-    d = layout.head_dim
-    sizes = [arch.num_attention_heads * d, layout.groups * d, layout.groups * d]
-    q, k, v = (
-        deltas.get(n, like.new_zeros(rows, like.shape[1]))
-        for n, rows in zip(all_names, sizes, strict=True)
-    )
-    return fuse_qkv(q, k, v, heads=arch.num_attention_heads, groups=layout.groups)
-
-
-def _delta(adapter: LoRALinear, arch: Any) -> torch.Tensor:
-    """`fused_delta` of a (TP=1) adapter."""
-    pairs = {n: (adapter.adapters[n].lora_A, adapter.adapters[n].lora_B) for n in adapter.names}
-    return fused_delta(pairs, adapter.all_names, adapter.layout, arch, adapter.scaling)
+def _pair(adapter: LoRALinear, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(lora_A, lora_B) of projection `name` as this rank holds them (None: no adapter)."""
+    if name not in adapter.names:
+        return None
+    pair = adapter.adapters[name]
+    return pair.lora_A, pair.lora_B
 
 
 def merge_and_strip(chunks: list[torch.nn.Module], arch: Any) -> None:
-    """Fold every adapter into its base weight (W += scaling·B·A, fused as the base is) and
-    remove the adapters: the chunks become a plain model (TP=1 only)."""
+    """Fold every adapter into its base weight (`merge.merge_lora`: W + scaling·B·A, fused as
+    the base is) and remove the adapters: the chunks become a plain model (TP=1 only)."""
     for chunk in chunks:
         model = unwrap(chunk)
         container = getattr(model, "lora", None)
@@ -266,7 +236,8 @@ def merge_and_strip(chunks: list[torch.nn.Module], arch: Any) -> None:
                     raise AdapterError("merging adapters runs at tensor-parallel size 1")
                 layer, linear = _layer(adapter), adapter.key.split(".", 3)[3]
                 base = model.decoder.layers[layer - _first_layer(model)].get_submodule(linear)
-                base.weight.add_(_delta(adapter, arch).to(base.weight.dtype))
+                pairs = [_pair(adapter, n) for n in adapter.all_names]
+                base.weight.copy_(merge_lora(base.weight, pairs, adapter.scaling, adapter.layout))
         for remove in container.removers:
             remove()
         del model.lora
