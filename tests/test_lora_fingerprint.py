@@ -72,3 +72,20 @@ def test_fingerprint_holds_no_full_size_copy():
     bound = FINGERPRINT_SLICE * (8 + 4) + MIB  # float64 slice + fp32 block + scalars
     assert trace.smallest_rise <= bound, (trace.smallest_rise, bound)
     assert trace.smallest_rise < model_bytes / 3  # the former: 128 MiB, 3x the model
+
+
+def test_fingerprint_in_the_runs_dtype_matches_a_half_precision_base():
+    """A bf16 run fingerprints its base as bf16; the same base rebuilt in float32 (the
+    `--merge-lora` export) gives that fingerprint with `dtype=bfloat16` — each slice rounded as
+    casting the model to bf16 rounds it — and not without (it differs by more than 1e-9)."""
+    model = _Base(big=3 * 2**16 + 7 * 512 * 4)
+    half = _Base(big=3 * 2**16 + 7 * 512 * 4)
+    half.load_state_dict(model.state_dict())
+    half.to(torch.bfloat16)
+    want = base_fingerprint([half])
+    got = base_fingerprint([model], slice_elements=1000, dtype=torch.bfloat16)
+    assert got[0] == want[0]
+    for a, b in zip(got[1:], want[1:], strict=True):
+        assert abs(a - b) <= 1e-12 * abs(b), (a, b)
+    plain = base_fingerprint([model])
+    assert abs(plain[2] - want[2]) > 1e-9 * abs(want[2])

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{arch.hidden_size}, vocab {arch.vocab_size} (padded {arch.padded_vocab_size})"
             )
         else:
-            from megatron_kto.peft.export import export_adapter, is_lora_run, merged_loader
+            from megatron_kto.peft.export import export_adapter, export_merged, is_lora_run
 
             lora = is_lora_run(args.ckpt)
             if args.merge_lora and not lora:
@@ -81,13 +81,12 @@ def main(argv: list[str] | None = None) -> int:
                 source = export_adapter(args.ckpt, args.out)
                 print(f"exported the LoRA adapter of {source} -> {args.out} (PEFT format)")
                 return 0
-            source = export_hf(
+            source = (export_merged if lora else export_hf)(
                 args.ckpt,
                 args.out,
                 model_type=args.model_type,
                 dtype=args.dtype,
                 max_shard_bytes=int(args.max_shard_gb * 1024**3),
-                load=merged_loader if lora else None,
             )
             print(f"exported {source} -> {args.out}" + (" (LoRA merged)" if lora else ""))
     except (ConversionError, CheckpointError, OSError) as e:

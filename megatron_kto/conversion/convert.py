@@ -225,6 +225,7 @@ def export_hf(
     dtype: str | None = None,
     max_shard_bytes: int = 5 * 1024**3,
     load: Callable[[Path, list[torch.nn.Module], GPTArchitecture], None] | None = None,
+    half_model: bool = True,
 ) -> Path:
     """Write a megatron_kto checkpoint (imported or trained; a run directory means its latest
     checkpoint) as a Hugging Face model directory that `transformers` loads.
@@ -239,6 +240,9 @@ def export_hf(
         load: fills the built TP=1 model from the checkpoint (default: `load_model`); LoRA
             exports pass one that rebuilds base + adapters and merges them
             (`peft.export.merged_loader`).
+        half_model: a bfloat16 export builds the model in bfloat16 (half the host memory);
+            False builds it in float32 whatever the output dtype (a LoRA merge of a float32
+            run: its base fingerprint is of the float32 weights).
 
     Returns:
         The checkpoint directory that was exported.
@@ -261,7 +265,8 @@ def export_hf(
     try:
         # A bf16 export loads straight into a bf16 model (half the host memory); the cast on
         # load rounds exactly as `Tensor.to(torch.bfloat16)` would.
-        model = _single_process_model(arch, "bfloat16" if dtype == "bfloat16" else "float32")
+        half = half_model and dtype == "bfloat16"
+        model = _single_process_model(arch, "bfloat16" if half else "float32")
         if load is None:
             load_model(ckpt_dir, [model])
         else:

@@ -12,6 +12,11 @@ depend on the layout beyond float64 rounding; two bases agree when they match to
 The sums read each tensor a slice of `FINGERPRINT_SLICE` elements at a time, so the float64
 working copy is one slice (8 MiB), never a whole tensor: a full float64 copy of Llama-3-8B's
 weights would be 8 GB next to its 16 GB of bf16 weights.
+
+The fingerprint is of the weights as the run held them: a half-precision run (`trainer.precision`
+bf16 or 16) fingerprints its base rounded to that dtype. A base rebuilt in float32 (the
+`--merge-lora` export) is checked by rounding each slice to the run's dtype before summing
+(`build_lora_model`), the rounding megatron applied when the run cast the restored base.
 """
 
 from __future__ import annotations
@@ -69,13 +74,13 @@ def _slices(w: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
         yield from block.reshape(-1).split(size)  # copies one block, not the tensor
 
 
-def _moments(w: torch.Tensor, slice_elements: int) -> torch.Tensor:
-    """[Σw, Σw²] of one tensor in float64 on its device, converting at most `slice_elements`
-    elements to float64 at a time (a non-contiguous `w` also copies a block of about as many
-    elements in its own dtype)."""
+def _moments(w: torch.Tensor, slice_elements: int, dtype: torch.dtype | None) -> torch.Tensor:
+    """[Σw, Σw²] of one tensor (rounded to `dtype` first, if given) in float64 on its device,
+    converting at most `slice_elements` elements to float64 at a time (a non-contiguous `w`
+    also copies a block of about as many elements in its own dtype)."""
     total = torch.zeros(2, dtype=torch.float64, device=w.device)
     for piece in _slices(w.detach(), slice_elements):
-        x = piece.double()
+        x = (piece if dtype is None else piece.to(dtype)).double()
         # dot(x, x) rather than (x * x).sum(): no second slice-sized temporary.
         total += torch.stack([x.sum(), torch.dot(x, x)])
         # Released before the next slice is made, or two slices would be alive at once.
@@ -84,20 +89,29 @@ def _moments(w: torch.Tensor, slice_elements: int) -> torch.Tensor:
 
 
 def base_fingerprint(
-    chunks: list[torch.nn.Module], slice_elements: int = FINGERPRINT_SLICE
+    chunks: list[torch.nn.Module],
+    slice_elements: int = FINGERPRINT_SLICE,
+    dtype: torch.dtype | None = None,
 ) -> list[float]:
     """[count, Σw, Σw²] over the frozen (base) parameters of the whole model, each tensor once
     whatever the layout, the experts of every EP rank included (a collective over the world).
 
+    Args:
+        chunks: the model chunks.
+        slice_elements: elements converted to float64 at a time.
+        dtype: fingerprint the weights as this dtype holds them (each slice rounded to it):
+            the dtype a run held its base in, when the base is rebuilt in a wider one. None:
+            as the parameters are.
+
     Extra memory is one float64 slice of `slice_elements` elements (and, for a non-contiguous
-    tensor, a block of about as many in its own dtype), whatever the model's size.
+    tensor or a `dtype`, a block of about as many in its own dtype), whatever the model's size.
     """
     device = next(unwrap(chunks[0]).parameters()).device
     total = torch.zeros(3, dtype=torch.float64, device=device)
     for p in counted_here(chunks):
         if not p.requires_grad:
             total[0] += p.numel()
-            total[1:] += _moments(p, slice_elements).to(device)
+            total[1:] += _moments(p, slice_elements, dtype).to(device)
     return [float(x) for x in world_sum(total).cpu()]
 
 
@@ -139,6 +153,17 @@ def run_config(ckpt_dir: Path) -> Any:
 
     path = Path(ckpt_dir) / files.CONFIG
     return OmegaConf.load(path) if path.is_file() else None
+
+
+def run_param_dtype(cfg: Any) -> torch.dtype | None:
+    """The dtype a run's model parameters (its frozen base among them) were held in, from
+    `trainer.precision` of its stored config (resolved when the run started); None if unset."""
+    from megatron_kto.config.machine import canonical_precision
+
+    if cfg.trainer.precision is None:
+        return None
+    half = {"bf16": torch.bfloat16, "16": torch.float16}
+    return half.get(canonical_precision(cfg.trainer.precision), torch.float32)
 
 
 def is_lora_checkpoint(ckpt_dir: Path) -> bool:
@@ -202,8 +227,9 @@ def load_adapters(ckpt_dir: Path, chunks: list[torch.nn.Module]) -> None:
 
 def build_lora_model(ckpt_dir: Path, chunks: list[torch.nn.Module], arch: Any) -> Any:
     """Make freshly built chunks the model a LoRA checkpoint describes: its base weights (from
-    the run's `pretrained_checkpoint.restore_from_path`, checked against the fingerprint) plus
-    its adapters. Collective.
+    the run's `pretrained_checkpoint.restore_from_path`, checked against the fingerprint taken
+    in the run's parameter dtype, so float32 chunks take a bf16 run's adapters) plus its
+    adapters. Collective.
 
     Returns:
         The run's `wiring.LoRASettings`.
@@ -228,6 +254,6 @@ def build_lora_model(ckpt_dir: Path, chunks: list[torch.nn.Module], arch: Any) -
     restore_pretrained(base, chunks)
     settings = lora_settings(cfg.model)
     apply_lora(chunks, arch, settings)
-    check_same_base(ckpt_dir, base_fingerprint(chunks))
+    check_same_base(ckpt_dir, base_fingerprint(chunks, dtype=run_param_dtype(cfg)))
     load_adapters(ckpt_dir, chunks)
     return settings

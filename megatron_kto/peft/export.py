@@ -5,7 +5,8 @@ A LoRA checkpoint holds adapters only; the base is the run's
 adapters when it is rebuilt). Both exports run in one process. The adapter export reads only the
 checkpoint's adapter tensors — no model is built and the base is not read, so it takes the
 adapters' few MB whatever the base's size; `--merge-lora` builds the whole base at TP=1, as the
-plain export does.
+plain export does, in float32 — or in bfloat16 when both the run and the export are bf16 — so
+the base checks against the fingerprint the run took of it (`checkpoint.build_lora_model`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,32 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from megatron_kto.models.architecture import GPTArchitecture
+
+
+def export_merged(ckpt: str | Path, out_dir: str | Path, **export: Any) -> Path:
+    """`conversion.convert.export_hf` of a LoRA run with its adapters merged into the weights.
+
+    Args:
+        ckpt, out_dir: as `export_hf` takes them.
+        export: `export_hf`'s other keyword arguments (model_type, dtype, max_shard_bytes).
+
+    Returns:
+        The checkpoint directory that was exported.
+    """
+    from megatron_kto.checkpointing.locate import resolve_pretrained_dir
+    from megatron_kto.conversion.convert import export_hf
+    from megatron_kto.peft.checkpoint import run_config, run_param_dtype
+
+    cfg = run_config(resolve_pretrained_dir(ckpt))
+    # A bf16 model holds a float32 run's base rounded, which its fingerprint cannot match; a
+    # bf16 run's base is bf16 already, so a bf16 export of it keeps the half-size model.
+    bf16_run = cfg is not None and run_param_dtype(cfg) == torch.bfloat16
+    return export_hf(ckpt, out_dir, load=merged_loader, half_model=bf16_run, **export)
 
 
 def merged_loader(ckpt_dir: Path, chunks: list[torch.nn.Module], arch: GPTArchitecture) -> None:
