@@ -224,7 +224,8 @@ def _pair(adapter: LoRALinear, name: str) -> tuple[torch.Tensor, torch.Tensor] |
 
 def merge_and_strip(chunks: list[torch.nn.Module], arch: Any) -> None:
     """Fold every adapter into its base weight (`merge.merge_lora`: W + scaling·B·A, fused as
-    the base is) and remove the adapters: the chunks become a plain model (TP=1 only)."""
+    the base is) and remove the adapters: the chunks become a plain model (TP=1 only).
+    `arch` is no longer read (each adapter carries its fused layout); callers still pass it."""
     for chunk in chunks:
         model = unwrap(chunk)
         container = getattr(model, "lora", None)
