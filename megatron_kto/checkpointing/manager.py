@@ -30,6 +30,7 @@ from megatron_kto.checkpointing.model_io import (
 )
 from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir, restore_pretrained
 from megatron_kto.checkpointing.spec_compat import load_module_state, load_sharded
+from megatron_kto.console import error_summary
 from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.builder import unwrap
 from megatron_kto.models.training_setup import finish_param_sync
@@ -41,13 +42,6 @@ logger = logging.getLogger(__name__)
 
 #: trainer_state keys a resume cannot do without (the sampler restarts from them).
 REQUIRED_TRAINER_KEYS = ("epoch", "consumed_samples")
-
-
-def _one_line(error: BaseException, limit: int = 240) -> str:
-    """`Type: first line of the message`, shortened — errors from torch can span pages."""
-    lines = str(error).strip().splitlines()
-    text = f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 class _Incompatible(CheckpointError):
@@ -391,9 +385,9 @@ class CheckpointManager:
                 raise CheckpointError(str(error)) from error
             if error is not None and self._rank != 0:
                 # Rank 0 only learns that some rank failed: say why from here.
-                logger.warning("rank %d cannot load %s: %s", self._rank, path, _one_line(error))
+                logger.warning("rank %d cannot load %s: %s", self._rank, path, error_summary(error))
             self._skip(
-                path, _one_line(error) if error else "failed on another rank", problems, older
+                path, error_summary(error) if error else "failed on another rank", problems, older
             )
         detail = "; ".join(problems) if problems else "no step_<N> directories"
         raise CheckpointError(f"{where}: no usable checkpoint ({detail})")

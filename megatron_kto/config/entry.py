@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megatron_kto.config.keys import composition_error_line
 from megatron_kto.config.prepare import ConfigSources, PreparedRun, prepare_run_config
+from megatron_kto.console import exit_with_user_error, one_line
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -176,14 +177,8 @@ def compose_run_config(
     return prepared
 
 
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())
-
-
 def report_user_error(message: str) -> NoReturn:
     """`error: <message>` on rank 0 only (every rank finds the same error), exit code 2."""
-    from megatron_kto.console import exit_with_user_error
-
     exit_with_user_error(message)
 
 
@@ -213,7 +208,7 @@ def run_training(cfg: Any, algorithm: str) -> None:
 
         main(cfg, algorithm)
     except user_error_types() as e:
-        report_user_error(_one_line(e))
+        report_user_error(one_line(e))
 
 
 #: How every run uses Hydra, whatever its config file says (conf/gpt_*.yaml say the same): no
