@@ -44,7 +44,7 @@ from megatron_kto.peft.wiring import (
     reference_adapters,
 )
 from megatron_kto.planning.memory import startup_lines
-from megatron_kto.runtime import init_runtime, teardown
+from megatron_kto.runtime.distributed import init_runtime, teardown
 from megatron_kto.runtime.launcher_env import adopt_launcher_env
 from megatron_kto.runtime.precision import PRECISION_DTYPES
 
