@@ -16,7 +16,6 @@ from omegaconf import OmegaConf
 from megatron_kto.algorithms.dpo import DPOTrainer, TrainerState, resolve_loop
 from megatron_kto.algorithms.kto import KTOTrainer
 from megatron_kto.checkpointing.model_io import CheckpointError
-from megatron_kto.config.prepare import prepare_run_config
 from megatron_kto.config.validate import ConfigError
 from megatron_kto.data.pipeline import build_split, resolve_path
 from megatron_kto.data.tokenizers import load_tokenizer
@@ -44,6 +43,7 @@ from megatron_kto.peft.wiring import (
     reference_adapters,
 )
 from megatron_kto.planning.memory import startup_lines
+from megatron_kto.prepare import prepare_run_config
 from megatron_kto.runtime.distributed import init_runtime, teardown
 from megatron_kto.runtime.launcher_env import adopt_launcher_env
 from megatron_kto.runtime.precision import PRECISION_DTYPES
@@ -469,5 +469,5 @@ USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, CheckpointError)
 
 
 def main(cfg: Any, algorithm: str) -> None:
-    """Entry-script body (inside `config.entry.run_entry_point`, which reports user errors)."""
+    """Entry-script body (inside `entry.run_entry_point`, which reports user errors)."""
     run_alignment(cfg, algorithm)

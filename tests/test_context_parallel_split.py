@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_kto.config.entry import compose_run_config
 from megatron_kto.config.validate import ConfigError
+from megatron_kto.entry import compose_run_config
 from megatron_kto.models.context_parallel import (
     local_chunks,
     local_scored,

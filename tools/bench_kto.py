@@ -90,7 +90,7 @@ def _set_threads(threads: int | None) -> int:
 def _compose(config_name: str, overrides: list[str]) -> Any:
     # As the trainer composes it: the bundled example unless data or a checkpoint is given,
     # the architecture and tokenizer resolved.
-    from megatron_kto.config.entry import compose_run_config
+    from megatron_kto.entry import compose_run_config
 
     algorithm = "dpo" if "dpo" in config_name else "kto"
     return compose_run_config(config_name, overrides, algorithm, config_dir=CONF_DIR).cfg

@@ -45,7 +45,7 @@ from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.peft.adapter_config import read_adapter_config
 from megatron_kto.peft.settings import reference_strategy, resolve_lora_tuning, uses_lora
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 #: What a config must state to build a model without a checkpoint (the rest has safe defaults).
 REQUIRED_WITHOUT_CHECKPOINT = (
