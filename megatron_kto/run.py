@@ -76,7 +76,7 @@ def _layout(cfg: Any) -> ParallelLayout:
 def _parse_max_time(value: str | None) -> float | None:
     if not value:
         return None
-    from megatron_kto.checkpointing.preemption import parse_max_time
+    from megatron_kto.config.max_time import parse_max_time
 
     try:
         return parse_max_time(value)

@@ -24,9 +24,9 @@ import pytest
 from hf_tiny import make_peft_adapter, make_tokenizer
 
 from megatron_kto.checkpointing import files
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.config.validate import ConfigError
 from megatron_kto.entry import compose_run_config
-from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.prepare import prepare_run_config
 
 REPO = Path(__file__).resolve().parents[1]

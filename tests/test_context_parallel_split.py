@@ -182,7 +182,7 @@ def test_impossible_context_parallel_layouts_name_the_key(overrides, world, star
 
 def test_transformer_config_asks_te_for_the_cp_communication_it_has_for_thd():
     """Transformer Engine (2.9-2.12) runs packed (THD) context parallelism only with "p2p"."""
-    from megatron_kto.models.architecture import GPTArchitecture
+    from megatron_kto.config.architecture import GPTArchitecture
     from megatron_kto.models.builder import ParallelLayout, make_transformer_config
 
     arch = GPTArchitecture(

@@ -36,7 +36,7 @@ from multirank import run_multirank
 from sync_guard import HostSyncGuard
 from test_kto_model import VOCAB, _batch, _settings
 
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
 from megatron_kto.models.dpo_model import (
     REF_CHOSEN,

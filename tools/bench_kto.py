@@ -232,9 +232,9 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any] | None:
     threads = _set_threads(args.threads)
     import torch
 
+    from megatron_kto.config.architecture import GPTArchitecture
     from megatron_kto.config.machine import canonical_precision
     from megatron_kto.logging.peak_flops import model_gemm_shapes, resolve_peak
-    from megatron_kto.models.architecture import GPTArchitecture
     from megatron_kto.run import run_alignment
     from megatron_kto.runtime.precision import precision_dtype
 

@@ -30,8 +30,8 @@ from megatron_kto.checkpointing.model_io import (
 )
 from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir, restore_pretrained
 from megatron_kto.checkpointing.spec_compat import load_module_state, load_sharded
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.console import error_summary
-from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.builder import unwrap
 from megatron_kto.models.training_setup import finish_param_sync
 from megatron_kto.peft import checkpoint as lora_checkpoint

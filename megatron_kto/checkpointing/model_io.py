@@ -24,7 +24,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.checkpointing.locate import ARCH_FILE, read_architecture
 from megatron_kto.checkpointing.spec_compat import load_module_state, load_sharded
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.models.builder import unwrap
 from megatron_kto.models.training_setup import finish_param_sync
 

@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.config.architecture import GPTArchitecture
 
 
 @dataclass

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.mappings import COLUMN, FINAL_NORM, Mapping, layer_table, norm_names
-from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.builder import unwrap
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_kto.checkpointing.errors import CheckpointError
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.console import error_summary
 from megatron_kto.conversion.convert import (
     DTYPES,
@@ -57,7 +58,6 @@ from megatron_kto.conversion.convert import (
 from megatron_kto.conversion.mappings import to_hf
 from megatron_kto.conversion.safetensors_io import ShardSet, finish_shards, write_shard_files
 from megatron_kto.hf_writer.gather import StageTensors
-from megatron_kto.models.architecture import GPTArchitecture
 
 logger = logging.getLogger(__name__)
 

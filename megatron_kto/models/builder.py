@@ -19,7 +19,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.models.layer_options import moe_transformer_config
 from megatron_kto.models.layer_specs import decoder_block_spec
 from megatron_kto.runtime.attention_backend import (

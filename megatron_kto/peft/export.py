@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.config.architecture import GPTArchitecture
 
 
 def merged_loader(ckpt_dir: Path, chunks: list[torch.nn.Module], arch: GPTArchitecture) -> None:

@@ -56,8 +56,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.logging.throughput import architecture_flops, datasheet_peak_flops
-from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.planning.activations import ACT_BYTES, ActivationInputs
 from megatron_kto.planning.memory import GiB, MemoryPlan, rank_states, worst_rank
 from megatron_kto.planning.model_state import (
