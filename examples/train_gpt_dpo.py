@@ -8,8 +8,8 @@ A NeMo-Aligner gpt_dpo.yaml works as it is: `--config-path DIR --config-name NAM
 
 import hydra
 
-from megatron_kto.config.entry import run_entry_point, run_training
 from megatron_kto.config.schema import register
+from megatron_kto.entry import run_entry_point, run_training
 
 register()
 

@@ -1,8 +1,10 @@
-"""Keep a normal start-up's console to what the user needs: our lines, not third-party noise.
+"""What the user reads on the console: our lines, not third-party noise; errors in one line.
 
-Called by our entry points only (examples/*.py via `config.entry.run_entry_point`, tools/*.py),
-never on import of the library, and each filter names one message or one logger: nothing
-else a dependency says is hidden, and a user embedding megatron_kto sees everything.
+`quiet_third_party` is called by our entry points only (examples/*.py via
+`entry.run_entry_point`, tools/*.py), never on import of the library, and each filter names one
+message or one logger: nothing else a dependency says is hidden, and a user embedding
+megatron_kto sees everything. `one_line` and `error_summary` are the one place an exception is
+shortened for a message (standard library only, so any room may use them).
 """
 
 from __future__ import annotations
@@ -54,6 +56,22 @@ def quiet_third_party() -> None:
 #: terminate rank 0 before its line is out (seen on a loaded 2-core machine). Rank 0's own exit
 #: ends the job sooner (torchrun then stops the others).
 QUIET_RANK_GRACE_S = 10.0
+
+
+def one_line(error: BaseException) -> str:
+    """`error`'s message on one line (each run of whitespace one space); its type's name when
+    the message is empty. For errors whose message is written for the user."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def error_summary(error: BaseException, limit: int = 240) -> str:
+    """`Type: first line of the message`, at most `limit` characters (cut with "…").
+
+    For errors from libraries (torch, safetensors), whose messages can span pages.
+    """
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def exit_with_user_error(message: str) -> NoReturn:

@@ -16,7 +16,6 @@ from omegaconf import OmegaConf
 from megatron_kto.algorithms.dpo import DPOTrainer, TrainerState, resolve_loop
 from megatron_kto.algorithms.kto import KTOTrainer
 from megatron_kto.checkpointing.model_io import CheckpointError
-from megatron_kto.config.prepare import prepare_run_config
 from megatron_kto.config.validate import ConfigError
 from megatron_kto.data.pipeline import build_split, resolve_path
 from megatron_kto.data.tokenizers import load_tokenizer
@@ -36,16 +35,18 @@ from megatron_kto.models.reference import (
 )
 from megatron_kto.models.training_setup import build_optimizer, build_scheduler, wrap_ddp
 from megatron_kto.peft.reference import AdaptersOffReference
-from megatron_kto.peft.settings import holds_starting_adapter, lora_settings, uses_lora
+from megatron_kto.peft.settings import lora_settings, reference_includes_starting_adapter, uses_lora
 from megatron_kto.peft.wiring import (
     apply_lora,
-    hold_starting_adapter,
+    freeze_starting_adapter_copy,
     parameter_counts,
     reference_adapters,
 )
 from megatron_kto.planning.memory import startup_lines
-from megatron_kto.runtime import init_runtime, teardown
+from megatron_kto.prepare import prepare_run_config
+from megatron_kto.runtime.distributed import init_runtime, teardown
 from megatron_kto.runtime.launcher_env import adopt_launcher_env
+from megatron_kto.runtime.precision import PRECISION_DTYPES
 
 
 def _say(rank0: bool, message: str) -> None:
@@ -75,7 +76,7 @@ def _layout(cfg: Any) -> ParallelLayout:
 def _parse_max_time(value: str | None) -> float | None:
     if not value:
         return None
-    from megatron_kto.checkpointing.preemption import parse_max_time
+    from megatron_kto.config.max_time import parse_max_time
 
     try:
         return parse_max_time(value)
@@ -148,14 +149,14 @@ def _add_adapters(cfg: Any, arch, chunks: list[torch.nn.Module], runtime) -> Non
         except (ValueError, OSError) as e:
             raise ConfigError(str(e) if where in str(e) else f"{where}: {e}") from e
         _say(runtime.is_rank0, f"LoRA: starting adapter loaded from {path}")
-    if holds_starting_adapter(cfg.model):
+    if reference_includes_starting_adapter(cfg.model):
         # KTO/DPO's reference is the starting policy: keep the starting adapter, frozen.
-        hold_starting_adapter(chunks)
+        freeze_starting_adapter_copy(chunks)
 
 
 def _lora_reference_words(model_cfg: Any) -> str:
     """What a LoRA run's reference policy is, for the start-up log."""
-    if holds_starting_adapter(model_cfg):
+    if reference_includes_starting_adapter(model_cfg):
         return "the base model + a frozen copy of the starting adapter"
     return "the base model (adapters off)"
 
@@ -195,7 +196,7 @@ def _attach_precomputed_reference(
         "architecture": arch.to_dict(),
         "settings": repr(model.settings),
     }
-    if holds_starting_adapter(cfg.model):  # the reference includes the starting adapter
+    if reference_includes_starting_adapter(cfg.model):
         path = cfg.model.peft.restore_from_path
         fingerprint["reference_adapter"] = (
             content_hash(resolve_path(path)) if path else repr(cfg.model.peft.lora_tuning)
@@ -414,7 +415,7 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
             # for the run's dtype. A CPU's is not known (a timed matmul is not an upper bound
             # on a shared machine, so MFU could read above 1), and then MFU is not reported.
             peak = cfg.trainer.peak_flops_per_device or peak_flops_per_device(
-                runtime.device, _COMPUTE_DTYPE[layout.precision]
+                runtime.device, PRECISION_DTYPES[layout.precision]
             )
             config_yaml = OmegaConf.to_yaml(cfg)
             hf_output = hf_output_of_run(cfg, arch, log_dir) if e.save_hf else None
@@ -464,11 +465,9 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
             teardown()
 
 
-_COMPUTE_DTYPE = {"32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}
-
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, CheckpointError)
 
 
 def main(cfg: Any, algorithm: str) -> None:
-    """Entry-script body (inside `config.entry.run_entry_point`, which reports user errors)."""
+    """Entry-script body (inside `entry.run_entry_point`, which reports user errors)."""
     run_alignment(cfg, algorithm)

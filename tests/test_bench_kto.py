@@ -170,7 +170,7 @@ def test_trl_baseline_mirrors_an_moe_shape_as_mixtral():
     import trl_baseline
     from bench_presets import LONGTAIL_MOE
 
-    from megatron_kto.models.architecture import GPTArchitecture
+    from megatron_kto.config.architecture import GPTArchitecture
 
     moe = dict(o.removeprefix("model.").split("=") for o in LONGTAIL_MOE)
     arch = GPTArchitecture(

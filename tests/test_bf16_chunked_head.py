@@ -130,7 +130,7 @@ def _dtypes(records: list[dict], key: str) -> set:
 
 def _accumulation_step(rank: int, world_size: int, tied: bool) -> dict:
     """One bf16 KTO step (TP=1); the head's captured calls and the main_grads after it."""
-    from megatron_kto.models.architecture import GPTArchitecture
+    from megatron_kto.config.architecture import GPTArchitecture
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks, unwrap
     from megatron_kto.models.kto_model import (
         REF_KL,
@@ -277,7 +277,7 @@ CASES = [
 
 def _dtype_layout(case: Case) -> dict:
     """One training schedule over 2 micro-batches through the chunked head; what it saw."""
-    from megatron_kto.models.architecture import GPTArchitecture
+    from megatron_kto.config.architecture import GPTArchitecture
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks, unwrap
     from megatron_kto.models.forward import LOGP_SUM, stats_forward_step
     from megatron_kto.models.schedule import run_schedule, split_micro_batches, to_device

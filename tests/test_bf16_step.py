@@ -15,7 +15,7 @@ import torch
 from multirank import run_multirank
 from test_kto_model import VOCAB, _batch, _settings
 
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks, unwrap
 from megatron_kto.models.kto_model import REF_KL, REF_SAMPLES, MegatronGPTKTOModel
 from megatron_kto.models.reference import CPUSwapReference

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from megatron_kto.algorithms.dpo import DPOTrainer, LoopSettings, TrainerState
-from megatron_kto.checkpointing.preemption import PreemptionHandler, parse_max_time
+from megatron_kto.checkpointing.preemption import PreemptionHandler
+from megatron_kto.config.max_time import parse_max_time
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
 from megatron_kto.models.chunked_logprobs import chunked_token_logprobs
 from megatron_kto.models.forward import (

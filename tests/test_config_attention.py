@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_kto.config.entry import compose_run_config
 from megatron_kto.config.validate import ConfigError, attention_choice, validate
+from megatron_kto.entry import compose_run_config
 from megatron_kto.runtime.gpu_settings import Accelerator
 
 CPU = Accelerator(cuda=False)

@@ -24,10 +24,10 @@ import pytest
 from hf_tiny import make_peft_adapter, make_tokenizer
 
 from megatron_kto.checkpointing import files
-from megatron_kto.config.entry import compose_run_config
-from megatron_kto.config.prepare import prepare_run_config
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.config.validate import ConfigError
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.entry import compose_run_config
+from megatron_kto.prepare import prepare_run_config
 
 REPO = Path(__file__).resolve().parents[1]
 SP = str(REPO / "examples" / "data" / "tokenizer" / "tiny_sp.model")
@@ -204,7 +204,7 @@ def test_validation_imports_no_megatron_core(ckpt):
     """The whole resolution runs before megatron-core is imported (so errors come in seconds)."""
     code = (
         "import sys\n"
-        "from megatron_kto.config.entry import compose_run_config\n"
+        "from megatron_kto.entry import compose_run_config\n"
         f"compose_run_config('gpt_kto', ['pretrained_checkpoint.restore_from_path={ckpt}', "
         f"'model.data.data_prefix.train=[{TRAIN}]'])\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))\n"

@@ -14,9 +14,9 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from megatron_kto.config.entry import compose_run_config
 from megatron_kto.config.schema import architecture_of, register
 from megatron_kto.config.validate import ConfigError, data_parallel_size, validate
+from megatron_kto.entry import compose_run_config
 from megatron_kto.runtime.gpu_settings import Accelerator
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")

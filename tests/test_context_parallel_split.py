@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_kto.config.entry import compose_run_config
 from megatron_kto.config.validate import ConfigError
+from megatron_kto.entry import compose_run_config
 from megatron_kto.models.context_parallel import (
     local_chunks,
     local_scored,
@@ -182,7 +182,7 @@ def test_impossible_context_parallel_layouts_name_the_key(overrides, world, star
 
 def test_transformer_config_asks_te_for_the_cp_communication_it_has_for_thd():
     """Transformer Engine (2.9-2.12) runs packed (THD) context parallelism only with "p2p"."""
-    from megatron_kto.models.architecture import GPTArchitecture
+    from megatron_kto.config.architecture import GPTArchitecture
     from megatron_kto.models.builder import ParallelLayout, make_transformer_config
 
     arch = GPTArchitecture(

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.hf_config import (
     ConversionError,
     architecture_from_hf,
@@ -28,7 +29,6 @@ from megatron_kto.conversion.keymap import (
     to_megatron,
 )
 from megatron_kto.conversion.safetensors_io import INDEX, SINGLE, HFWeights, write_sharded
-from megatron_kto.models.architecture import GPTArchitecture
 
 
 @pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2), (8, 1)])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.runtime.gpu_settings import Accelerator
 
 REPO = Path(__file__).resolve().parents[1]

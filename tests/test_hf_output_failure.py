@@ -38,8 +38,8 @@ def _files(directory: Path) -> dict[str, bytes]:
 
 def _export_twice(rank: int, root: Path, tp: int, pp: int, lora: bool, failing: int) -> dict:
     from megatron_kto.checkpointing.errors import CheckpointError
+    from megatron_kto.config.architecture import GPTArchitecture
     from megatron_kto.hf_writer.output import HFOutput
-    from megatron_kto.models.architecture import GPTArchitecture
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
     from megatron_kto.peft.wiring import LoRASettings, apply_lora
     from megatron_kto.runtime import init_runtime

@@ -26,8 +26,8 @@ LAYERS, HIDDEN, FFN, VOCAB = 8, 128, 512, 1000
 
 
 def _worker(rank: int, world_size: int, out_dir: str, max_shard_bytes: int) -> dict[str, int]:
+    from megatron_kto.config.architecture import GPTArchitecture
     from megatron_kto.hf_writer.output import HFOutput
-    from megatron_kto.models.architecture import GPTArchitecture
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks, unwrap
     from megatron_kto.planning.measure import AllocationTrace
     from megatron_kto.runtime import init_runtime, teardown

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_kto.config.entry import compose_run_config
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.config.validate import ConfigError
 from megatron_kto.conversion.mappings import to_hf, to_megatron
+from megatron_kto.entry import compose_run_config
 from megatron_kto.hf_writer.output import _recover, _replace
-from megatron_kto.models.architecture import GPTArchitecture
 
 
 @pytest.mark.parametrize(

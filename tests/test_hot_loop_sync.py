@@ -36,7 +36,7 @@ from multirank import run_multirank
 from sync_guard import HostSyncGuard
 from test_kto_model import VOCAB, _batch, _settings
 
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
 from megatron_kto.models.dpo_model import (
     REF_CHOSEN,
@@ -428,9 +428,9 @@ def test_cuda_runs_load_batches_into_pinned_memory(tmp_path) -> None:
     from pathlib import Path
     from types import SimpleNamespace
 
-    from megatron_kto.config.entry import compose_run_config
     from megatron_kto.data.pipeline import build_split
     from megatron_kto.data.tokenizers import load_tokenizer
+    from megatron_kto.entry import compose_run_config
 
     repo = Path(__file__).resolve().parents[1]
     cfg = compose_run_config("gpt_kto", ["example=tiny_kto", "model.data.use_cache=false"]).cfg

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_kto.algorithms.kto import KTOTrainer
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.losses.kto import kto_total_loss
-from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
 from megatron_kto.models.kto_model import REF_KL, REF_SAMPLES, KTOSettings, MegatronGPTKTOModel
 from megatron_kto.models.logprobs import masked_sum, token_logprobs

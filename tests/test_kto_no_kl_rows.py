@@ -16,11 +16,11 @@ import torch
 from e2e_cli import TOKENIZER, TRAIN_DATA
 
 from megatron_kto.algorithms.kto import KTOTrainer
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.data.collate import kto_custom_collate
 from megatron_kto.data.dataset import build_kto_dataset
 from megatron_kto.data.tokenizers import load_tokenizer
 from megatron_kto.logging.throughput import ModelFlops
-from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks, unwrap
 from megatron_kto.models.kto_model import REF_KL, KTOSettings, MegatronGPTKTOModel
 from megatron_kto.models.reference import SeparateReference, copy_weights

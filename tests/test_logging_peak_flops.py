@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.logging.peak_flops import (
     MIN_TRIALS,
     GemmShape,
@@ -13,7 +14,6 @@ from megatron_kto.logging.peak_flops import (
     model_gemm_shapes,
     resolve_peak,
 )
-from megatron_kto.models.architecture import GPTArchitecture
 
 
 def _shapes(shapes: list[GemmShape]) -> dict[str, tuple[int, int, int]]:

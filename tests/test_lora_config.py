@@ -20,8 +20,8 @@ from megatron_kto.config.schema import ModelConfig
 from megatron_kto.peft.adapter_config import adapter_values, read_adapter_config
 from megatron_kto.peft.settings import (
     check_peft,
-    holds_starting_adapter,
     lora_settings,
+    reference_includes_starting_adapter,
     reference_strategy,
     resolve_lora_tuning,
     targets_and_layers,
@@ -91,16 +91,16 @@ def test_reference_defaults():
 
 def test_frozen_starting_adapter_only_when_the_start_is_not_the_base():
     adapter = "peft.restore_from_path=/some/adapter"
-    assert holds_starting_adapter(_model(adapter))
-    assert not holds_starting_adapter(_model(adapter, "peft.reference=base"))
-    assert not holds_starting_adapter(_model())  # B = 0: the start is the base
+    assert reference_includes_starting_adapter(_model(adapter))
+    assert not reference_includes_starting_adapter(_model(adapter, "peft.reference=base"))
+    assert not reference_includes_starting_adapter(_model())  # B = 0: the start is the base
     both = [
         "peft.lora_tuning.column_init_method=kaiming",
         "peft.lora_tuning.row_init_method=normal",
     ]
-    assert holds_starting_adapter(_model(*both))
-    assert not holds_starting_adapter(_model(*both, "peft.reference=base"))
-    assert not holds_starting_adapter(_model(*both, "peft.peft_scheme=none"))
+    assert reference_includes_starting_adapter(_model(*both))
+    assert not reference_includes_starting_adapter(_model(*both, "peft.reference=base"))
+    assert not reference_includes_starting_adapter(_model(*both, "peft.peft_scheme=none"))
 
 
 def test_target_names():

@@ -42,8 +42,8 @@ def _write_lora_checkpoint(root: Path) -> tuple[dict[str, torch.Tensor], int]:
         save_sharded,
         write_architecture,
     )
-    from megatron_kto.config.entry import compose_run_config
-    from megatron_kto.models.architecture import GPTArchitecture
+    from megatron_kto.config.architecture import GPTArchitecture
+    from megatron_kto.entry import compose_run_config
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
     from megatron_kto.peft.checkpoint import (
         BASE_FILE,

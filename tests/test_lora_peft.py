@@ -15,7 +15,7 @@ get a non-zero B, so they change the logits by O(1). Shown here:
   the adapter model's logits;
 * import -> export of an adapter directory is bit-exact;
 * the same with adapters on some projections of the fused linears only (q, v, up, o);
-* at TP=2+SP a frozen copy of the imported adapter (`hold_starting_adapter`) stays the
+* at TP=2+SP a frozen copy of the imported adapter (`freeze_starting_adapter_copy`) stays the
   reference (`reference_adapters`) after the trained adapter moves.
 """
 
@@ -140,7 +140,7 @@ def _tp2_worker(rank: int, world_size: int, root: str) -> dict:
     from megatron_kto.peft.wiring import (
         adapters_disabled,
         apply_lora,
-        hold_starting_adapter,
+        freeze_starting_adapter_copy,
         reference_adapters,
     )
     from megatron_kto.runtime import init_runtime, teardown
@@ -159,7 +159,7 @@ def _tp2_worker(rank: int, world_size: int, root: str) -> dict:
         out[name] = _logits(chunks)
         # Keep the imported adapter as the reference, then move the trained one: the reference
         # context must still compute base + the imported adapter, the adapters-off one the base.
-        hold_starting_adapter(chunks)
+        freeze_starting_adapter_copy(chunks)
         out[name, "ref_keys"] = {
             k: tuple(v.global_shape)
             for k, v in unwrap(chunks[0]).lora.sharded_state_dict().items()

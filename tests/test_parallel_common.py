@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.models.builder import ParallelLayout
 from megatron_kto.models.logprobs import IGNORE_INDEX, masked_sum, token_logprobs
 

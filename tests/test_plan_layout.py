@@ -191,7 +191,7 @@ def test_tiny_model_fits_and_bad_arguments_exit_2(tmp_path):
 
 
 def test_startup_table_warns_only_when_the_device_is_too_small():
-    from megatron_kto.config.entry import compose_run_config
+    from megatron_kto.entry import compose_run_config
     from megatron_kto.planning.memory import format_plan, run_inputs, worst_rank
 
     prepared = compose_run_config("gpt_kto", ["model.micro_batch_size=2"], world_size=1)
@@ -247,7 +247,7 @@ def test_8b_lora_on_one_24gb_gpu_fits(tmp_path):
 def test_context_parallel_plans_a_rank_holding_a_part_of_every_row():
     """CP=2 on 4 ranks: each rank's micro-batch is half of every row (ceil), the data is split
     over DP = 2 (4 micro-batches of 2 out of 16), and gradients/optimizer shards over DP x CP."""
-    from megatron_kto.config.entry import compose_run_config
+    from megatron_kto.entry import compose_run_config
     from megatron_kto.planning.memory import run_inputs
 
     overrides = [

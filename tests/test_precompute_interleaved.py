@@ -75,8 +75,8 @@ def _table(tp: int, pp: int, vpp: int | None, ckpt: Path) -> torch.Tensor:
 
 def _single(rank: int, world_size: int, tmp: str) -> torch.Tensor:
     from megatron_kto.checkpointing.model_io import save_model
+    from megatron_kto.config.architecture import GPTArchitecture
     from megatron_kto.data.tokenizers import load_tokenizer
-    from megatron_kto.models.architecture import GPTArchitecture
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
     from megatron_kto.runtime import init_runtime, teardown
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from megatron_kto.algorithms.precompute import Coverage, compute_table, load_or_compute
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.data.collate import kto_custom_collate
 from megatron_kto.data.dataset import build_kto_dataset
 from megatron_kto.data.kl_pairs import BatchKLPartners
 from megatron_kto.data.pipeline import Split
 from megatron_kto.data.tokenizers import load_tokenizer
-from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
 from megatron_kto.models.kto_model import KTOSettings, MegatronGPTKTOModel
 from megatron_kto.models.reference import CPUSwapReference, PrecomputedReference

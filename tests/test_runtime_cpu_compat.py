@@ -145,7 +145,7 @@ def _type_checks() -> dict:
 
 def _causality_checks(tp_size: int) -> dict:
     """Logits at position j depend only on tokens <= j (megatron's default causal mask path)."""
-    from megatron_kto.models.architecture import GPTArchitecture
+    from megatron_kto.config.architecture import GPTArchitecture
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
     from megatron_kto.models.logprobs import token_logprobs
 

@@ -17,7 +17,7 @@ import torch
 
 from megatron_kto.algorithms.dpo import LoopSettings
 from megatron_kto.algorithms.kto import KTOTrainer
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
 from megatron_kto.models.forward import LOGP_SUM, forward_sequence_stats
 from megatron_kto.models.kto_model import KTOSettings, MegatronGPTKTOModel

@@ -74,8 +74,8 @@ def _worker(rank: int, cp: int, port: int, args: argparse.Namespace, out: dict) 
     )
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
+    from megatron_kto.config.architecture import GPTArchitecture
     from megatron_kto.data.collate import kto_custom_collate
-    from megatron_kto.models.architecture import GPTArchitecture
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
     from megatron_kto.models.kto_model import (
         REF_KL,

@@ -90,7 +90,7 @@ def _set_threads(threads: int | None) -> int:
 def _compose(config_name: str, overrides: list[str]) -> Any:
     # As the trainer composes it: the bundled example unless data or a checkpoint is given,
     # the architecture and tokenizer resolved.
-    from megatron_kto.config.entry import compose_run_config
+    from megatron_kto.entry import compose_run_config
 
     algorithm = "dpo" if "dpo" in config_name else "kto"
     return compose_run_config(config_name, overrides, algorithm, config_dir=CONF_DIR).cfg
@@ -232,10 +232,11 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any] | None:
     threads = _set_threads(args.threads)
     import torch
 
+    from megatron_kto.config.architecture import GPTArchitecture
     from megatron_kto.config.machine import canonical_precision
     from megatron_kto.logging.peak_flops import model_gemm_shapes, resolve_peak
-    from megatron_kto.models.architecture import GPTArchitecture
     from megatron_kto.run import run_alignment
+    from megatron_kto.runtime.precision import precision_dtype
 
     log_dir = args.log_dir or _default_log_dir()
     overrides = [
@@ -252,8 +253,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any] | None:
     # Decided here rather than inside the run so that both sides use one and the same peak.
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else "cpu"
-    half = {"bf16": torch.bfloat16, "16": torch.float16}
-    dtype = half.get(canonical_precision(spec["precision"]), torch.float32)
+    dtype = precision_dtype(canonical_precision(spec["precision"]))
     peak = resolve_peak(
         cfg.trainer.peak_flops_per_device, device, dtype,
         model_gemm_shapes(

@@ -80,7 +80,7 @@ def measure(args: argparse.Namespace, chunk_size: int) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     sys.path.insert(0, str(REPO))
-    from megatron_kto.models.architecture import GPTArchitecture
+    from megatron_kto.config.architecture import GPTArchitecture
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
     from megatron_kto.models.kto_model import REF_KL, REF_SAMPLES, KTOSettings, MegatronGPTKTOModel
     from megatron_kto.models.reference import SeparateReference, copy_weights

@@ -86,7 +86,7 @@ def worker(args: argparse.Namespace) -> dict:
     """One side in this process: its traced run, timings and planned model state."""
     import torch
 
-    from megatron_kto.config.entry import compose_run_config
+    from megatron_kto.entry import compose_run_config
     from megatron_kto.planning.measure import AllocationTrace, host_bytes
     from megatron_kto.planning.memory import run_inputs, worst_rank
     from megatron_kto.planning.model_state import model_state

@@ -221,7 +221,7 @@ def measure_rank(rank: int, world: int, overrides: list[str]) -> dict:
     from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
 
     from megatron_kto import run
-    from megatron_kto.config.entry import compose_run_config
+    from megatron_kto.entry import compose_run_config
     from megatron_kto.models.builder import unwrap
     from megatron_kto.models.reference import SeparateReference
     from megatron_kto.models.schedule import row_lengths, scored_per_row, to_device

@@ -73,7 +73,7 @@ def preset_overrides(preset: str) -> list[str]:
     if preset == "example":
         return []
     # The bundled example's settings (fp32, tokenizer, batch sizes, lr) under the larger shape:
-    # a run that names its own data no longer gets them implicitly (config/entry.py).
+    # a run that names its own data no longer gets them implicitly (megatron_kto/entry.py).
     return [
         "example=tiny_kto",
         *LONGTAIL_MODEL,

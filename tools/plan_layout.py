@@ -22,9 +22,9 @@ import re
 import sys
 from pathlib import Path
 
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.hf_config import ConversionError
 from megatron_kto.conversion.hf_dir import model_architecture, read_json
-from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.peft.targets import resolve_targets
 from megatron_kto.planning.layout import GPU_TYPES, Cluster, candidates, format_candidates
 from megatron_kto.planning.model_state import LoRAShape

@@ -329,12 +329,12 @@ def trl_figures(spec: dict[str, Any], peak_flops: float, warmup: int, steps: int
     counts its own (tokens, model FLOPs of each row at its own length, MFU against `peak_flops`)."""
     import torch
 
+    from megatron_kto.config.architecture import GPTArchitecture
     from megatron_kto.logging.throughput import (
         FWD_BWD_MULTIPLIER,
         architecture_flops,
         kto_pass_tokens,
     )
-    from megatron_kto.models.architecture import GPTArchitecture
 
     run = run_trl_kto(spec, warmup + steps)
     flops = architecture_flops(

@@ -8,5 +8,5 @@ Modules (import them directly; this package imports nothing so that light users 
 - `model_io`: model-only checkpoints (conversion tool format).
 - `optimizer_state`: optimizer sharded state + megatron-core 0.16.1 workarounds.
 - `rng`: per-rank RNG state. `files`: on-disk layout, atomic commit, manifest, retention.
-- `preemption`: `PreemptionHandler`, `parse_max_time`. `errors`: `CheckpointError`.
+- `preemption`: `PreemptionHandler` (`trainer.max_time`: `config.max_time`). `errors`: `CheckpointError`.
 """

@@ -27,7 +27,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatron_kto.checkpointing import files
+from megatron_kto.checkpointing.adapter_files import ADAPTER_CONFIG, is_adapter_dir
 from megatron_kto.checkpointing.errors import CheckpointError
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.hf_config import ConversionError
 from megatron_kto.conversion.hf_dir import CONFIG as HF_CONFIG
 from megatron_kto.conversion.hf_dir import (
@@ -37,8 +39,6 @@ from megatron_kto.conversion.hf_dir import (
     looks_like_hf_dir,
     read_hf_architecture,
 )
-from megatron_kto.models.architecture import GPTArchitecture
-from megatron_kto.peft.adapter_config import ADAPTER_CONFIG, is_adapter_dir
 
 logger = logging.getLogger(__name__)
 

@@ -22,18 +22,24 @@ import torch.distributed as dist
 from megatron.core import package_info, parallel_state
 
 from megatron_kto.checkpointing import files, optimizer_state, rng
+from megatron_kto.checkpointing.adapter_files import (
+    BASE_FILE,
+    adapter_sharded_state_dict,
+    check_same_base,
+)
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.checkpointing.model_io import (
+    load_adapter_state,
     model_sharded_state_dict,
     save_sharded,
     write_architecture,
 )
 from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir, restore_pretrained
 from megatron_kto.checkpointing.spec_compat import load_module_state, load_sharded
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.config.architecture import GPTArchitecture
+from megatron_kto.console import error_summary
 from megatron_kto.models.builder import unwrap
 from megatron_kto.models.training_setup import finish_param_sync
-from megatron_kto.peft import checkpoint as lora_checkpoint
 
 __all__ = ["CheckpointManager", "current_layout", "resolve_pretrained_dir", "restore_pretrained"]
 
@@ -41,13 +47,6 @@ logger = logging.getLogger(__name__)
 
 #: trainer_state keys a resume cannot do without (the sampler restarts from them).
 REQUIRED_TRAINER_KEYS = ("epoch", "consumed_samples")
-
-
-def _one_line(error: BaseException, limit: int = 240) -> str:
-    """`Type: first line of the message`, shortened — errors from torch can span pages."""
-    lines = str(error).strip().splitlines()
-    text = f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 class _Incompatible(CheckpointError):
@@ -133,7 +132,7 @@ class CheckpointManager:
     Args:
         root: checkpoint root, e.g. `<explicit_log_dir>/checkpoints` (created if missing).
         keep_last: how many complete checkpoints to keep; ≤ 0 keeps all.
-        lora_base: for a LoRA run, the record of its frozen base (`peft.checkpoint.base_record`):
+        lora_base: for a LoRA run, the record of its frozen base (`adapter_files.base_record`):
             checkpoints then hold the adapters and their optimizer state only, plus this record,
             and resuming refuses a checkpoint trained on another base.
     """
@@ -182,7 +181,7 @@ class CheckpointManager:
         model_sd = model_sharded_state_dict(model_chunks)
         if self.lora_base is None:
             return model_sd
-        return lora_checkpoint.adapter_sharded_state_dict(model_sd)
+        return adapter_sharded_state_dict(model_sd)
 
     # -------------------------------------------------------------------------------------- save
     def save(
@@ -261,7 +260,7 @@ class CheckpointManager:
                 files.atomic_write_text(tmp / files.CONFIG, config_yaml)
                 write_architecture(tmp, arch)
                 if self.lora_base is not None:
-                    files.write_json(tmp / lora_checkpoint.BASE_FILE, self.lora_base)
+                    files.write_json(tmp / BASE_FILE, self.lora_base)
         except OSError as e:
             error = e
         if not self._all_ok(error is None):
@@ -391,9 +390,9 @@ class CheckpointManager:
                 raise CheckpointError(str(error)) from error
             if error is not None and self._rank != 0:
                 # Rank 0 only learns that some rank failed: say why from here.
-                logger.warning("rank %d cannot load %s: %s", self._rank, path, _one_line(error))
+                logger.warning("rank %d cannot load %s: %s", self._rank, path, error_summary(error))
             self._skip(
-                path, _one_line(error) if error else "failed on another rank", problems, older
+                path, error_summary(error) if error else "failed on another rank", problems, older
             )
         detail = "; ".join(problems) if problems else "no step_<N> directories"
         raise CheckpointError(f"{where}: no usable checkpoint ({detail})")
@@ -424,10 +423,10 @@ class CheckpointManager:
                 "model.optim.name, or start a new run from these weights with "
                 f"pretrained_checkpoint.restore_from_path={path}"
             )
-        lora_saved = (path / lora_checkpoint.BASE_FILE).is_file()
+        lora_saved = (path / BASE_FILE).is_file()
         if self.lora_base is not None:
             try:
-                lora_checkpoint.check_same_base(path, self.lora_base["fingerprint"])
+                check_same_base(path, self.lora_base["fingerprint"])
             except CheckpointError as e:
                 raise _Incompatible(str(e)) from e
         elif lora_saved:
@@ -474,7 +473,7 @@ class CheckpointManager:
         for i, chunk in enumerate(model_chunks):
             key = "model" if len(model_chunks) == 1 else f"model{i}"
             if self.lora_base is not None:
-                lora_checkpoint.load_adapter_state(chunk, loaded[key], str(path))
+                load_adapter_state(chunk, loaded[key], str(path))
             else:
                 load_module_state(unwrap(chunk), loaded[key], str(path))
         if optimizer is not None:

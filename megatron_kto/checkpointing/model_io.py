@@ -21,10 +21,11 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+from megatron_kto.checkpointing.adapter_files import ADAPTER_PREFIX
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.checkpointing.locate import ARCH_FILE, read_architecture
 from megatron_kto.checkpointing.spec_compat import load_module_state, load_sharded
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.models.builder import unwrap
 from megatron_kto.models.training_setup import finish_param_sync
 
@@ -114,3 +115,15 @@ def load_model(ckpt_dir: str | Path, chunks: list[torch.nn.Module]) -> None:
     for i, chunk in enumerate(chunks):
         state = loaded["model"] if len(chunks) == 1 else loaded[f"model{i}"]
         load_module_state(unwrap(chunk), state, str(ckpt_dir))
+
+
+def load_adapter_state(chunk: torch.nn.Module, state: dict[str, Any], where: str) -> None:
+    """Load the adapter entries of a loaded (adapter-only) model state into `chunk`, strictly."""
+    container = unwrap(chunk).lora
+    inner = {k[len(ADAPTER_PREFIX) :]: v for k, v in state.items() if k.startswith(ADAPTER_PREFIX)}
+    result = container.load_state_dict(inner, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise CheckpointError(
+            f"{where}: the adapters do not fit this run's model.peft.lora_tuning (missing "
+            f"{result.missing_keys[:2]}, unexpected {result.unexpected_keys[:2]})"
+        )

@@ -1,4 +1,5 @@
-"""Graceful stop on preemption (SIGTERM / SIGUSR1) and the `trainer.max_time` limit.
+"""Graceful stop on preemption (SIGTERM / SIGUSR1); `trainer.max_time` is read by
+`config.max_time.parse_max_time`.
 
 Schedulers (SLURM, Kubernetes) announce preemption with a signal some time before killing the
 job. `PreemptionHandler` only records the signal; the trainer polls `requested` after each step,
@@ -8,9 +9,7 @@ from it.
 
 from __future__ import annotations
 
-import datetime
 import logging
-import re
 import signal
 import threading
 from collections.abc import Iterable
@@ -20,7 +19,6 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_DHMS = re.compile(r"^\s*(\d+):(\d+):(\d+):(\d+)\s*$")
 
 
 class PreemptionHandler:
@@ -70,40 +68,3 @@ class PreemptionHandler:
             # closest equivalent we can put back.
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
-
-
-def parse_max_time(value: Any) -> float | None:
-    """`trainer.max_time` in seconds, Lightning/NeMo style.
-
-    Accepts "DD:HH:MM:SS" (e.g. "00:03:55:00"), a `datetime.timedelta`, a dict of
-    `days`/`hours`/`minutes`/`seconds`, or a number of seconds; None or "" (or "null") means no
-    limit.
-
-    Raises:
-        ValueError: unparseable or not positive.
-    """
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "null", "none")):
-        return None
-    if isinstance(value, datetime.timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, dict):
-        unknown = set(value) - {"days", "hours", "minutes", "seconds"}
-        if unknown:
-            raise ValueError(f"unknown keys {sorted(unknown)}; use days/hours/minutes/seconds")
-        seconds = datetime.timedelta(**{k: float(v) for k, v in value.items()}).total_seconds()
-    elif isinstance(value, bool):
-        raise ValueError(f"expected 'DD:HH:MM:SS', got {value!r}")
-    elif isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str):
-        m = _DHMS.match(value)
-        if not m:
-            raise ValueError(f"expected 'DD:HH:MM:SS' (e.g. '00:03:55:00'), got {value!r}")
-        # Like Lightning, fields may overflow ("00:48:00:00" is two days).
-        days, hours, minutes, secs = (int(g) for g in m.groups())
-        seconds = float(((days * 24 + hours) * 60 + minutes) * 60 + secs)
-    else:
-        raise ValueError(f"expected 'DD:HH:MM:SS', got {type(value).__name__} {value!r}")
-    if seconds <= 0:
-        raise ValueError(f"must be positive, got {value!r}")
-    return seconds

@@ -14,8 +14,8 @@ import torch
 
 from megatron_kto.checkpointing.locate import resolve_pretrained_dir
 from megatron_kto.checkpointing.model_io import load_model, read_architecture
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.hf_dir import looks_like_hf_dir
-from megatron_kto.models.architecture import GPTArchitecture
 
 __all__ = ["resolve_pretrained_dir", "restore_pretrained"]
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class ConfigError(ValueError):
     """An impossible or inconsistent configuration; the message starts with the key."""
@@ -11,3 +14,9 @@ def need(condition: bool, key: str, message: str) -> None:
     """Raise `ConfigError("<key>: <message>")` unless `condition` holds."""
     if not condition:
         raise ConfigError(f"{key}: {message}")
+
+
+def suggestion(key: str, known: Iterable[str]) -> str:
+    """` (did you mean 'x'?)` for the known key closest to a mistyped `key`, else ''."""
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

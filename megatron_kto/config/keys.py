@@ -6,22 +6,15 @@ Hydra/OmegaConf could not compose (unknown key, wrong type, bad override syntax)
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from megatron_kto.config.errors import ConfigError
-
-
-def suggestion(key: str, known: Iterable[str]) -> str:
-    close = difflib.get_close_matches(key, list(known), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+from megatron_kto.config.errors import ConfigError, suggestion
+from megatron_kto.config.nemo_aligner import describe_key
 
 
 def _unknown(full_key: str, key: str, known: Iterable[str]) -> str:
     """The message for an unknown key: NeMo-Aligner's keys get what they mean here."""
-    from megatron_kto.config.nemo_aligner import describe_key
-
     nemo = describe_key(full_key)
     if nemo is not None:
         return f"{full_key}: unknown config key: {nemo}"

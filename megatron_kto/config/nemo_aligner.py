@@ -26,8 +26,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_kto.config.errors import ConfigError
-from megatron_kto.config.keys import suggestion
+from megatron_kto.config.errors import ConfigError, suggestion
 
 #: Our own algorithm configs, whose values (not their defaults lists) a foreign config is laid
 #: over, as Hydra lays command-line overrides over them.

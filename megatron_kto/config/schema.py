@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.config.architecture import GPTArchitecture
 
 
 @dataclass
@@ -190,7 +190,7 @@ class LoRATuningConfig:
 
     # Unset (None) rank, alpha, dropout, targets and layers are read from the starting adapter
     # (model.peft.restore_from_path), which fixes them, else take the built-in defaults
-    # (peft.settings.LORA_DEFAULTS); config.prepare writes the values used back here.
+    # (peft.settings.LORA_DEFAULTS); prepare.py writes the values used back here.
     adapter_dim: int | None = None
     """LoRA rank r; None: the starting adapter's, else 32."""
     alpha: float | None = None

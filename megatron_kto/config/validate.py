@@ -11,8 +11,8 @@ from megatron_kto.config.errors import ConfigError, need
 from megatron_kto.config.keys import check_known_keys
 from megatron_kto.config.layout import check_expert_layout, check_layout, data_parallel_size
 from megatron_kto.config.machine import attention_choice, canonical_precision
+from megatron_kto.config.max_time import parse_max_time
 from megatron_kto.losses.dpo_types import DPOLossConfigError, check_loss_mixture, loss_type_names
-from megatron_kto.peft.settings import check_peft
 
 __all__ = [
     "ConfigError",
@@ -148,8 +148,6 @@ def validate(
     canonical_precision(t.precision)
     need(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", "must be >= 1")
     if t.max_time:
-        from megatron_kto.checkpointing.preemption import parse_max_time
-
         try:
             parse_max_time(t.max_time)
         except ValueError as e:
@@ -304,8 +302,6 @@ def validate(
         except DPOLossConfigError as e:
             raise ConfigError(f"model.dpo.{e.field}: {e}") from None
         fwd = d.log_prob_forward_micro_batch_size
-    # model.peft.* and the reference policies it allows (architecture fields are resolved).
-    check_peft(m, algorithm, m)
     _check_hf_output(cfg.exp_manager, m)
     if fwd is not None:
         need(fwd >= 1, f"model.{algorithm}.log_prob_forward_micro_batch_size", "must be >= 1")

@@ -24,10 +24,10 @@ import torch
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.checkpointing.model_io import read_architecture
 from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir, restore_pretrained
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.data.collate import IGNORE_INDEX, inputs_and_labels
 from megatron_kto.data.dataset import KTODataset, build_kto_dataset
 from megatron_kto.data.tokenizers import Tokenizer
-from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
 from megatron_kto.models.forward import (
     LOGP_SUM,

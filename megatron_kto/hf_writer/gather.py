@@ -20,15 +20,15 @@ collectives); only the stage's writer keeps what it gets. Memory: one gathered t
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.mappings import COLUMN, FINAL_NORM, Mapping, layer_table, norm_names
-from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.models.builder import unwrap
+from megatron_kto.models.tp_gather import gather_tp
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 #: (prefix, expert index, suffix) of the local and Transformer Engine expert spellings.
@@ -36,21 +36,6 @@ _EXPERTS = (
     re.compile(r"(mlp\.experts\.local_experts\.)(\d+)(\..+)"),
     re.compile(r"(mlp\.experts\.linear_fc[12]\.weight)(\d+)()"),
 )
-
-
-def gather_tp(tensor: torch.Tensor, axis: int | None, kind: str, group: Any) -> torch.Tensor:
-    """The full tensor of which `tensor` is this rank's shard along `axis` over `group` (axis
-    None: replicated, returned as is; group None: no group, returned as is — never the default
-    group); `kind` "gated_mlp" un-interleaves the per-rank [gate; up] halves."""
-    size = dist.get_world_size(group) if group is not None else 1
-    if axis is None or size == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    if kind == "gated_mlp":
-        halves = [part.chunk(2, dim=0) for part in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(parts, dim=axis)
 
 
 class StageTensors:

@@ -45,6 +45,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_kto.checkpointing.errors import CheckpointError
+from megatron_kto.config.architecture import GPTArchitecture
+from megatron_kto.console import error_summary
 from megatron_kto.conversion.convert import (
     DTYPES,
     HF_CONFIG,
@@ -56,7 +58,6 @@ from megatron_kto.conversion.convert import (
 from megatron_kto.conversion.mappings import to_hf
 from megatron_kto.conversion.safetensors_io import ShardSet, finish_shards, write_shard_files
 from megatron_kto.hf_writer.gather import StageTensors
-from megatron_kto.models.architecture import GPTArchitecture
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +217,7 @@ class HFOutput:
             return None
         return (
             f"{where}: writing the Hugging Face output failed on rank {self._rank}: "
-            f"{_one_line(error)}"
+            f"{error_summary(error)}"
         )
 
     def _write_stage(self, chunks: list[torch.nn.Module], tmps: list[Path]) -> Exception | None:
@@ -436,8 +437,3 @@ def _replace(tmp: Path, final: Path) -> None:
         final.rename(old)
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _one_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:240]

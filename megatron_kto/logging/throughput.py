@@ -100,7 +100,7 @@ def moe_flops_per_token(arch: Any) -> float:
 
 
 def architecture_flops(arch: Any, padded_vocab: int) -> ModelFlops:
-    """`ModelFlops` of a `models.architecture.GPTArchitecture` with its padded vocabulary (terms
+    """`ModelFlops` of a `config.architecture.GPTArchitecture` with its padded vocabulary (terms
     as in `gpt_flops_per_token`; an MoE layer's MLP as `moe_flops_per_token` says: the FLOPs a
     token really uses, not those of every expert)."""
     heads = arch.num_attention_heads

@@ -19,7 +19,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.models.layer_options import moe_transformer_config
 from megatron_kto.models.layer_specs import decoder_block_spec
 from megatron_kto.runtime.attention_backend import (
@@ -28,11 +28,11 @@ from megatron_kto.runtime.attention_backend import (
     head_dim_of,
 )
 from megatron_kto.runtime.gpu_settings import Accelerator, fusion_settings
+from megatron_kto.runtime.precision import precision_dtype
 
 logger = logging.getLogger(__name__)
 
 _ACTIVATIONS = {"swiglu": F.silu, "gelu": F.gelu, "relu": F.relu}
-_HALF_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16}
 
 
 @dataclass
@@ -83,12 +83,8 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         raise ValueError(
             f"model.activation must be one of {sorted(_ACTIVATIONS)}, got {arch.activation!r}"
         )
-    if layout.precision not in _HALF_DTYPES and layout.precision != "32":
-        raise ValueError(
-            f"trainer.precision must be '32', 'bf16' or '16', got {layout.precision!r}"
-        )
+    dtype = precision_dtype(layout.precision)
     bf16, fp16 = layout.precision == "bf16", layout.precision == "16"
-    dtype = _HALF_DTYPES.get(layout.precision, torch.float32)
     on_gpu = torch.cuda.is_available()
     recompute = layout.activations_checkpoint_granularity
     return TransformerConfig(

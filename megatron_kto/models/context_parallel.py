@@ -19,7 +19,7 @@ the order that puts the CP ranks' gathered keys and values back in row order —
 per micro-batch on the device from the segment bounds already there (`split_index`) and read by
 every layer (`PackedRows.cp_order`; a padded micro-batch's are shared by shape). The number of
 scored positions this rank keeps, which lets the output layer select them with a static size,
-is counted on the host from each row's scored runs (`local_scored`, `schedule.SCORED_SPANS`).
+is counted on the host from each row's scored runs (`local_scored`, `packing.SCORED_SPANS`).
 
 Per-row statistics are partial on each rank (its chunks' completion tokens) and are summed over
 the CP group by `reduce_row_stats` — see its docstring for why the gradient stays right.
@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_kto.models.packing import PACKED, PackedRows
+from megatron_kto.models.packing import NUM_SCORED, PACKED, SCORED_SPANS, PackedRows
 
 #: Micro-batch keys of [rows, T] tensors that the split follows.
 SPLIT_KEYS = ("tokens", "labels", "position_ids")
@@ -135,7 +135,7 @@ def local_scored(
     """How many scored positions this CP rank keeps, from host facts alone.
 
     Args:
-        spans: per row, its scored columns as (start, end) runs (`schedule.SCORED_SPANS`).
+        spans: per row, its scored columns as (start, end) runs (`packing.SCORED_SPANS`).
         seqlens: per row, its whole (padded) length, a multiple of 2·CP.
         cp_size, cp_rank: the CP group's size and this rank.
 
@@ -169,8 +169,6 @@ def split_micro_batch(batch: dict, cp_size: int, cp_rank: int) -> dict:
     Raises:
         ValueError: a segment (or padded row) that is not a multiple of 2·CP.
     """
-    from megatron_kto.models.schedule import NUM_SCORED, SCORED_SPANS
-
     if cp_size == 1:
         return batch
     packed: PackedRows | None = batch.get(PACKED)

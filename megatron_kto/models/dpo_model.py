@@ -22,7 +22,12 @@ from megatron_kto.models.forward import (
     stats_forward_step,
 )
 from megatron_kto.models.output_head import DEFAULT_LOGPROB_CHUNK_SIZE
-from megatron_kto.models.packing import DEFAULT_PACK_SEQUENCES, ROW_LENGTHS
+from megatron_kto.models.packing import (
+    DEFAULT_PACK_SEQUENCES,
+    NUM_SCORED,
+    ROW_LENGTHS,
+    SCORED_SPANS,
+)
 from megatron_kto.models.reference import ReferencePolicy
 from megatron_kto.models.router_stats import (
     RouterStatistics,
@@ -32,8 +37,6 @@ from megatron_kto.models.router_stats import (
     aux_scalars,
 )
 from megatron_kto.models.schedule import (
-    NUM_SCORED,
-    SCORED_SPANS,
     Batch,
     broadcast_from_last_stage,
     row_lengths,

@@ -22,9 +22,14 @@ from megatron_kto.models.output_head import (
     hidden_states_output,
     output_head,
 )
-from megatron_kto.models.packing import DEFAULT_PACK_SEQUENCES, PACKED, PackedRows, segment_sums
-from megatron_kto.models.schedule import (
+from megatron_kto.models.packing import (
+    DEFAULT_PACK_SEQUENCES,
     NUM_SCORED,
+    PACKED,
+    PackedRows,
+    segment_sums,
+)
+from megatron_kto.models.schedule import (
     Batch,
     Spans,
     broadcast_from_last_stage,

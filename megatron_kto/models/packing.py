@@ -52,6 +52,12 @@ ROW_LENGTHS = "row_lengths"
 #: 1 when a training pass also runs each sequence's final token (`router_stats.
 #: append_final_tokens`: its routing counts in the load-balancing loss, nothing is scored there).
 ROUTED_TAIL = "routed_tail"
+#: Micro-batch key: number of scored positions in the micro-batch, a host int (under context
+#: parallelism, this rank's: `context_parallel.split_micro_batch`).
+NUM_SCORED = "num_scored"
+#: Micro-batch key: per row, its scored columns as (start, end) runs (host ints) — what a
+#: context-parallel split needs to know each rank's `NUM_SCORED` without reading the device.
+SCORED_SPANS = "scored_spans"
 
 #: Fill values of the [rows, T] keys a micro-batch may carry when its length is padded (on the
 #: right, or as a packed micro-batch's padding segment): attention is causal, so real positions

@@ -37,8 +37,10 @@ from megatron_kto.models.context_parallel import (
 )
 from megatron_kto.models.logprobs import IGNORE_INDEX
 from megatron_kto.models.packing import (
+    NUM_SCORED,
     PAD_VALUES,
     ROW_LENGTHS,
+    SCORED_SPANS,
     host_row_lengths,
     pack_micro_batch,
     packed_length,
@@ -52,12 +54,6 @@ HOST_SCORED = "host_scored"
 HOST_LENGTHS = "host_lengths"
 #: Batch key of host-side facts about label tensors: {labels key: `label_spans` per row}.
 HOST_SPANS = "host_spans"
-#: Micro-batch key: number of scored positions in the micro-batch, a host int (under context
-#: parallelism, this rank's: `context_parallel.split_micro_batch`).
-NUM_SCORED = "num_scored"
-#: Micro-batch key: per row, its scored columns as (start, end) runs (host ints) — what a
-#: context-parallel split needs to know each rank's `NUM_SCORED` without reading the device.
-SCORED_SPANS = "scored_spans"
 
 #: One row's scored columns: (start, end) runs, in order.
 Spans = tuple[tuple[int, int], ...]

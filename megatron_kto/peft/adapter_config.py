@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from megatron_kto.checkpointing.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from megatron_kto.peft.targets import (
     HF_MODULES,
     linear_projections,
@@ -30,17 +31,10 @@ from megatron_kto.peft.targets import (
     selected_layers,
 )
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: `LoraConfig`'s defaults, for an adapter_config.json that omits a key.
 PEFT_DEFAULTS = {"r": 8, "lora_alpha": 8, "lora_dropout": 0.0}
 #: The keys an adapter fixes: a run starting from it must have the same values.
 FIXED_KEYS = ("adapter_dim", "alpha", "target_modules", "layer_selection")
-
-
-def is_adapter_dir(path: str | Path) -> bool:
-    """Whether `path` is a PEFT adapter directory (holds adapter_config.json)."""
-    return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
 def read_adapter_config(path: str | Path) -> dict[str, Any]:

@@ -29,38 +29,20 @@ from typing import Any
 
 import torch
 
+from megatron_kto.checkpointing.adapter_files import (
+    BASE_FILE,
+    adapter_sharded_state_dict,
+    check_same_base,
+)
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.models.builder import unwrap
 from megatron_kto.models.unique_params import counted_here, world_sum
 
-BASE_FILE = "lora_base.json"
-_PREFIX = "lora."
-_RTOL = 1e-9
 #: Elements of a tensor the fingerprint converts to float64 at once (8 MiB of float64).
 FINGERPRINT_SLICE = 2**20
 #: A trained adapter matrix's dist-checkpoint key: lora.layers.<i>.<linear>.adapters.<proj>.<A|B>
 #: (the frozen starting copy, `ref_A` / `ref_B`, is not matched).
 _TRAINED = re.compile(r"lora\.layers\.(\d+)\.\w+\.adapters\.(\w+)\.(lora_A|lora_B)")
-
-
-def adapter_sharded_state_dict(model_sd: dict[str, Any]) -> dict[str, Any]:
-    """The adapter entries of a `model_io.model_sharded_state_dict` result (same nesting)."""
-    return {
-        chunk: {k: v for k, v in entries.items() if k.startswith(_PREFIX)}
-        for chunk, entries in model_sd.items()
-    }
-
-
-def load_adapter_state(chunk: torch.nn.Module, state: dict[str, Any], where: str) -> None:
-    """Load the adapter entries of a loaded (adapter-only) model state into `chunk`, strictly."""
-    container = unwrap(chunk).lora
-    inner = {k[len(_PREFIX) :]: v for k, v in state.items() if k.startswith(_PREFIX)}
-    result = container.load_state_dict(inner, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        raise CheckpointError(
-            f"{where}: the adapters do not fit this run's model.peft.lora_tuning (missing "
-            f"{result.missing_keys[:2]}, unexpected {result.unexpected_keys[:2]})"
-        )
 
 
 def _slices(w: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
@@ -118,31 +100,6 @@ def base_fingerprint(
 def base_record(restore_from_path: str | None, fingerprint: list[float]) -> dict[str, Any]:
     """What `lora_base.json` holds."""
     return {"restore_from_path": restore_from_path, "fingerprint": fingerprint}
-
-
-def check_same_base(ckpt_dir: Path, fingerprint: list[float]) -> None:
-    """Refuse to resume adapters trained on another base model.
-
-    Raises:
-        CheckpointError: one line naming the checkpoint and the base it was trained on.
-    """
-    path = Path(ckpt_dir) / BASE_FILE
-    if not path.is_file():
-        raise CheckpointError(
-            f"{ckpt_dir}: not a LoRA checkpoint ({BASE_FILE} is missing); resume it with "
-            "model.peft.peft_scheme=none"
-        )
-    saved = json.loads(path.read_text())
-    then = saved["fingerprint"]
-    same = len(then) == len(fingerprint) and all(
-        abs(a - b) <= _RTOL * max(abs(a), abs(b), 1.0) for a, b in zip(then, fingerprint)
-    )
-    if not same:
-        raise CheckpointError(
-            f"{ckpt_dir}: its adapters were trained on another base model "
-            f"(pretrained_checkpoint.restore_from_path={saved['restore_from_path']}); resume with "
-            "that base, or start a new run directory"
-        )
 
 
 def run_config(ckpt_dir: Path) -> Any:
@@ -214,7 +171,7 @@ def read_trained_adapters(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 
 def load_adapters(ckpt_dir: Path, chunks: list[torch.nn.Module]) -> None:
     """Collectively load a LoRA checkpoint's adapters into chunks that have them (any layout)."""
-    from megatron_kto.checkpointing.model_io import model_sharded_state_dict
+    from megatron_kto.checkpointing.model_io import load_adapter_state, model_sharded_state_dict
     from megatron_kto.checkpointing.spec_compat import load_sharded
 
     sharded = adapter_sharded_state_dict(model_sharded_state_dict(chunks))

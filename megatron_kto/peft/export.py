@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.config.architecture import GPTArchitecture
 
 
 def export_merged(ckpt: str | Path, out_dir: str | Path, **export: Any) -> Path:
@@ -87,7 +87,7 @@ def export_adapter(ckpt: str | Path, out_dir: str | Path) -> Path:
     )
     from megatron_kto.peft.hf_peft import expected_keys, hf_key, write_adapter_files
     from megatron_kto.peft.settings import lora_settings
-    from megatron_kto.runtime import init_runtime, teardown
+    from megatron_kto.runtime.distributed import init_runtime, teardown
 
     ckpt_dir = resolve_pretrained_dir(ckpt)
     cfg = run_config(ckpt_dir)

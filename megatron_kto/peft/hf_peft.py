@@ -90,7 +90,7 @@ def full_pair(adapter: LoRALinear, name: str) -> tuple[torch.Tensor, torch.Tenso
     over the TP group (collective; every TP rank must ask for the same pairs in order)."""
     from megatron.core import parallel_state
 
-    from megatron_kto.hf_writer.gather import gather_tp
+    from megatron_kto.models.tp_gather import gather_tp
 
     axes = adapter.shard_axes()
     group = parallel_state.get_tensor_model_parallel_group() if adapter.tp > 1 else None

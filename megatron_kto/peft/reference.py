@@ -3,7 +3,7 @@ computing with the starting adapter instead of the trained one.
 
 No reference weights are held beside the policy's: the base weights are frozen, so the policy
 chunks with every adapter disabled *are* the base model, and with the frozen copy of an imported
-starting adapter (`model.peft.reference=start`, see `wiring.hold_starting_adapter`) they are the
+starting adapter (`model.peft.reference=start`, see `wiring.freeze_starting_adapter_copy`) they are the
 starting policy. Either way the reference runs through the same packed, chunked forward as the
 policy.
 """

@@ -7,6 +7,7 @@ validation runs before any model exists).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_kto.config.errors import ConfigError
@@ -36,6 +37,20 @@ LORA_DEFAULTS: dict[str, Any] = {
 LORA_REFERENCES = ("adapters_off", "precomputed")
 FULL_REFERENCES = ("cpu_swap", "separate", "precomputed")
 _KEY = "model.peft.lora_tuning"
+
+
+@dataclass
+class LoRASettings:
+    """What `wiring.apply_lora` builds (`model.peft.lora_tuning.*`, resolved)."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
+    layer_selection: list[int] | None = None
+    init_a: str = "xavier"
+    init_b: str = "zero"
+    seed: int = 1234
 
 
 def uses_lora(model_cfg: Any) -> bool:
@@ -217,7 +232,7 @@ def check_peft(model_cfg: Any, algorithm: str, arch: Any) -> None:
             )
 
 
-def holds_starting_adapter(model_cfg: Any) -> bool:
+def reference_includes_starting_adapter(model_cfg: Any) -> bool:
     """Whether a LoRA run keeps a frozen copy of its starting adapter as the reference:
     `model.peft.reference=start` and a starting adapter that is not zero — an imported one
     (`model.peft.restore_from_path`) or an init with neither A nor B zero. A zero starting
@@ -230,9 +245,7 @@ def holds_starting_adapter(model_cfg: Any) -> bool:
 
 
 def lora_settings(model_cfg: Any) -> Any:
-    """`wiring.LoRASettings` of a LoRA run (config already checked by `check_peft`)."""
-    from megatron_kto.peft.wiring import LoRASettings
-
+    """The `LoRASettings` of a LoRA run (config already checked by `check_peft`)."""
     lt = model_cfg.peft.lora_tuning
     rank = int(tuning_value(model_cfg, "adapter_dim"))
     targets, layers = targets_and_layers(model_cfg, model_cfg)  # the model config holds the shape

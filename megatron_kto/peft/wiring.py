@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,26 +22,12 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron_kto.models.builder import unwrap
 from megatron_kto.models.unique_params import counted_here, world_sum
 from megatron_kto.peft.lora import FusedLayout, LoRALinear, Projection, attach
+from megatron_kto.peft.settings import LoRASettings
 from megatron_kto.peft.targets import (
-    DEFAULT_TARGET_MODULES,
     projection_shape,
     resolve_targets,
     selected_layers,
 )
-
-
-@dataclass
-class LoRASettings:
-    """What `apply_lora` builds (`model.peft.lora_tuning.*`, resolved)."""
-
-    rank: int
-    alpha: float
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
-    layer_selection: list[int] | None = None
-    init_a: str = "xavier"
-    init_b: str = "zero"
-    seed: int = 1234
 
 
 class LoRAAdapters(torch.nn.Module):
@@ -196,14 +181,14 @@ def adapters_disabled(chunks: list[torch.nn.Module]) -> Iterator[list[torch.nn.M
             a.enabled = was
 
 
-def hold_starting_adapter(chunks: list[torch.nn.Module]) -> None:
+def freeze_starting_adapter_copy(chunks: list[torch.nn.Module]) -> None:
     """Keep a frozen copy of every adapter's current values (call once the starting adapter is
     loaded): `reference_adapters` then makes the model base + that copy."""
     for adapter in adapters_of(chunks):
         adapter.hold_reference()
 
 
-def holds_starting_adapter(chunks: list[torch.nn.Module]) -> bool:
+def has_starting_adapter_copy(chunks: list[torch.nn.Module]) -> bool:
     """Whether the chunks' adapters hold a frozen copy of the starting adapter."""
     adapters = adapters_of(chunks)
     return bool(adapters) and all(a.holds_reference() for a in adapters)
@@ -212,7 +197,7 @@ def holds_starting_adapter(chunks: list[torch.nn.Module]) -> bool:
 @contextlib.contextmanager
 def reference_adapters(chunks: list[torch.nn.Module]) -> Iterator[list[torch.nn.Module]]:
     """The reference policy inside the scope: base + the frozen starting adapter where the
-    adapters hold one (`hold_starting_adapter`), else the base (adapters off)."""
+    adapters hold one (`freeze_starting_adapter_copy`), else the base (adapters off)."""
     adapters = adapters_of(chunks)
     previous = [(a.enabled, a.use_reference) for a in adapters]
     for a in adapters:

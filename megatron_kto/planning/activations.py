@@ -84,7 +84,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.peft.targets import projection_shape, resolve_targets
 from megatron_kto.planning.model_state import LoRAShape, ParallelDims, layers_per_chunk
 

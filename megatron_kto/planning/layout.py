@@ -56,8 +56,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.logging.throughput import architecture_flops, datasheet_peak_flops
-from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.planning.activations import ACT_BYTES, ActivationInputs
 from megatron_kto.planning.memory import GiB, MemoryPlan, rank_states, worst_rank
 from megatron_kto.planning.model_state import (
@@ -67,6 +67,7 @@ from megatron_kto.planning.model_state import (
     model_state,
     rank_chunks,
 )
+from megatron_kto.runtime.precision import PRECISION_DTYPES
 
 #: name -> (HBM bytes/s, intra-node link bytes/s per direction, device name for the FLOP/s table)
 GPU_TYPES: dict[str, tuple[float, float, str]] = {
@@ -83,7 +84,6 @@ MICRO_BATCHES = (1, 2, 4, 8)
 RECOMPUTE = (None, "selective", "full")
 REFERENCES = ("separate", "precomputed", "cpu_swap")
 LORA_REFERENCES = ("adapters_off", "precomputed")
-_DTYPE = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ def step_time(
     (`states`, `experts`: the ranks' model states and `expert_parameters`, if already
     computed)."""
     hbm, link, name = GPU_TYPES[cluster.gpu_type]
-    peak = datasheet_peak_flops(name, _DTYPE[dims.precision], tf32=True) or 1e15
+    peak = datasheet_peak_flops(name, PRECISION_DTYPES[dims.precision], tf32=True) or 1e15
     flops = architecture_flops(arch, arch.padded_vocab(dims.tp))  # MoE: the FLOPs a token uses
     row = flops.rows(torch.tensor([seq]))
     train = 2 if lora is not None else 3  # LoRA: no weight gradients of the frozen base

@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.peft.targets import projection_shape, resolve_targets, selected_layers
 
 #: Bytes per element of each precision's parameters.

@@ -18,7 +18,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_kto.runtime import cpu_compat, gpu_settings
+from megatron_kto.runtime.cpu_compat import apply as apply_cpu_compat
+from megatron_kto.runtime.gpu_settings import (
+    Accelerator,
+    apply_launch_environment,
+    transformer_engine_warning,
+)
 from megatron_kto.runtime.launcher_env import adopt_launcher_env
 
 
@@ -172,20 +177,18 @@ def init_runtime(
     local_rank = int(os.environ["LOCAL_RANK"])
     if use_cuda:
         # Before set_device creates this rank's CUDA context, which reads these variables.
-        gpu_settings.apply_launch_environment(True, tensor_parallel_size)
+        apply_launch_environment(True, tensor_parallel_size)
         # `srun --gpus-per-task=1` shows each task one GPU; otherwise one per local rank.
         device_index = local_rank % torch.cuda.device_count()
         if local_rank == 0:
-            warning = gpu_settings.transformer_engine_warning(
-                gpu_settings.Accelerator.detect().transformer_engine
-            )
+            warning = transformer_engine_warning(Accelerator.detect().transformer_engine)
             if warning:
                 logging.getLogger(__name__).warning("%s", warning)
         torch.cuda.set_device(device_index)
         dev = torch.device("cuda", device_index)
         backend = "nccl"
     else:
-        cpu_compat.apply(force=torch.cuda.is_available())
+        apply_cpu_compat(force=torch.cuda.is_available())
         dev = torch.device("cpu")
         backend = "gloo"
 

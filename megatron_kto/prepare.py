@@ -17,8 +17,9 @@ process group, no megatron-core — so a bad config stops within a couple of sec
    Unset LoRA settings (`model.peft.lora_tuning.*`) are the starting adapter's, read from its
    adapter_config.json, else the built-in defaults; stated values that contradict the adapter
    are refused.
-6. `validate.validate` with the resolved shape, then the attention backend the run will use
-   (`runtime.attention_backend`), with a note saying which and why.
+6. `validate.validate` with the resolved shape and `peft.settings.check_peft`, then the
+   attention backend the run will use (`runtime.attention_backend`), with a note saying which
+   and why.
 
 The resolved values are written back into the config (what is saved with checkpoints).
 """
@@ -38,14 +39,19 @@ from megatron_kto.checkpointing.locate import (
     read_architecture,
     resolve_pretrained_dir,
 )
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.config.keys import check_known_keys
 from megatron_kto.config.machine import attention_choice, canonical_precision, device_precision
 from megatron_kto.config.validate import ConfigError, validate
-from megatron_kto.models.architecture import GPTArchitecture
 from megatron_kto.peft.adapter_config import read_adapter_config
-from megatron_kto.peft.settings import reference_strategy, resolve_lora_tuning, uses_lora
+from megatron_kto.peft.settings import (
+    check_peft,
+    reference_strategy,
+    resolve_lora_tuning,
+    uses_lora,
+)
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 #: What a config must state to build a model without a checkpoint (the rest has safe defaults).
 REQUIRED_WITHOUT_CHECKPOINT = (
@@ -324,6 +330,9 @@ def prepare_run_config(
         m.optim.sched.min_lr = m.optim.lr / DEFAULT_MIN_LR_DIVISOR
     resolve_lora(m, arch)
     validate(cfg, world_size, algorithm, architecture_file=arch_file)
+    # model.peft.* and the reference policies it allows: peft's own checks (they read the
+    # conversion tables for target names, which config/ sits below).
+    check_peft(m, algorithm, m)
     loss = m.kto if algorithm == "kto" else m.dpo
     loss.reference_policy = reference_strategy(m, algorithm)  # its default depends on LoRA
 

@@ -12,7 +12,7 @@ finds the same one — and exit code 2 on every rank.
 Which config a launch means:
 
 - a NeMo-Aligner config (composed without our schema, e.g. `--config-path /their/conf
-  --config-name gpt_kto`) is adapted key by key (`nemo_aligner.py`);
+  --config-name gpt_kto`) is adapted key by key (`config/nemo_aligner.py`);
 - our config with neither training data, nor a checkpoint, nor a tokenizer given is the bundled
   tiny example (`conf/example/tiny_<algorithm>.yaml`), recomposed under the same overrides, with
   a note saying so — so `python examples/train_gpt_kto.py` alone trains it, while a real run
@@ -31,9 +31,10 @@ from typing import Any, NoReturn
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_kto.config.keys import composition_error_line
-from megatron_kto.config.prepare import ConfigSources, PreparedRun, prepare_run_config
+from megatron_kto.console import exit_with_user_error, one_line
+from megatron_kto.prepare import ConfigSources, PreparedRun, prepare_run_config
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 def rank() -> int:
@@ -176,14 +177,8 @@ def compose_run_config(
     return prepared
 
 
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())
-
-
 def report_user_error(message: str) -> NoReturn:
     """`error: <message>` on rank 0 only (every rank finds the same error), exit code 2."""
-    from megatron_kto.console import exit_with_user_error
-
     exit_with_user_error(message)
 
 
@@ -213,7 +208,7 @@ def run_training(cfg: Any, algorithm: str) -> None:
 
         main(cfg, algorithm)
     except user_error_types() as e:
-        report_user_error(_one_line(e))
+        report_user_error(one_line(e))
 
 
 #: How every run uses Hydra, whatever its config file says (conf/gpt_*.yaml say the same): no
