@@ -304,7 +304,8 @@ class Read:
     stop: int = 0
 
 
-def _heads(arch: GPTArchitecture) -> tuple[int, int, int]:
+def head_layout(arch: GPTArchitecture) -> tuple[int, int, int]:
+    """(query heads, query groups, head dim) of an architecture."""
     heads = arch.num_attention_heads
     return heads, arch.num_query_groups or heads, arch.kv_channels or arch.hidden_size // heads
 
@@ -325,7 +326,7 @@ def expected_hf_shapes(
     if entry.kind == "vocab":
         return ((arch.vocab_size, *rest),)
     if entry.kind == "qkv":
-        heads, groups, d = _heads(arch)
+        heads, groups, d = head_layout(arch)
         return ((heads * d, *rest), (groups * d, *rest), (groups * d, *rest))
     if entry.kind == "gated_mlp":
         return tuple((full[0] // 2, *rest) for _ in entry.hf)
@@ -353,7 +354,7 @@ def shard_reads(
         return tuple(Read(name) for name in entry.hf)
     axis = entry.tp_axis
     if entry.kind == "qkv":
-        heads, groups, d = _heads(arch)
+        heads, groups, d = head_layout(arch)
         mine = groups // size
         q_rows, kv_rows = mine * (heads // groups) * d, mine * d
         q, k, v = entry.hf
@@ -387,7 +388,7 @@ def fill(
         out[:rows].copy_(part)
         out[rows:].zero_()
     elif entry.kind == "qkv":
-        heads, groups, d = _heads(arch)
+        heads, groups, d = head_layout(arch)
         mine = groups // (size if _sharded(entry, size) else 1)
         per = heads // groups
         grouped = out.view(mine, (per + 2) * d, *out.shape[1:])

@@ -18,8 +18,8 @@ from megatron_kto.conversion.addressing import (
     FINAL_NORM,
     LOCAL_NORMS,
     OUTPUT,
-    Kind,
     Mapping,
+    head_layout,
     layer_entries,
 )
 from megatron_kto.conversion.families import Family
@@ -27,11 +27,6 @@ from megatron_kto.conversion.registry import get_family
 from megatron_kto.models.architecture import GPTArchitecture
 
 Getter = Callable[[str], torch.Tensor]
-
-
-def _shape(arch: GPTArchitecture) -> tuple[int, int, int]:
-    heads = arch.num_attention_heads
-    return heads, arch.num_query_groups or heads, arch.kv_channels or arch.hidden_size // heads
 
 
 def fuse_qkv(
@@ -87,11 +82,12 @@ def _family(family: str | Family | None) -> Family:
     return family
 
 
-def _layer_entries(
+def _placed(
     arch: GPTArchitecture, norms: dict[str, str], family: Family, layer: int
-) -> Iterator[tuple[str, tuple[str, ...], Kind]]:
+) -> Iterator[Mapping]:
+    """Layer `layer`'s entries with their global (whole) names."""
     for entry in layer_entries(family, arch, norms, layer):
-        yield entry.megatron.format(**norms), entry.hf, entry.kind
+        yield entry.at(layer, norms)
 
 
 def layer_table(
@@ -126,18 +122,18 @@ def to_megatron(
         family: the model family (a registered HF model type or a `Family`); None means llama.
     """
     fam = _family(family)
-    heads, groups, _ = _shape(arch)
+    heads, groups, _ = head_layout(arch)
     yield EMBEDDING.megatron, pad_rows(get_hf(EMBEDDING.hf[0]), padded_vocab)
     for i in range(arch.num_layers):
-        for mname, hnames, kind in _layer_entries(arch, norms, fam, i):
-            tensors = [get_hf(f"model.layers.{i}.{h}") for h in hnames]
-            if kind == "qkv":
+        for entry in _placed(arch, norms, fam, i):
+            tensors = [get_hf(h) for h in entry.hf]
+            if entry.kind == "qkv":
                 value = fuse_qkv(*tensors, heads=heads, groups=groups)
-            elif kind == "gated_mlp":
+            elif entry.kind == "gated_mlp":
                 value = fuse_fc1(*tensors)
             else:
                 (value,) = tensors
-            yield f"decoder.layers.{i}.{mname}", value
+            yield entry.megatron, value
     yield FINAL_NORM.megatron, get_hf(FINAL_NORM.hf[0])
     if not arch.share_embeddings_and_output_weights:
         yield OUTPUT.megatron, pad_rows(get_hf(OUTPUT.hf[0]), padded_vocab)
@@ -161,21 +157,20 @@ def to_hf(
             embedding and the head (final norm, output layer).
     """
     fam = _family(family)
-    heads, groups, head_dim = _shape(arch)
+    heads, groups, head_dim = head_layout(arch)
     vocab = arch.vocab_size
     if embedding:
         yield EMBEDDING.hf[0], get_megatron(EMBEDDING.megatron)[:vocab]
     for i in range(arch.num_layers) if layers is None else layers:
-        for mname, hnames, kind in _layer_entries(arch, norms, fam, i):
-            value = get_megatron(f"decoder.layers.{i}.{mname}")
-            if kind == "qkv":
+        for entry in _placed(arch, norms, fam, i):
+            value = get_megatron(entry.megatron)
+            if entry.kind == "qkv":
                 parts = split_qkv(value, heads, groups, head_dim)
-            elif kind == "gated_mlp":
+            elif entry.kind == "gated_mlp":
                 parts = split_fc1(value)
             else:
                 parts = (value,)
-            for h, part in zip(hnames, parts, strict=True):
-                yield f"model.layers.{i}.{h}", part
+            yield from zip(entry.hf, parts, strict=True)
     if head:
         yield FINAL_NORM.hf[0], get_megatron(FINAL_NORM.megatron)
         if not arch.share_embeddings_and_output_weights:

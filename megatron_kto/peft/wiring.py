@@ -20,7 +20,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from megatron_kto.conversion.addressing import LAYER, ChunkLayout
+from megatron_kto.conversion.addressing import LAYER, ChunkLayout, head_layout
 from megatron_kto.models.builder import unwrap
 from megatron_kto.models.unique_params import counted_here, world_sum
 from megatron_kto.peft.lora import FusedLayout, LoRALinear, Projection, attach
@@ -94,11 +94,8 @@ def _layout(linear: str, arch: Any) -> FusedLayout:
     """The fused layout of a linear's output, from its conversion entry's kind."""
     kind = ENTRIES[linear].kind
     if kind == "qkv":
-        heads = arch.num_attention_heads
-        groups = arch.num_query_groups or heads
-        return FusedLayout(
-            "qkv", groups, heads // groups, arch.kv_channels or arch.hidden_size // heads
-        )
+        heads, groups, head_dim = head_layout(arch)
+        return FusedLayout("qkv", groups, heads // groups, head_dim)
     if kind == "gated_mlp" and arch.activation == "swiglu":
         return FusedLayout("fc1")
     return FusedLayout("single")
