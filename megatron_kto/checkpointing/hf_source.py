@@ -26,6 +26,7 @@ from megatron.core import parallel_state
 
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.conversion.addressing import (
+    IGNORED_HF_SUFFIXES,
     OUTPUT,
     ChunkLayout,
     Mapping,
@@ -40,9 +41,6 @@ from megatron_kto.conversion.hf_dir import read_hf_architecture
 from megatron_kto.conversion.registry import get_family
 from megatron_kto.conversion.safetensors_io import HFWeights
 from megatron_kto.models.builder import unwrap
-
-#: Hugging Face tensors that carry no weights of ours (as the converter ignores them).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 @dataclass
@@ -80,7 +78,7 @@ def _check_names(weights: HFWeights, sources: dict[str, Mapping], tied: bool) ->
     unused = sorted(
         n
         for n in weights.names() - needed
-        if not n.endswith(_IGNORED_SUFFIXES) and not (tied and n == OUTPUT.hf[0])
+        if not n.endswith(IGNORED_HF_SUFFIXES) and not (tied and n == OUTPUT.hf[0])
     )
     if unused:
         raise CheckpointError(f"{where}: tensors this model does not map: {unused[:4]}")

@@ -109,6 +109,8 @@ EMBEDDING = Mapping(
 )
 FINAL_NORM = Mapping("decoder.final_layernorm.weight", ("model.norm.weight",))
 OUTPUT = Mapping("output_layer.weight", ("lm_head.weight",), "vocab", COLUMN)
+#: Hugging Face tensors that carry no weights of ours (conversion and direct loading skip them).
+IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def norm_names(megatron_names: set[str] | list[str]) -> dict[str, str]:

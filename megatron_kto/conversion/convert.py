@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from megatron_kto.checkpointing.errors import CheckpointError
-from megatron_kto.conversion.addressing import OUTPUT, norm_names
+from megatron_kto.conversion.addressing import IGNORED_HF_SUFFIXES, OUTPUT, norm_names
 from megatron_kto.conversion.hf_config import ConversionError, hf_config_from_architecture
 from megatron_kto.conversion.hf_dir import CONFIG, looks_like_hf_dir, read_hf_architecture
 from megatron_kto.conversion.hf_dir import read_json as _read_json
@@ -50,8 +50,6 @@ TOKENIZER_FILES = (
     "generation_config.json",
     "chat_template.jinja",
 )
-#: Hugging Face tensors that carry no weights of ours.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -150,7 +148,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -
         unused = sorted(
             n
             for n in weights.names() - used
-            if not n.endswith(_IGNORED_SUFFIXES)
+            if not n.endswith(IGNORED_HF_SUFFIXES)
             and not (n == OUTPUT.hf[0] and arch.share_embeddings_and_output_weights)
         )
         if unused:
