@@ -12,17 +12,15 @@ import pytest
 import torch
 
 from megatron_kto.config.architecture import GPTArchitecture
+from megatron_kto.conversion.addressing import LOCAL_NORMS, TE_NORMS, norm_names
 from megatron_kto.conversion.hf_config import (
     ConversionError,
     architecture_from_hf,
     hf_config_from_architecture,
 )
-from megatron_kto.conversion.keymap import (
-    LOCAL_NORMS,
-    TE_NORMS,
+from megatron_kto.conversion.mappings import (
     fuse_fc1,
     fuse_qkv,
-    norm_names,
     split_fc1,
     split_qkv,
     to_hf,

@@ -384,10 +384,10 @@ def test_slices_make_megatrons_shards_at_tp4(size):
     """Pure: for every tensor of a Qwen2 layer (4 query groups, qkv biases) and the padded
     vocabulary, the slices of rank r, each put in its place, equal rank r's block of the whole
     tensor the converter makes (`to_megatron`)."""
+    from megatron_kto.conversion.addressing import LOCAL_NORMS, fill, megatron_sources, shard_reads
     from megatron_kto.conversion.hf_config import architecture_from_hf
     from megatron_kto.conversion.hf_dir import padded_vocab
-    from megatron_kto.conversion.hf_slices import fill, megatron_sources, shard_reads
-    from megatron_kto.conversion.mappings import LOCAL_NORMS, to_megatron
+    from megatron_kto.conversion.mappings import to_megatron
     from megatron_kto.conversion.registry import get_family
 
     config = _hf_configs()["qwen2"].to_dict() | {"num_key_value_heads": 4, "num_hidden_layers": 1}

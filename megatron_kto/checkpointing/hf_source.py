@@ -2,10 +2,10 @@
 
 `pretrained_checkpoint.restore_from_path=<HF model dir>` needs no converted copy. Every rank
 walks its own parameters (its pipeline stage's layers, its experts, its tensor-parallel shard),
-names the whole megatron tensor each one is a shard of (global layer and expert index), looks it
-up in the family's table (`conversion.hf_slices.megatron_sources`, built from the same `Mapping`
-entries as the converter) and reads just the slices of the Hugging Face tensors that shard is made
-of, through `safe_open(...).get_slice`, one slice at a time straight into the parameter — so a
+names the whole megatron tensor each one is a shard of (global layer and expert index:
+`addressing.ChunkLayout`), looks it up in the family's table (`addressing.megatron_sources`, built
+from the same `Mapping` entries as the converter) and reads just the slices of the Hugging Face
+tensors that shard is made of (`addressing.shard_reads`), through `safe_open(...).get_slice`, one slice at a time straight into the parameter — so a
 rank's host memory while loading is its own shard plus one slice (and the file pages it maps),
 not the model. The values are those the converter would have written
 and `load_model` restored: same fusion functions, same zero padding, one cast to the parameter's
@@ -18,7 +18,6 @@ model implies.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,25 +25,22 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_kto.checkpointing.errors import CheckpointError
-from megatron_kto.conversion.hf_config import ConversionError
-from megatron_kto.conversion.hf_dir import read_hf_architecture
-from megatron_kto.conversion.hf_slices import (
-    Source,
+from megatron_kto.conversion.addressing import (
+    IGNORED_HF_SUFFIXES,
+    OUTPUT,
+    ChunkLayout,
+    Mapping,
     expected_hf_shapes,
     fill,
     megatron_sources,
+    norm_names,
     shard_reads,
 )
-from megatron_kto.conversion.mappings import OUTPUT, norm_names
+from megatron_kto.conversion.errors import ConversionError
+from megatron_kto.conversion.hf_dir import read_hf_architecture
 from megatron_kto.conversion.registry import get_family
 from megatron_kto.conversion.safetensors_io import HFWeights
 from megatron_kto.models.builder import unwrap
-
-#: Hugging Face tensors that carry no weights of ours (as the converter ignores them).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
-_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
-_GROUPED_EXPERT = re.compile(r"(mlp\.experts\.linear_fc[12]\.weight)(\d+)")
 
 
 @dataclass
@@ -57,26 +53,6 @@ class LoadStats:
     """Parameters filled."""
     largest_read: int = 0
     """Bytes of the largest single slice (what the load holds at once besides the model)."""
-
-
-def global_name(model: torch.nn.Module, name: str) -> tuple[str, bool]:
-    """(the whole megatron tensor's global name, whether it is an expert's) of a local parameter
-    name of an unwrapped chunk: local layer and expert indices become global ones."""
-    match = _LAYER.fullmatch(name)
-    if match is None:
-        return name, False
-    layer = model.decoder.layers[int(match.group(1))]
-    rest = match.group(2)
-    prefix = f"decoder.layers.{layer.layer_number - 1}."
-    expert = _LOCAL_EXPERT.fullmatch(rest)
-    if expert:
-        index = layer.mlp.local_expert_indices[int(expert.group(1))]
-        return f"{prefix}mlp.experts.local_experts.{index}.{expert.group(2)}", True
-    grouped = _GROUPED_EXPERT.fullmatch(rest)
-    if grouped:
-        index = layer.mlp.local_expert_indices[int(grouped.group(2))]
-        return f"{prefix}{grouped.group(1)}{index}", True
-    return prefix + rest, False
 
 
 def _group(expert: bool) -> tuple[int, int]:
@@ -92,7 +68,7 @@ def _group(expert: bool) -> tuple[int, int]:
     )
 
 
-def _check_names(weights: HFWeights, sources: dict[str, Source], tied: bool) -> None:
+def _check_names(weights: HFWeights, sources: dict[str, Mapping], tied: bool) -> None:
     """Every rank checks the whole directory's names (cheap), so all fail alike."""
     needed = {name for source in sources.values() for name in source.hf}
     where = weights.source_file()
@@ -102,7 +78,7 @@ def _check_names(weights: HFWeights, sources: dict[str, Source], tied: bool) -> 
     unused = sorted(
         n
         for n in weights.names() - needed
-        if not n.endswith(_IGNORED_SUFFIXES) and not (tied and n == OUTPUT[1])
+        if not n.endswith(IGNORED_HF_SUFFIXES) and not (tied and n == OUTPUT.hf[0])
     )
     if unused:
         raise CheckpointError(f"{where}: tensors this model does not map: {unused[:4]}")
@@ -134,14 +110,15 @@ def _load(weights: HFWeights, arch, family, chunks: list[torch.nn.Module]) -> Lo
     _check_names(weights, sources, arch.share_embeddings_and_output_weights)
     plan = []
     for model, named in zip(models, params, strict=True):
+        layout = ChunkLayout.of(model)
         for local, param in named.items():
-            name, expert = global_name(model, local)
+            name = str(layout.to_global(local))
             source = sources.get(name)
             if source is None:
                 raise CheckpointError(
                     f"{weights.dir}: no Hugging Face source for megatron parameter {name}"
                 )
-            plan.append((name, param, source, *_group(expert)))
+            plan.append((name, param, source, *_group(source.expert)))
     shapes = weights.shapes({h for _, _, source, _, _ in plan for h in source.hf})
     for name, param, source, _, size in plan:  # every shape before any data is read
         expected = expected_hf_shapes(source, arch, tuple(param.shape), size)
@@ -167,4 +144,4 @@ def _load(weights: HFWeights, arch, family, chunks: list[torch.nn.Module]) -> Lo
     return stats
 
 
-__all__ = ["LoadStats", "global_name", "load_hf_model"]
+__all__ = ["LoadStats", "load_hf_model"]

@@ -9,7 +9,7 @@ What differs between the two specs in megatron-core 0.16.1, and how each differe
   norm modules (`input_layernorm.weight`) but its `TransformerLayer` renames them to the TE keys
   in its sharded state dict (`sharded_state_dict_keys_map` in
   `gpt_layer_specs.get_gpt_layer_local_spec`), so both write the same dist-checkpoint keys.
-  (In-process module names do differ; `conversion.keymap.norm_names` picks the right ones.)
+  (In-process module names do differ; `conversion.addressing.norm_names` picks the right ones.)
 * **`_extra_state` (TE's FP8 metadata).** TE linear layers store it as a `ShardedObject`, and so do
   megatron's own linear layers (an empty one), so those keys exist on both sides; only the values
   differ and each side accepts the other's (megatron's linears ignore extra state, TE returns

@@ -1,7 +1,7 @@
 """Whole-model conversion: a Hugging Face directory -> a megatron_kto checkpoint, and back.
 
 Both directions build the TP=1, PP=1 model in this one process (CPU or GPU, from the runtime),
-stream tensors through the family's `mappings` table one at a time, and write the result to
+stream tensors through the family's table (`mappings`) one at a time, and write the result to
 `<out>.tmp` before renaming it, so an interrupted conversion never leaves a directory that looks
 complete. The imported checkpoint is an ordinary model checkpoint (`checkpointing.model_io`): it
 restores under any TP/PP/DP/EP layout through `pretrained_checkpoint.restore_from_path`.
@@ -26,10 +26,11 @@ from typing import Any
 import torch
 
 from megatron_kto.checkpointing.errors import CheckpointError
+from megatron_kto.conversion.addressing import IGNORED_HF_SUFFIXES, OUTPUT, norm_names
 from megatron_kto.conversion.hf_config import ConversionError, hf_config_from_architecture
 from megatron_kto.conversion.hf_dir import CONFIG, looks_like_hf_dir, read_hf_architecture
 from megatron_kto.conversion.hf_dir import read_json as _read_json
-from megatron_kto.conversion.mappings import OUTPUT, norm_names, to_hf, to_megatron
+from megatron_kto.conversion.mappings import to_hf, to_megatron
 from megatron_kto.conversion.registry import default_model_type, get_family
 from megatron_kto.conversion.safetensors_io import HFWeights, write_sharded
 from megatron_kto.models.architecture import GPTArchitecture
@@ -49,8 +50,6 @@ TOKENIZER_FILES = (
     "generation_config.json",
     "chat_template.jinja",
 )
-#: Hugging Face tensors that carry no weights of ours.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -149,8 +148,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -
         unused = sorted(
             n
             for n in weights.names() - used
-            if not n.endswith(_IGNORED_SUFFIXES)
-            and not (n == OUTPUT[1] and arch.share_embeddings_and_output_weights)
+            if not n.endswith(IGNORED_HF_SUFFIXES)
+            and not (n == OUTPUT.hf[0] and arch.share_embeddings_and_output_weights)
         )
         if unused:
             raise ConversionError(f"{hf_dir}: tensors this converter does not map: {unused[:4]}")
@@ -273,7 +272,7 @@ def export_hf(
             load(ckpt_dir, [model], arch)
         state = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
         if arch.share_embeddings_and_output_weights:
-            state.pop(OUTPUT[0], None)
+            state.pop(OUTPUT.megatron, None)
         write_sharded(
             to_hf(state.__getitem__, arch, norm_names(state), model_type),
             tmp,

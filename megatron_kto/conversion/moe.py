@@ -1,10 +1,9 @@
 """Mixture-of-experts layers in the conversion table: the router and one entry per expert.
 
 Hugging Face publishes one tensor per expert projection (`...experts.{e}.gate_proj.weight`, or
-Mixtral's `w1`/`w3`/`w2`); megatron-core keeps them per expert too, under two spellings:
-- local experts (`SequentialMLP`, the spec without Transformer Engine):
-  `mlp.experts.local_experts.{e}.linear_fc1.weight` — SwiGLU gate rows then up rows;
-- Transformer Engine's grouped experts (`TEGroupedMLP`): `mlp.experts.linear_fc1.weight{e}`.
+Mixtral's `w1`/`w3`/`w2`); megatron-core keeps them per expert too (fc1: SwiGLU gate rows then up
+rows), spelled as local experts or as Transformer Engine's grouped experts
+(`addressing.expert_name`). Expert entries are marked `expert`: spread over expert parallelism.
 The router is `mlp.router.weight` [experts, hidden], replicated over TP. The pre-MLP norm of an
 MoE layer is never fused into a linear layer, so it is `pre_mlp_layernorm.weight` in both specs.
 
@@ -20,12 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_kto.conversion.hf_config import ConversionError
-from megatron_kto.conversion.mappings import COLUMN, ROW, TE_NORMS, Mapping
+from megatron_kto.conversion.addressing import COLUMN, ROW, TE_NORMS, Mapping, expert_name
+from megatron_kto.conversion.errors import ConversionError
 from megatron_kto.models.architecture import GPTArchitecture
 
-LOCAL_EXPERT = "mlp.experts.local_experts.{e}.{fc}.weight"
-GROUPED_EXPERT = "mlp.experts.{fc}.weight{e}"
 ROUTER = "mlp.router.weight"
 MOE_NORM = "pre_mlp_layernorm.weight"
 
@@ -46,7 +43,7 @@ def expert_mappings(
         hf_router: Hugging Face router weight under `model.layers.{i}.`.
         hf_gate, hf_up, hf_down: expert projection names with an `{e}` placeholder.
     """
-    template = GROUPED_EXPERT if norms is TE_NORMS else LOCAL_EXPERT
+    grouped = norms is TE_NORMS
     entries = [
         Mapping(MOE_NORM, ("post_attention_layernorm.weight",)),
         Mapping(ROUTER, (hf_router,)),
@@ -54,14 +51,20 @@ def expert_mappings(
     for e in range(arch.num_moe_experts or 0):
         entries.append(
             Mapping(
-                template.format(e=e, fc="linear_fc1"),
+                expert_name(e, "linear_fc1.weight", grouped),
                 (hf_gate.format(e=e), hf_up.format(e=e)),
                 "gated_mlp",
                 COLUMN,
+                expert=True,
             )
         )
         entries.append(
-            Mapping(template.format(e=e, fc="linear_fc2"), (hf_down.format(e=e),), tp_axis=ROW)
+            Mapping(
+                expert_name(e, "linear_fc2.weight", grouped),
+                (hf_down.format(e=e),),
+                tp_axis=ROW,
+                expert=True,
+            )
         )
     return tuple(entries)
 

@@ -1,61 +1,36 @@
 """The model families conversion supports, keyed by Hugging Face `model_type`.
 
-A family is data plus three pure functions: how its config.json becomes a `GPTArchitecture`, how
-an architecture becomes its config.json fields, and its per-layer `Mapping` table (which drives
-both directions of the tensor conversion). Adding a family means one new module under
-`conversion/families/` and one line in `_MODULES` — no branches elsewhere.
+A family (`families.Family`) is data plus three pure functions: how its config.json becomes a
+`GPTArchitecture`, how an architecture becomes its config.json fields, and its per-layer `Mapping`
+table (which drives both directions of the tensor conversion). Adding a family means one new module under
+`conversion/families/` and its name in `_MODULES` — no branches elsewhere.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from megatron_kto.conversion.hf_config import ConversionError
-from megatron_kto.conversion.mappings import Mapping
+from megatron_kto.conversion.errors import ConversionError
+from megatron_kto.conversion.families import (
+    Family,
+    llama,
+    mixtral,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 from megatron_kto.models.architecture import GPTArchitecture
 
-#: Family modules, each defining `FAMILIES: tuple[Family, ...]`.
-_MODULES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
-
-
-@dataclass(frozen=True)
-class Family:
-    """How one Hugging Face model type converts."""
-
-    model_type: str
-    """config.json `model_type`."""
-    hf_architecture: str
-    """config.json `architectures[0]` written on export."""
-    architecture_from_hf: Callable[[dict[str, Any], str], GPTArchitecture]
-    """config.json (and where it was read, for errors) -> architecture; raises ConversionError."""
-    hf_config: Callable[[GPTArchitecture, dict[str, Any]], dict[str, Any]]
-    """Adds the family's own fields to the shared config.json fields of an architecture."""
-    layer_mappings: Callable[[GPTArchitecture, dict[str, str]], tuple[Mapping, ...]]
-    """The per-layer tensor table of an architecture, given the built model's norm names."""
-    cannot_express: Callable[[GPTArchitecture], str | None]
-    """Why an architecture does not export as this type (one phrase), or None when it does."""
-
-
-def _load() -> dict[str, Family]:
-    families: dict[str, Family] = {}
-    for name in _MODULES:
-        module = importlib.import_module(f"megatron_kto.conversion.families.{name}")
-        for family in module.FAMILIES:
-            families[family.model_type] = family
-    return families
-
-
-_FAMILIES: dict[str, Family] | None = None
+#: Family modules, each defining `FAMILIES: tuple[Family, ...]`, in registration order.
+_MODULES = (llama, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe)
+_FAMILIES: dict[str, Family] = {
+    family.model_type: family for module in _MODULES for family in module.FAMILIES
+}
 
 
 def families() -> dict[str, Family]:
-    """Every registered family by model type (loaded on first use)."""
-    global _FAMILIES
-    if _FAMILIES is None:
-        _FAMILIES = _load()
+    """Every registered family by model type."""
     return _FAMILIES
 
 
@@ -99,3 +74,14 @@ def default_model_type(arch: GPTArchitecture) -> str:
             f"({', '.join(supported())})"
         )
     return types[0]
+
+
+__all__ = [
+    "Family",
+    "default_model_type",
+    "expressing_types",
+    "families",
+    "family_of_config",
+    "get_family",
+    "supported",
+]

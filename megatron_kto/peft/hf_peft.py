@@ -4,9 +4,10 @@ weights (`merge_and_strip`, a loop over `merge.merge_lora`).
 A `peft` LoRA directory holds `adapter_config.json` and `adapter_model.safetensors` with keys
 `base_model.model.model.layers.{i}.<module>.lora_{A,B}.weight` (A [r, in], B [out, r]). Our
 adapters are one (A, B) pair per Hugging Face projection, so the tensors are the same numbers;
-the module paths come from the conversion key map (`targets.HF_MODULES`, derived from
-`conversion.keymap.LINEAR_MAPPINGS`) and TP shards are cut from / would be gathered into the full
-tensors with the adapter's own rule (`LoRALinear.shard`).
+the module paths come from the conversion table (`targets.HF_MODULES`, derived from
+`conversion.addressing.LINEAR_MAPPINGS`), layer numbers from the adapter's global name
+(`addressing.parse_name`), and TP shards are cut from / gathered into the full tensors along the
+adapter's axes (`addressing.lora_axes`, through `LoRALinear.shard` / `shard_axes`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from megatron_kto.conversion.addressing import HF_LAYER, ChunkLayout, parse_name
 from megatron_kto.models.builder import unwrap
 from megatron_kto.peft.adapter_config import (
     ADAPTER_CONFIG,
@@ -32,7 +34,8 @@ from megatron_kto.peft.merge import merge_lora
 from megatron_kto.peft.targets import HF_MODULES, resolve_targets, selected_layers
 from megatron_kto.peft.wiring import LoRASettings, adapters_of
 
-_PREFIX = "base_model.model.model.layers"
+#: PEFT's prefix of the wrapped model's Hugging Face names.
+_PREFIX = "base_model.model."
 
 
 class AdapterError(ValueError):
@@ -40,12 +43,12 @@ class AdapterError(ValueError):
 
 
 def _layer(adapter: LoRALinear) -> int:
-    return int(adapter.key.split(".")[2])  # decoder.layers.<i>.<linear>
+    return parse_name(adapter.key).layer  # type: ignore[return-value]  # decoder.layers.<i>...
 
 
 def hf_key(layer: int, projection: str, which: str) -> str:
     """PEFT's safetensors key of `lora_A` / `lora_B` of one projection of one layer."""
-    return f"{_PREFIX}.{layer}.{HF_MODULES[projection]}.{which}.weight"
+    return _PREFIX + HF_LAYER.format(layer=layer, name=f"{HF_MODULES[projection]}.{which}.weight")
 
 
 def expected_keys(settings: LoRASettings, arch: Any) -> set[str]:
@@ -235,14 +238,11 @@ def merge_and_strip(chunks: list[torch.nn.Module], arch: Any) -> None:
             for adapter in container.linears():
                 if adapter.tp != 1:
                     raise AdapterError("merging adapters runs at tensor-parallel size 1")
-                layer, linear = _layer(adapter), adapter.key.split(".", 3)[3]
-                base = model.decoder.layers[layer - _first_layer(model)].get_submodule(linear)
+                name = parse_name(adapter.key)
+                local = ChunkLayout.of(model).local_layer(name.layer)
+                base = model.decoder.layers[local].get_submodule(name.rest)
                 pairs = [_pair(adapter, n) for n in adapter.all_names]
                 base.weight.copy_(merge_lora(base.weight, pairs, adapter.scaling, adapter.layout))
         for remove in container.removers:
             remove()
         del model.lora
-
-
-def _first_layer(model: torch.nn.Module) -> int:
-    return model.decoder.layers[0].layer_number - 1

@@ -58,6 +58,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
+from megatron_kto.conversion.addressing import COLUMN, ROW, lora_axes
 from megatron_kto.peft.settings import INIT_METHODS
 
 
@@ -186,16 +187,16 @@ class LoRALinear(torch.nn.Module):
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         weight = base.weight
+        self.axes = lora_axes(ROW if self.kind == "row" else COLUMN)
+        """TP axes of (lora_A, lora_B) (`addressing.lora_axes` of the base's axis)."""
         self.adapters = torch.nn.ModuleDict()
         for p in projections:
             gen = torch.Generator().manual_seed(seed + zlib.crc32(f"{key}.{p.name}".encode()))
             a_full = _init_full(init_a, (rank, p.in_features), gen)
             b_full = _init_full(init_b, (p.out_features, rank), gen)
             pair = LoRAPair()
-            pair.lora_A = self._param(a_full, shard_dim=1 if self.kind == "row" else None, w=weight)
-            pair.lora_B = self._param(
-                b_full, shard_dim=0 if self.kind == "column" else None, w=weight
-            )
+            pair.lora_A = self._param(a_full, shard_dim=self.axes[0], w=weight)
+            pair.lora_B = self._param(b_full, shard_dim=self.axes[1], w=weight)
             self.adapters[p.name] = pair
         self.enabled = True
         self.use_reference = False
@@ -229,7 +230,7 @@ class LoRALinear(torch.nn.Module):
 
     def shard_axes(self) -> dict[str, int | None]:
         """TP axis of each parameter (None: replicated), keyed as in `state_dict()`."""
-        a, b = (1, None) if self.kind == "row" else (None, 0)
+        a, b = self.axes
         out: dict[str, int | None] = {}
         for name in self.names:
             out[f"adapters.{name}.lora_A"] = a

@@ -1,8 +1,10 @@
 """Which projections get a LoRA adapter: NeMo's and Hugging Face's target names, resolved.
 
 Pure functions over the architecture, so config validation can call them before any model
-exists. The megatron linears and the Hugging Face modules they fuse are read off the conversion
-key map (`conversion.keymap.LINEAR_MAPPINGS`), not listed a second time. A target is one Hugging Face projection; NeMo's names stand for sets of them:
+exists. The megatron linears and the Hugging Face modules they fuse — and each linear's fusion kind
+and TP axis — are read off the conversion table (`conversion.addressing.LINEAR_MAPPINGS`), not
+listed a second time. A target is one Hugging Face projection; NeMo's names stand for sets of
+them:
 
 ==================  ==========================================
 NeMo name           Hugging Face projections
@@ -25,12 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_kto.conversion.keymap import LINEAR_MAPPINGS
+from megatron_kto.conversion.addressing import LINEAR_MAPPINGS, Mapping
 
 
-def _linears_from_keymap() -> dict[str, tuple[str, ...]]:
+def _linears_from_table() -> dict[str, tuple[str, ...]]:
     """megatron linear (under `decoder.layers.{i}.`) -> the Hugging Face modules (under
-    `model.layers.{i}.`) it fuses, in fused order: read off the conversion key map."""
+    `model.layers.{i}.`) it fuses, in fused order: read off the conversion table."""
     out = {}
     for entry in LINEAR_MAPPINGS:
         out[entry.megatron.removesuffix(".weight")] = tuple(
@@ -42,11 +44,15 @@ def _linears_from_keymap() -> dict[str, tuple[str, ...]]:
 #: megatron linear -> its Hugging Face projections (`q_proj`, ...), fused order.
 LINEARS: dict[str, tuple[str, ...]] = {
     linear: tuple(m.rsplit(".", 1)[-1] for m in modules)
-    for linear, modules in _linears_from_keymap().items()
+    for linear, modules in _linears_from_table().items()
+}
+#: The conversion table's entry of each megatron linear's weight (fusion kind, TP axis).
+ENTRIES: dict[str, Mapping] = {
+    entry.megatron.removesuffix(".weight"): entry for entry in LINEAR_MAPPINGS
 }
 #: Hugging Face module path of each projection under `model.layers.{i}.`.
 HF_MODULES: dict[str, str] = {
-    m.rsplit(".", 1)[-1]: m for modules in _linears_from_keymap().values() for m in modules
+    m.rsplit(".", 1)[-1]: m for modules in _linears_from_table().values() for m in modules
 }
 NEMO_NAMES: dict[str, tuple[str, ...]] = {
     "attention_qkv": ("q_proj", "k_proj", "v_proj"),

@@ -19,11 +19,14 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from megatron_kto.conversion.addressing import LAYER, ChunkLayout, head_layout
 from megatron_kto.models.builder import unwrap
 from megatron_kto.models.unique_params import counted_here, world_sum
 from megatron_kto.peft.lora import FusedLayout, LoRALinear, Projection, attach
 from megatron_kto.peft.settings import LoRASettings
 from megatron_kto.peft.targets import (
+    DEFAULT_TARGET_MODULES,
+    ENTRIES,
     projection_shape,
     resolve_targets,
     selected_layers,
@@ -74,13 +77,12 @@ def _linear_key(path: str) -> str:
 
 
 def _layout(linear: str, arch: Any) -> FusedLayout:
-    if linear.endswith("linear_qkv"):
-        heads = arch.num_attention_heads
-        groups = arch.num_query_groups or heads
-        return FusedLayout(
-            "qkv", groups, heads // groups, arch.kv_channels or arch.hidden_size // heads
-        )
-    if linear.endswith("linear_fc1") and arch.activation == "swiglu":
+    """The fused layout of a linear's output, from its conversion entry's kind."""
+    kind = ENTRIES[linear].kind
+    if kind == "qkv":
+        heads, groups, head_dim = head_layout(arch)
+        return FusedLayout("qkv", groups, heads // groups, head_dim)
+    if kind == "gated_mlp" and arch.activation == "swiglu":
         return FusedLayout("fc1")
     return FusedLayout("single")
 
@@ -113,8 +115,8 @@ def apply_lora(chunks: list[torch.nn.Module], arch: Any, settings: LoRASettings)
         for p in model.parameters():
             p.requires_grad_(False)
         container = LoRAAdapters()
-        for layer in model.decoder.layers:
-            index = layer.layer_number - 1  # megatron's layer_number is global and 1-based
+        layout = ChunkLayout.of(model)
+        for index, layer in zip(layout.layers, model.decoder.layers, strict=True):
             if index not in layers:
                 continue
             adapted = torch.nn.ModuleDict()
@@ -136,7 +138,7 @@ def apply_lora(chunks: list[torch.nn.Module], arch: Any, settings: LoRASettings)
                     init_a=settings.init_a,
                     init_b=settings.init_b,
                     seed=settings.seed,
-                    key=f"decoder.layers.{index}.{t.linear}",
+                    key=LAYER.format(layer=index, name=t.linear),
                 )
                 adapted[_linear_key(t.linear)] = adapter
                 container.removers.append(attach(base, adapter))

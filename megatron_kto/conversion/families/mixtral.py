@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_kto.conversion.families import mismatch
-from megatron_kto.conversion.hf_config import ConversionError, dense_architecture
-from megatron_kto.conversion.mappings import Mapping, attention_mappings
+from megatron_kto.conversion.addressing import Mapping, attention_mappings
+from megatron_kto.conversion.errors import ConversionError
+from megatron_kto.conversion.families import Family, dense_architecture, mismatch
 from megatron_kto.conversion.moe import expert_mappings, routing_fields
-from megatron_kto.conversion.registry import Family
 from megatron_kto.models.architecture import GPTArchitecture
 
 

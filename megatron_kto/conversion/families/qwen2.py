@@ -5,10 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from megatron_kto.conversion.families import mismatch
+from megatron_kto.conversion.families import Family, dense_architecture, mismatch
 from megatron_kto.conversion.families.llama import layer_mappings
-from megatron_kto.conversion.hf_config import dense_architecture
-from megatron_kto.conversion.registry import Family
 from megatron_kto.models.architecture import GPTArchitecture
 
 

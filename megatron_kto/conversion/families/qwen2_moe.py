@@ -8,17 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_kto.conversion.families import mismatch
+from megatron_kto.conversion.addressing import Mapping
+from megatron_kto.conversion.errors import ConversionError
+from megatron_kto.conversion.families import Family, dense_architecture, mismatch
 from megatron_kto.conversion.families.qwen3_moe import layer_mappings as routed_mappings
-from megatron_kto.conversion.hf_config import ConversionError, dense_architecture
-from megatron_kto.conversion.mappings import Mapping
 from megatron_kto.conversion.moe import (
     routing_fields,
     shared_expert_mappings,
     sparse_layer_fields,
     sparse_layers,
 )
-from megatron_kto.conversion.registry import Family
 from megatron_kto.models.architecture import GPTArchitecture
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_kto.conversion.families import mismatch
+from megatron_kto.conversion.errors import ConversionError
+from megatron_kto.conversion.families import Family, dense_architecture, mismatch
 from megatron_kto.conversion.families.llama import layer_mappings
-from megatron_kto.conversion.hf_config import ConversionError, dense_architecture
-from megatron_kto.conversion.registry import Family
 from megatron_kto.models.architecture import GPTArchitecture
 
 

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_kto.conversion.families import mismatch
+from megatron_kto.conversion.addressing import Mapping, attention_mappings, dense_mlp_mappings
+from megatron_kto.conversion.families import Family, dense_architecture, mismatch
 from megatron_kto.conversion.families.qwen3 import qwen3_attention, qwen3_config
-from megatron_kto.conversion.hf_config import dense_architecture
-from megatron_kto.conversion.mappings import Mapping, attention_mappings, dense_mlp_mappings
 from megatron_kto.conversion.moe import (
     expert_mappings,
     routing_fields,
     sparse_layer_fields,
     sparse_layers,
 )
-from megatron_kto.conversion.registry import Family
 from megatron_kto.models.architecture import GPTArchitecture
 
 
