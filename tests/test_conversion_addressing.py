@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.addressing import (
     COLUMN,
     EMBEDDING,
@@ -37,7 +38,6 @@ from megatron_kto.conversion.addressing import (
 )
 from megatron_kto.conversion.mappings import to_megatron
 from megatron_kto.conversion.registry import get_family
-from megatron_kto.models.architecture import GPTArchitecture
 
 
 @pytest.mark.parametrize(

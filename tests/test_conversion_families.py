@@ -195,7 +195,7 @@ def _restore_and_run(root: str, name: str, tp: int, pp: int, ep: int, rt, etp: i
 
 def _convert_worker(rank: int, world_size: int, root: str) -> dict:
     """Import every model, run it at TP=1 from a different init, export it again."""
-    from megatron_kto.conversion.convert import export_hf, import_hf
+    from megatron_kto.hf_writer.convert import export_hf, import_hf
     from megatron_kto.runtime import init_runtime, teardown
 
     out = {}

@@ -130,7 +130,7 @@ def _convert_worker(rank: int, world_size: int, root: str) -> dict:
     """Import every model, run it at TP=1, export it again (plus the dtype/sharding variants)."""
     from megatron_kto.checkpointing.model_io import read_architecture
     from megatron_kto.checkpointing.pretrained import restore_pretrained
-    from megatron_kto.conversion.convert import export_hf, import_hf
+    from megatron_kto.hf_writer.convert import export_hf, import_hf
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
     from megatron_kto.runtime import init_runtime, teardown
 

@@ -371,7 +371,7 @@ def _run_and_copy(root, tmp_path, extra: list[str]) -> list[str]:
 
 def _resumed_rows_and_weights(tmp_path):
     """(uninterrupted metrics by step, resumed metrics, uninterrupted weights, resumed weights)."""
-    from megatron_kto.conversion.convert import export_hf
+    from megatron_kto.hf_writer.convert import export_hf
 
     for name in ("straight", "resumed"):
         export_hf(tmp_path / name, tmp_path / f"{name}_hf")
@@ -454,7 +454,7 @@ def test_resume_at_another_expert_tensor_parallel_size(runs, tmp_path, optimizer
     round-off."""
     import shutil
 
-    from megatron_kto.conversion.convert import export_hf
+    from megatron_kto.hf_writer.convert import export_hf
 
     root, metrics = runs
     reference = metrics["ep1"]

@@ -208,7 +208,7 @@ def _errors(root: Path, rt) -> dict[str, str]:
 
 
 def _single_worker(rank: int, world_size: int, root: str) -> dict:
-    from megatron_kto.conversion.convert import import_hf
+    from megatron_kto.hf_writer.convert import import_hf
     from megatron_kto.runtime import init_runtime, teardown
 
     root = Path(root)

@@ -4,7 +4,7 @@ One process builds a fp32 base (4 layers of hidden 512, a 16k vocabulary: ~100 M
 and writes it as a checkpoint, adds rank-4 adapters on every projection (random values, so
 every tensor is non-trivial), and writes a LoRA training checkpoint as a run does (the adapter
 tensors, its config.yaml, architecture.json and lora_base.json with the base's fingerprint).
-Then `peft.export.export_adapter` runs inside a `planning.measure.AllocationTrace` window:
+Then `hf_writer.lora_export.export_adapter` runs inside a `planning.measure.AllocationTrace` window:
 
 * the torch tensor bytes it allocates at its peak stay under a tenth of the base's fp32 weights
   (rebuilding the base, as the export used to, allocates all of them);
@@ -88,7 +88,7 @@ def _write_lora_checkpoint(root: Path) -> tuple[dict[str, torch.Tensor], int]:
 def _worker(rank: int, world_size: int, root: str) -> dict:
     from safetensors.torch import load_file
 
-    from megatron_kto.peft.export import export_adapter
+    from megatron_kto.hf_writer.lora_export import export_adapter
     from megatron_kto.planning.measure import AllocationTrace
 
     root = Path(root)

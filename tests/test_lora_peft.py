@@ -91,7 +91,7 @@ def _logits(chunks) -> torch.Tensor:
 def _tp1_worker(rank: int, world_size: int, root: str) -> dict:
     from megatron_kto.checkpointing.model_io import read_architecture
     from megatron_kto.checkpointing.pretrained import restore_pretrained
-    from megatron_kto.conversion.convert import import_hf
+    from megatron_kto.hf_writer.convert import import_hf
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
     from megatron_kto.peft import hf_peft
     from megatron_kto.peft.wiring import adapters_disabled, apply_lora

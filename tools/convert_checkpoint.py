@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_kto.checkpointing.errors import CheckpointError
     from megatron_kto.conversion import ConversionError
-    from megatron_kto.conversion.convert import export_hf, import_hf
+    from megatron_kto.hf_writer.convert import export_hf, import_hf
 
     try:
         if args.command == "import":
@@ -72,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{arch.hidden_size}, vocab {arch.vocab_size} (padded {arch.padded_vocab_size})"
             )
         else:
-            from megatron_kto.peft.export import export_adapter, export_merged, is_lora_run
+            from megatron_kto.hf_writer.lora_export import (
+                export_adapter,
+                export_merged,
+                is_lora_run,
+            )
 
             lora = is_lora_run(args.ckpt)
             if args.merge_lora and not lora:

@@ -43,12 +43,14 @@ PACKAGE = "megatron_kto"
 # Bottom to top. A room imports only rooms on floors below its own.
 #    0  leaves: the process runtime, pure loss math, run logging, console text
 #    1  config: the schema (with the model's shape), its errors and cross-field checks
-#    2  data pipeline; the model room (megatron-core models, forward, log-probs, schedules)
-#    3  conversion: pure HF <-> megatron tables and functions (read the model's shape)
+#    2  conversion: pure HF <-> megatron tables and functions (read the model's shape), the one
+#       place that knows how a tensor is named and sharded
+#    3  data pipeline; the model room (megatron-core models, forward, log-probs, schedules)
 #    4  checkpointing: model-only and training-state checkpoints (HF directories via conversion)
 #    5  peft: LoRA adapters, their wiring and adapter checkpoints
-#    6  planning (memory / layout plans of models with or without LoRA); hf_writer (HF output of
-#       a run: gathers over process groups, conversion's tables, LoRA merging)
+#    6  planning (memory / layout plans of models with or without LoRA); hf_writer (Hugging Face
+#       files in and out: the training-time writer and its gathers, the offline converter's
+#       driver and LoRA exports; it builds models and runs collectives, conversion/ does not)
 #    7  algorithms and evaluation: training and scoring loops over the models
 #    8  prepare: a composed config made concrete (checkpoint, HF config, tokenizer, LoRA)
 #    9  run: builds and trains one prepared run
@@ -56,8 +58,8 @@ PACKAGE = "megatron_kto"
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("runtime", "losses", "logging", "console"),
     ("config",),
-    ("data", "models"),
     ("conversion",),
+    ("data", "models"),
     ("checkpointing",),
     ("peft",),
     ("planning", "hf_writer"),

@@ -42,7 +42,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.config.architecture import GPTArchitecture
 
 Kind = Literal["direct", "qkv", "gated_mlp", "vocab"]
 Shape = tuple[int, ...]

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.errors import ConversionError
 from megatron_kto.conversion.families import dense_hf_config
 from megatron_kto.conversion.registry import expressing_types, family_of_config, get_family
-from megatron_kto.models.architecture import GPTArchitecture
 
 
 def architecture_from_hf(config: dict[str, Any], where: str = "config.json") -> GPTArchitecture:

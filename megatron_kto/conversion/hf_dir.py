@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.hf_config import ConversionError, architecture_from_hf
-from megatron_kto.models.architecture import GPTArchitecture
 
 logger = logging.getLogger(__name__)
 

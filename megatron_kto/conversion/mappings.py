@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.addressing import (
     EMBEDDING,
     FINAL_NORM,
@@ -24,7 +25,6 @@ from megatron_kto.conversion.addressing import (
 )
 from megatron_kto.conversion.families import Family
 from megatron_kto.conversion.registry import get_family
-from megatron_kto.models.architecture import GPTArchitecture
 
 Getter = Callable[[str], torch.Tensor]
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.addressing import COLUMN, ROW, TE_NORMS, Mapping, expert_name
 from megatron_kto.conversion.errors import ConversionError
-from megatron_kto.models.architecture import GPTArchitecture
 
 ROUTER = "mlp.router.weight"
 MOE_NORM = "pre_mlp_layernorm.weight"

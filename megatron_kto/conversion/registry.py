@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.errors import ConversionError
 from megatron_kto.conversion.families import (
     Family,
@@ -20,7 +21,6 @@ from megatron_kto.conversion.families import (
     qwen3,
     qwen3_moe,
 )
-from megatron_kto.models.architecture import GPTArchitecture
 
 #: Family modules, each defining `FAMILIES: tuple[Family, ...]`, in registration order.
 _MODULES = (llama, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe)

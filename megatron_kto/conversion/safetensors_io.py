@@ -17,7 +17,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from megatron_kto.conversion.hf_config import ConversionError
+from megatron_kto.console import one_line
+from megatron_kto.conversion.errors import ConversionError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -130,7 +131,8 @@ class HFWeights:
 
 
 def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())[:300] or type(error).__name__
+    # safetensors' messages can be long: the first 300 characters name the problem
+    return one_line(error)[:300]
 
 
 @dataclass

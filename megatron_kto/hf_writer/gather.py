@@ -17,11 +17,11 @@ collectives); only the stage's writer keeps what it gets. Memory: one gathered t
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.addressing import (
     EMBEDDING,
     FINAL_NORM,
@@ -30,12 +30,10 @@ from megatron_kto.conversion.addressing import (
     Mapping,
     ParamName,
     expert_owner,
-    merge_shards,
     norm_names,
     parse_name,
 )
 from megatron_kto.conversion.mappings import layer_table
-from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.models.builder import unwrap
 from megatron_kto.models.tp_gather import gather_tp
 

@@ -47,7 +47,9 @@ from megatron.core import parallel_state as ps
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.console import error_summary
-from megatron_kto.conversion.convert import (
+from megatron_kto.conversion.mappings import to_hf
+from megatron_kto.conversion.safetensors_io import ShardSet, finish_shards, write_shard_files
+from megatron_kto.hf_writer.convert import (
     DTYPES,
     HF_CONFIG,
     copy_tokenizer,
@@ -55,8 +57,6 @@ from megatron_kto.conversion.convert import (
     source_config,
     source_dir,
 )
-from megatron_kto.conversion.mappings import to_hf
-from megatron_kto.conversion.safetensors_io import ShardSet, finish_shards, write_shard_files
 from megatron_kto.hf_writer.gather import StageTensors
 
 logger = logging.getLogger(__name__)

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_kto.conversion.addressing import merge_shards
+
 
 def gather_tp(tensor: torch.Tensor, axis: int | None, kind: str, group: Any) -> torch.Tensor:
     """The full tensor of which `tensor` is this rank's shard along `axis` over `group` (axis
@@ -22,7 +24,4 @@ def gather_tp(tensor: torch.Tensor, axis: int | None, kind: str, group: Any) -> 
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(parts, tensor.contiguous(), group=group)
-    if kind == "gated_mlp":
-        halves = [part.chunk(2, dim=0) for part in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(parts, dim=axis)
+    return merge_shards(parts, axis, kind)

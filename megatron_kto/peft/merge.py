@@ -10,7 +10,7 @@ Plain tensors in, one tensor out: no model, no process group, no config. The pro
 float32 and cast to W's dtype once, before the add.
 
 Callers: `hf_peft.merge_and_strip` (the `tools/convert_checkpoint.py export --merge-lora` path,
-`peft.export.merged_loader`) on a TP=1 model's weights, and the training-time writer's
+`hf_writer.lora_export.merged_loader`) on a TP=1 model's weights, and the training-time writer's
 `hf_merged/` (`hf_writer.output`, `exp_manager.save_hf_merged`) on tensor-parallel-gathered
 weights and adapters.
 """

@@ -25,7 +25,6 @@ from megatron_kto.models.unique_params import counted_here, world_sum
 from megatron_kto.peft.lora import FusedLayout, LoRALinear, Projection, attach
 from megatron_kto.peft.settings import LoRASettings
 from megatron_kto.peft.targets import (
-    DEFAULT_TARGET_MODULES,
     ENTRIES,
     projection_shape,
     resolve_targets,

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.addressing import Mapping
 from megatron_kto.conversion.errors import ConversionError
-from megatron_kto.models.architecture import GPTArchitecture
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.addressing import Mapping, attention_mappings, dense_mlp_mappings
 from megatron_kto.conversion.errors import ConversionError
 from megatron_kto.conversion.families import Family, dense_architecture, mismatch
-from megatron_kto.models.architecture import GPTArchitecture
 
 
 def layer_mappings(arch: GPTArchitecture, norms: dict[str, str]) -> tuple[Mapping, ...]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.addressing import Mapping, attention_mappings
 from megatron_kto.conversion.errors import ConversionError
 from megatron_kto.conversion.families import Family, dense_architecture, mismatch
 from megatron_kto.conversion.moe import expert_mappings, routing_fields
-from megatron_kto.models.architecture import GPTArchitecture
 
 
 def layer_mappings(arch: GPTArchitecture, norms: dict[str, str]) -> tuple[Mapping, ...]:

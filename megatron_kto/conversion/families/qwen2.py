@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.families import Family, dense_architecture, mismatch
 from megatron_kto.conversion.families.llama import layer_mappings
-from megatron_kto.models.architecture import GPTArchitecture
 
 
 def _architecture(config: dict[str, Any], where: str) -> GPTArchitecture:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.errors import ConversionError
 from megatron_kto.conversion.families import Family, dense_architecture, mismatch
 from megatron_kto.conversion.families.llama import layer_mappings
-from megatron_kto.models.architecture import GPTArchitecture
 
 
 def qwen3_attention(config: dict[str, Any], where: str) -> dict[str, Any]:

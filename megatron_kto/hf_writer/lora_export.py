@@ -22,7 +22,7 @@ from megatron_kto.config.architecture import GPTArchitecture
 
 
 def export_merged(ckpt: str | Path, out_dir: str | Path, **export: Any) -> Path:
-    """`conversion.convert.export_hf` of a LoRA run with its adapters merged into the weights.
+    """`hf_writer.convert.export_hf` of a LoRA run with its adapters merged into the weights.
 
     Args:
         ckpt, out_dir: as `export_hf` takes them.
@@ -32,7 +32,7 @@ def export_merged(ckpt: str | Path, out_dir: str | Path, **export: Any) -> Path:
         The checkpoint directory that was exported.
     """
     from megatron_kto.checkpointing.locate import resolve_pretrained_dir
-    from megatron_kto.conversion.convert import export_hf
+    from megatron_kto.hf_writer.convert import export_hf
     from megatron_kto.peft.checkpoint import run_config, run_param_dtype
 
     cfg = run_config(resolve_pretrained_dir(ckpt))
@@ -43,7 +43,7 @@ def export_merged(ckpt: str | Path, out_dir: str | Path, **export: Any) -> Path:
 
 
 def merged_loader(ckpt_dir: Path, chunks: list[torch.nn.Module], arch: GPTArchitecture) -> None:
-    """`conversion.convert.export_hf`'s `load` for a LoRA run: base + adapters, merged, then a
+    """`hf_writer.convert.export_hf`'s `load` for a LoRA run: base + adapters, merged, then a
     plain model (W += (alpha/r)·B·A per projection)."""
     from megatron_kto.peft.checkpoint import build_lora_model
     from megatron_kto.peft.hf_peft import merge_and_strip
@@ -78,7 +78,7 @@ def export_adapter(ckpt: str | Path, out_dir: str | Path) -> Path:
     from megatron_kto.checkpointing.errors import CheckpointError
     from megatron_kto.checkpointing.locate import resolve_pretrained_dir
     from megatron_kto.checkpointing.model_io import read_architecture
-    from megatron_kto.conversion.convert import _finish, _prepare_out
+    from megatron_kto.hf_writer.convert import _finish, _prepare_out
     from megatron_kto.peft.checkpoint import (
         BASE_FILE,
         read_trained_adapters,

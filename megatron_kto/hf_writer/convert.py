@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from megatron_kto.checkpointing.errors import CheckpointError
+from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.addressing import IGNORED_HF_SUFFIXES, OUTPUT, norm_names
 from megatron_kto.conversion.hf_config import ConversionError, hf_config_from_architecture
 from megatron_kto.conversion.hf_dir import CONFIG, looks_like_hf_dir, read_hf_architecture
@@ -33,7 +34,7 @@ from megatron_kto.conversion.hf_dir import read_json as _read_json
 from megatron_kto.conversion.mappings import to_hf, to_megatron
 from megatron_kto.conversion.registry import default_model_type, get_family
 from megatron_kto.conversion.safetensors_io import HFWeights, write_sharded
-from megatron_kto.models.architecture import GPTArchitecture
+from megatron_kto.runtime.precision import EXPORT_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ TOKENIZER_FILES = (
     "generation_config.json",
     "chat_template.jinja",
 )
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = EXPORT_DTYPES  # the name callers and tests know
 
 
 def _prepare_out(out_dir: Path) -> Path:
@@ -238,7 +239,7 @@ def export_hf(
         max_shard_bytes: largest safetensors shard.
         load: fills the built TP=1 model from the checkpoint (default: `load_model`); LoRA
             exports pass one that rebuilds base + adapters and merges them
-            (`peft.export.merged_loader`).
+            (`hf_writer.lora_export.merged_loader`).
         half_model: a bfloat16 export builds the model in bfloat16 (half the host memory);
             False builds it in float32 whatever the output dtype (a LoRA merge of a float32
             run: its base fingerprint is of the float32 weights).
