@@ -19,19 +19,6 @@ import import_graph  # noqa: E402
 
 PACKAGE_DIR = REPO / "megatron_kto"
 
-# Known and being removed on another branch (wt_address reworks conversion/; we do not edit it
-# here). The integrator empties these after merging that branch; a stale entry fails below.
-#: Module cycles allowed for now, each as its set of modules.
-PENDING_CYCLES: set[frozenset[str]] = set()
-#: Imports running back up allowed for now, as (importing module, imported room):
-#: conversion/convert.py drives whole imports/exports (builds models, writes checkpoints), so it
-#: belongs above checkpointing/, not in the pure conversion room.
-PENDING_BACK_UP: set[tuple[str, str]] = set()
-#: Modules still importing `models.architecture`, which only re-exports
-#: `config.architecture.GPTArchitecture` until conversion/'s import lines move; then it goes.
-ARCHITECTURE_REEXPORT_USERS_PREFIX = "megatron_kto.conversion"
-
-
 @pytest.fixture(scope="module")
 def report() -> import_graph.Report:
     return import_graph.analyse(PACKAGE_DIR)
@@ -49,8 +36,7 @@ def _arrows(report, wrong: list[tuple[str, str]]) -> set[tuple[str, str]]:
 
 def test_no_module_cycles(report) -> None:
     cycles = {frozenset(c) for c in report.cycles}
-    assert cycles - PENDING_CYCLES == set(), "modules importing each other in a circle"
-    assert PENDING_CYCLES - cycles == set(), "gone: remove it from PENDING_CYCLES"
+    assert cycles == set(), "modules importing each other in a circle"
 
 
 def test_every_room_is_on_a_floor(report) -> None:
@@ -59,8 +45,7 @@ def test_every_room_is_on_a_floor(report) -> None:
 
 def test_no_room_imports_a_room_above_or_beside_it(report) -> None:
     back_up = _arrows(report, report.back_up)
-    assert back_up - PENDING_BACK_UP == set(), "imports running back up (move the piece down)"
-    assert PENDING_BACK_UP - back_up == set(), "gone: remove it from PENDING_BACK_UP"
+    assert back_up == set(), "imports running back up (move the piece down)"
     assert report.sideways == [], "rooms on one floor must not import each other"
 
 
@@ -72,13 +57,6 @@ def test_config_does_not_import_peft(report) -> None:
         and import_graph.room_of(imp.imported) == "peft"
     ]
     assert wrong == []
-
-
-def test_only_conversion_uses_the_architecture_reexport(report) -> None:
-    users = {
-        imp.importer for imp in report.imports if imp.imported == "megatron_kto.config.architecture"
-    }
-    assert {u for u in users if not u.startswith(ARCHITECTURE_REEXPORT_USERS_PREFIX)} == set()
 
 
 def test_the_tool_counts_function_level_imports_and_not_type_checking_ones(tmp_path) -> None:

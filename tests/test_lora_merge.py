@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_kto.conversion.keymap import fuse_fc1, fuse_qkv, split_fc1, split_qkv
+from megatron_kto.conversion.mappings import fuse_fc1, fuse_qkv, split_fc1, split_qkv
 from megatron_kto.peft.lora import FusedLayout
 from megatron_kto.peft.merge import merge_lora
 

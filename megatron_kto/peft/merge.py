@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_kto.conversion.keymap import fuse_fc1, fuse_qkv
+from megatron_kto.conversion.mappings import fuse_fc1, fuse_qkv
 from megatron_kto.peft.lora import FusedLayout
 
 #: A linear that is one projection.
