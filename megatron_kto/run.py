@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +195,18 @@ def _check_reference_reproducible(cfg: Any, algorithm: str, ckpt_dir: Path | Non
     choose_reference(cfg, algorithm).check_resume(ckpt_dir)
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What every step of a run reads: the prepared config and what was set up from it."""
+
+    cfg: Any
+    algorithm: str
+    arch: Any
+    runtime: Any
+    layout: ParallelLayout
+    log_dir: Path
+
+
 def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
     """Train with KTO or DPO as configured; returns the final trainer state.
 
@@ -214,31 +227,26 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
     with PreemptionHandler() as preemption:
         runtime = _init_runtime(cfg.model)
         try:
+            run = _Run(cfg, algorithm, arch, runtime, _layout(cfg), log_dir)
             reference = choose_reference(cfg, algorithm)
-            train, val = _build_data(cfg, algorithm, arch, runtime, reference)
-            layout = _layout(cfg)
-            _say_memory_plan(cfg, arch, runtime, algorithm)
-            model = _build_policy(cfg, algorithm, arch, layout, runtime, reference)
-            loop = _resolve_loop(cfg, algorithm, train, val, max_time)
+            train, val = _build_data(run, reference)
+            _say_memory_plan(run)
+            model = _build_policy(cfg, algorithm, arch, run.layout, runtime, reference)
+            loop = _resolve_loop(run, train, val, max_time)
             splits = [s for s in (train, val) if s is not None]
             reference.before_training(model, TrainingInputs(splits, arch, runtime, log_dir, loop))
-            _note_warmup(cfg, loop, runtime.is_rank0)
-            optimizer, scheduler = _build_optimization(
-                cfg, algorithm, model.chunks, loop, layout.precision
+            _note_warmup(run, loop)
+            optimization = _build_optimization(
+                cfg, algorithm, model.chunks, loop, run.layout.precision
             )
-            manager, state = _restore(cfg, model, optimizer, scheduler, reference, runtime)
+            manager, state = _restore(run, model, optimization, reference)
             trainer, logger = _build_trainer(
-                cfg,
-                algorithm,
-                arch,
-                runtime,
-                layout,
+                run,
                 model,
-                (optimizer, scheduler),
+                optimization,
                 (train, val),
                 loop,
-                manager,
-                state,
+                (manager, state),
                 lambda: preemption.requested,
             )
             final = trainer.fit()
@@ -278,55 +286,54 @@ def _init_runtime(m: Any):
     )
 
 
-def _build_data(cfg: Any, algorithm: str, arch, runtime, reference: ReferenceStrategy):
+def _build_data(run: _Run, reference: ReferenceStrategy):
     """(train, validation) splits (validation None without files), each described on rank 0;
     batches carry the example index where the reference strategy looks examples up."""
-    m = cfg.model
+    m = run.cfg.model
     tokenizer = load_tokenizer(
         m.tokenizer.library, str(resolve_path(m.tokenizer.model)), m.tokenizer.chat_template
     )
-    max_length = m.data.max_length or arch.encoder_seq_length
-    train = build_split(
-        cfg,
-        "train",
-        algorithm,
-        tokenizer,
-        runtime,
-        max_length,
-        index_offset=reference.index_offset(0),
-    )
-    val = build_split(
-        cfg,
-        "validation",
-        algorithm,
-        tokenizer,
-        runtime,
-        max_length,
-        index_offset=reference.index_offset(len(train.dataset)),
-    )
-    for split in (train, val):
-        if split is not None:
-            _say(runtime.is_rank0, split.describe())
+    max_length = m.data.max_length or run.arch.encoder_seq_length
+
+    def split(name: str, first_example: int):
+        return build_split(
+            run.cfg,
+            name,
+            run.algorithm,
+            tokenizer,
+            run.runtime,
+            max_length,
+            index_offset=reference.index_offset(first_example),
+        )
+
+    train = split("train", 0)
+    val = split("validation", len(train.dataset))  # its examples follow the training examples
+    for s in (train, val):
+        if s is not None:
+            _say(run.runtime.is_rank0, s.describe())
     return train, val
 
 
-def _say_memory_plan(cfg: Any, arch, runtime, algorithm: str) -> None:
+def _say_memory_plan(run: _Run) -> None:
     """Rank 0 prints the memory plan before anything is allocated: a run that cannot fit says
     so first."""
-    if not runtime.is_rank0:
+    if not run.runtime.is_rank0:
         return
     try:
-        plan = startup_lines(cfg, arch, runtime.world_size, runtime.device, algorithm)
+        plan = startup_lines(
+            run.cfg, run.arch, run.runtime.world_size, run.runtime.device, run.algorithm
+        )
     except ValueError as err:  # a shape the planner does not plan must not stop a run
         plan = [f"note: no memory plan: {err}"]
     for line in plan:
         _say(True, line)
 
 
-def _resolve_loop(cfg: Any, algorithm: str, train, val, max_time: float | None):
+def _resolve_loop(run: _Run, train, val, max_time: float | None):
     """The run's `LoopSettings` (`trainer.<algorithm>.*` over the splits' global batches)."""
+    cfg = run.cfg
     return resolve_loop(
-        cfg.trainer.kto if algorithm == "kto" else cfg.trainer.dpo,
+        cfg.trainer.kto if run.algorithm == "kto" else cfg.trainer.dpo,
         train.num_global_batches,
         val.num_global_batches if val is not None else 0,
         cfg.model.global_batch_size,
@@ -335,34 +342,32 @@ def _resolve_loop(cfg: Any, algorithm: str, train, val, max_time: float | None):
     )
 
 
-def _note_warmup(cfg: Any, loop, rank0: bool) -> None:
+def _note_warmup(run: _Run, loop) -> None:
     """Say so when the warmup is as long as the run (the peak learning rate is never reached)."""
-    sched = cfg.model.optim.sched
+    sched = run.cfg.model.optim.sched
     if sched.name != "Constant" and sched.warmup_steps >= loop.max_steps:
         _say(
-            rank0,
+            run.runtime.is_rank0,
             f"note: model.optim.sched.warmup_steps ({sched.warmup_steps}) >= the run's "
             f"{loop.max_steps} steps: the learning rate never reaches model.optim.lr",
         )
 
 
-def _restore(cfg: Any, model, optimizer, scheduler, reference: ReferenceStrategy, runtime):
+def _restore(run: _Run, model, optimization, reference: ReferenceStrategy):
     """(checkpoint manager or None, starting `TrainerState`): the latest checkpoint of the log
     directory is loaded when `exp_manager.resume_if_exists`, once the reference strategy
     accepts it."""
     from megatron_kto.checkpointing.manager import CheckpointManager
 
-    e = cfg.exp_manager
+    e = run.cfg.exp_manager
     if not e.create_checkpoint_callback:
         return None, TrainerState()
     manager = CheckpointManager(
-        Path(e.explicit_log_dir) / "checkpoints",
+        run.log_dir / "checkpoints",
         keep_last=e.checkpoint_callback_params.save_top_k,
-        lora_base=_lora_base(cfg, model.chunks),
+        lora_base=_lora_base(run.cfg, model.chunks),
     )
-    restored = (
-        manager.load_latest(model.chunks, optimizer, scheduler) if e.resume_if_exists else None
-    )
+    restored = manager.load_latest(model.chunks, *optimization) if e.resume_if_exists else None
     if restored is None:
         return manager, TrainerState()
     reference.check_resume(manager.loaded_from)
@@ -371,31 +376,25 @@ def _restore(cfg: Any, model, optimizer, scheduler, reference: ReferenceStrategy
         epoch=restored["epoch"],
         consumed_samples=restored["consumed_samples"],
     )
-    _say(runtime.is_rank0, f"resumed from step {state.step} ({state.consumed_samples} samples)")
+    _say(run.runtime.is_rank0, f"resumed from step {state.step} ({state.consumed_samples} samples)")
     return manager, state
 
 
-def _build_trainer(
-    cfg,
-    algorithm,
-    arch,
-    runtime,
-    layout,
-    model,
-    optimization,
-    splits,
-    loop,
-    manager,
-    state,
-    stop_requested,
-):
+def _build_trainer(run: _Run, model, optimization, splits, loop, restored, stop_requested):
     """(trainer, metrics logger): the KTO or DPO trainer with its logging, throughput figures
-    and the checkpoint / Hugging Face output hook."""
-    m, e = cfg.model, cfg.exp_manager
-    log_dir, rank0 = Path(e.explicit_log_dir), runtime.is_rank0
-    (optimizer, scheduler), (train, val) = optimization, splits
+    and the checkpoint / Hugging Face output hook.
+
+    Args:
+        optimization: (optimizer, scheduler).
+        splits: (train, validation or None).
+        restored: (checkpoint manager or None, starting `TrainerState`), from `_restore`.
+        stop_requested: whether a preemption signal asks the run to stop.
+    """
+    cfg, runtime, rank0 = run.cfg, run.runtime, run.runtime.is_rank0
+    (optimizer, scheduler), (train, val), (manager, state) = optimization, splits, restored
+    e = cfg.exp_manager
     logger = MetricsLogger(
-        log_dir,
+        run.log_dir,
         rank0=rank0,
         tensorboard=e.create_tensorboard_logger,
         wandb=dict(e.wandb_logger_kwargs) if e.create_wandb_logger else None,
@@ -406,10 +405,10 @@ def _build_trainer(
     # run's dtype. A CPU's is not known (a timed matmul is not an upper bound on a shared
     # machine, so MFU could read above 1), and then MFU is not reported.
     peak = cfg.trainer.peak_flops_per_device or peak_flops_per_device(
-        runtime.device, _COMPUTE_DTYPE[layout.precision]
+        runtime.device, _COMPUTE_DTYPE[run.layout.precision]
     )
-    hook = _checkpoint_hook(cfg, arch, model, optimization, manager, lambda: trainer)
-    trainer = (KTOTrainer if algorithm == "kto" else DPOTrainer)(
+    hook = _checkpoint_hook(run, model, optimization, manager, lambda: trainer)
+    trainer = (KTOTrainer if run.algorithm == "kto" else DPOTrainer)(
         model,
         optimizer,
         scheduler,
@@ -419,7 +418,9 @@ def _build_trainer(
         device=runtime.device,
         logger=logger,
         progress=ProgressReporter(loop.max_steps, rank0=rank0, initial_step=state.step),
-        model_flops=architecture_flops(arch, arch.padded_vocab(m.tensor_model_parallel_size)),
+        model_flops=architecture_flops(
+            run.arch, run.arch.padded_vocab(cfg.model.tensor_model_parallel_size)
+        ),
         peak_flops=peak,
         world_size=runtime.world_size,
         checkpoint_hook=hook,
@@ -429,13 +430,13 @@ def _build_trainer(
     return trainer, logger
 
 
-def _checkpoint_hook(cfg: Any, arch, model, optimization, manager, trainer: Callable[[], Any]):
+def _checkpoint_hook(run: _Run, model, optimization, manager, trainer: Callable[[], Any]):
     """The trainer's `checkpoint_hook`: a training checkpoint (with `manager`) and the Hugging
     Face output (`exp_manager.save_hf`: at the end, or at every save)."""
-    e = cfg.exp_manager
+    e = run.cfg.exp_manager
     optimizer, scheduler = optimization
-    config_yaml = OmegaConf.to_yaml(cfg)
-    hf_output = hf_output_of_run(cfg, arch, Path(e.explicit_log_dir)) if e.save_hf else None
+    config_yaml = OmegaConf.to_yaml(run.cfg)
+    hf_output = hf_output_of_run(run.cfg, run.arch, run.log_dir) if e.save_hf else None
 
     def checkpoint_hook(s: TrainerState, final: bool) -> None:
         saved = None
@@ -447,7 +448,7 @@ def _checkpoint_hook(cfg: Any, arch, model, optimization, manager, trainer: Call
                 scheduler,
                 trainer().state_dict(),
                 config_yaml,
-                arch,
+                run.arch,
             )
         if hf_output is not None and (final or e.save_hf_every_save):
             hf_output.write(s.step, model.chunks, saved)
