@@ -1,4 +1,5 @@
-"""Compose a run from a validated config: runtime → data → model → trainer → fit → teardown.
+"""Compose a run from a validated config: runtime → data → model → reference → optimization →
+trainer → fit (with checkpoints and the Hugging Face output) → teardown.
 
 The example scripts are thin Hydra mains around `run_alignment`.
 """
