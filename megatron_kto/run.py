@@ -1,4 +1,5 @@
-"""Compose a run from a validated config: runtime → data → model → trainer → fit → teardown.
+"""Compose a run from a validated config: runtime → data → model → reference → optimization →
+trainer → fit (with checkpoints and the Hugging Face output) → teardown.
 
 The example scripts are thin Hydra mains around `run_alignment`.
 """
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,11 @@ from omegaconf import OmegaConf
 
 from megatron_kto.algorithms.dpo import DPOTrainer, TrainerState, resolve_loop
 from megatron_kto.algorithms.kto import KTOTrainer
+from megatron_kto.algorithms.reference_strategies import (
+    ReferenceStrategy,
+    TrainingInputs,
+    choose_reference,
+)
 from megatron_kto.checkpointing.model_io import CheckpointError
 from megatron_kto.config.validate import ConfigError
 from megatron_kto.data.pipeline import build_split, resolve_path
@@ -27,21 +35,9 @@ from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
 from megatron_kto.models.dpo_model import MegatronGPTDPOModel
 from megatron_kto.models.kto_model import MegatronGPTKTOModel
 from megatron_kto.models.loss_settings import loss_settings
-from megatron_kto.models.reference import (
-    CPUSwapReference,
-    PrecomputedReference,
-    SeparateReference,
-    copy_weights,
-)
 from megatron_kto.models.training_setup import build_optimizer, build_scheduler, wrap_ddp
-from megatron_kto.peft.reference import AdaptersOffReference
 from megatron_kto.peft.settings import lora_settings, reference_includes_starting_adapter, uses_lora
-from megatron_kto.peft.wiring import (
-    apply_lora,
-    freeze_starting_adapter_copy,
-    parameter_counts,
-    reference_adapters,
-)
+from megatron_kto.peft.wiring import apply_lora, freeze_starting_adapter_copy, parameter_counts
 from megatron_kto.planning.memory import startup_lines
 from megatron_kto.prepare import prepare_run_config
 from megatron_kto.runtime.distributed import init_runtime, teardown
@@ -84,15 +80,14 @@ def _parse_max_time(value: str | None) -> float | None:
         raise ConfigError(f"trainer.max_time: {e}") from e
 
 
-def _build_policy(cfg: Any, algorithm: str, arch, layout: ParallelLayout, runtime):
-    """Policy chunks (restored if configured, DDP-wrapped) and the preference model around them.
-
-    A `precomputed` reference is attached later (its table needs the model to compute it).
-    """
+def _build_policy(
+    cfg: Any, algorithm: str, arch, layout: ParallelLayout, runtime, reference: ReferenceStrategy
+):
+    """Policy chunks (restored if configured, DDP-wrapped) and the preference model around them,
+    with the reference `reference` gives it once the policy is wrapped."""
     from megatron_kto.checkpointing.manager import restore_pretrained
 
     m = cfg.model
-    strategy = (m.kto if algorithm == "kto" else m.dpo).reference_policy
     chunks = build_gpt_chunks(arch, layout, runtime.device)
     if cfg.pretrained_checkpoint.restore_from_path:
         restore_pretrained(cfg.pretrained_checkpoint.restore_from_path, chunks)
@@ -102,21 +97,14 @@ def _build_policy(cfg: Any, algorithm: str, arch, layout: ParallelLayout, runtim
     lora = uses_lora(m)
     if lora:  # after the base weights are in, before DDP: only adapters get grad buffers
         _add_adapters(cfg, arch, chunks, runtime)
-    reference = None
-    if strategy == "separate":
-        ref_chunks = build_gpt_chunks(arch, layout, runtime.device)
-        copy_weights(chunks, ref_chunks)
-        reference = SeparateReference(ref_chunks)
+    reference.before_ddp(chunks, lambda: build_gpt_chunks(arch, layout, runtime.device))
     chunks = wrap_ddp(
         chunks,
         use_distributed_optimizer=m.optim.name == "distributed_fused_adam",
         overlap_grad_reduce=m.optim.overlap_grad_sync,
         bucket_size=_bucket_size(m.optim.bucket_cap_mb),
     )
-    if strategy == "cpu_swap":
-        reference = CPUSwapReference(chunks)
-    elif strategy == "adapters_off":
-        reference = AdaptersOffReference(chunks)
+    reference_policy = reference.after_ddp(chunks)
     if lora:
         trainable, total = parameter_counts(chunks)
         _say(
@@ -126,7 +114,7 @@ def _build_policy(cfg: Any, algorithm: str, arch, layout: ParallelLayout, runtim
         )
     settings = loss_settings(cfg, algorithm, arch.vocab_size)
     model_cls = MegatronGPTKTOModel if algorithm == "kto" else MegatronGPTDPOModel
-    return model_cls(chunks, reference, settings)
+    return model_cls(chunks, reference_policy, settings)
 
 
 def _add_adapters(cfg: Any, arch, chunks: list[torch.nn.Module], runtime) -> None:
@@ -176,49 +164,6 @@ def _bucket_size(bucket_cap_mb: float | None) -> int | None:
     return None if bucket_cap_mb is None else max(1, int(bucket_cap_mb * 2**20 / 4))
 
 
-def _attach_precomputed_reference(
-    cfg, algorithm, model, splits, arch, runtime, log_dir: Path, loop
-) -> None:
-    from megatron_kto.algorithms.precompute import Coverage, load_or_compute
-    from megatron_kto.data.cache import content_hash
-
-    # Everything the looked-up rows depend on: data, weights, and (KTO) the batch order that
-    # picks the KL partners; how many steps are covered is checked separately.
-    fingerprint = {
-        "algorithm": algorithm,
-        "files": [[str(p) for p in s.stats.files] for s in splits],
-        "content": [[content_hash(p) for p in s.stats.files] for s in splits],
-        "examples": [len(s.dataset) for s in splits],
-        "restore_from_path": cfg.pretrained_checkpoint.restore_from_path,
-        "seed": cfg.model.seed,
-        "shuffle": cfg.model.data.shuffle,
-        "global_batch_size": cfg.model.global_batch_size,
-        "architecture": arch.to_dict(),
-        "settings": repr(model.settings),
-    }
-    if reference_includes_starting_adapter(cfg.model):
-        path = cfg.model.peft.restore_from_path
-        fingerprint["reference_adapter"] = (
-            content_hash(resolve_path(path)) if path else repr(cfg.model.peft.lora_tuning)
-        )
-    resuming = cfg.exp_manager.resume_if_exists and (log_dir / "checkpoints" / "latest").exists()
-    _say(
-        runtime.is_rank0,
-        "precomputing reference log-probs over the data (reference_policy=precomputed)",
-    )
-    with reference_adapters(model.chunks):  # LoRA: base (+ the frozen starting adapter)
-        table = load_or_compute(
-            model,
-            splits,
-            runtime,
-            Coverage(loop.max_steps, loop.steps_per_epoch, loop.limit_val_batches),
-            log_dir / "reference_logps",
-            fingerprint,
-            resuming,
-        )
-    model.reference = PrecomputedReference(table)
-
-
 def _build_optimization(cfg: Any, algorithm: str, chunks, loop, precision: str):
     o = cfg.model.optim
     loop_cfg = cfg.trainer.kto if algorithm == "kto" else cfg.trainer.dpo
@@ -247,37 +192,21 @@ def _build_optimization(cfg: Any, algorithm: str, chunks, loop, precision: str):
 
 
 def _check_reference_reproducible(cfg: Any, algorithm: str, ckpt_dir: Path | None) -> None:
-    """Refuse a resume whose reference policy would differ from the interrupted run's.
+    """Refuse a resume whose reference policy would differ from the interrupted run's
+    (`ReferenceStrategy.check_resume` of the configured strategy)."""
+    choose_reference(cfg, algorithm).check_resume(ckpt_dir)
 
-    Training checkpoints do not store the reference policy: a resumed run rebuilds it as the
-    initial weights — `pretrained_checkpoint.restore_from_path` (layout-independent) or, without
-    it, the seeded random initialisation. The latter depends on the pipeline layout (pipeline
-    stages initialise their layers in a different order), so resuming a randomly initialised run
-    under another PP/VPP would silently train against a different reference model.
-    """
-    m = cfg.model
-    strategy = (m.kto if algorithm == "kto" else m.dpo).reference_policy
-    if cfg.pretrained_checkpoint.restore_from_path or strategy == "precomputed" or ckpt_dir is None:
-        return
-    from megatron_kto.checkpointing import files
 
-    saved = files.read_json(ckpt_dir / files.CHECKPOINT_META).get("layout", {})
-    keys = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
-    now = (m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size)
-    then = tuple(saved.get(k) for k in keys)
-    if then != now:
+@dataclass(frozen=True)
+class _Run:
+    """What every step of a run reads: the prepared config and what was set up from it."""
 
-        def describe(pp: int | None, vpp: int | None) -> str:
-            return f"PP={pp}" + (f" VPP={vpp}" if vpp else "")
-
-        hint = f"model.pipeline_model_parallel_size={then[0]}" + (
-            f" model.virtual_pipeline_model_parallel_size={then[1]}" if then[1] else ""
-        )
-        raise CheckpointError(
-            f"{ckpt_dir}: saved with {describe(*then)}, resuming with {describe(*now)}; without "
-            "pretrained_checkpoint.restore_from_path the reference policy is the random "
-            f"initialisation, which depends on the pipeline layout: resume with {hint}"
-        )
+    cfg: Any
+    algorithm: str
+    arch: Any
+    runtime: Any
+    layout: ParallelLayout
+    log_dir: Path
 
 
 def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
@@ -287,11 +216,54 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
         cfg: composed config (`AlignmentConfig` schema).
         algorithm: 'kto' or 'dpo'.
     """
-    from megatron_kto.checkpointing.manager import CheckpointManager
     from megatron_kto.checkpointing.preemption import PreemptionHandler
 
     # megatron-core logs its DDP/optimizer configs at INFO on every rank; keep warnings and up.
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
+    cfg, arch = _prepare(cfg, algorithm)
+    max_time = _parse_max_time(cfg.trainer.max_time)
+    log_dir = Path(cfg.exp_manager.explicit_log_dir)
+    # Installed before anything slow (rendezvous, data, model, checkpoint load): a preemption
+    # signal during start-up then stops the run cleanly before its first step (exit 0; the
+    # checkpoint it resumed from is still the latest) instead of killing it.
+    with PreemptionHandler() as preemption:
+        runtime = _init_runtime(cfg.model)
+        try:
+            run = _Run(cfg, algorithm, arch, runtime, _layout(cfg), log_dir)
+            reference = choose_reference(cfg, algorithm)
+            train, val = _build_data(run, reference)
+            _say_memory_plan(run)
+            model = _build_policy(cfg, algorithm, arch, run.layout, runtime, reference)
+            loop = _resolve_loop(run, train, val, max_time)
+            splits = [s for s in (train, val) if s is not None]
+            reference.before_training(model, TrainingInputs(splits, arch, runtime, log_dir, loop))
+            _note_warmup(run, loop)
+            optimization = _build_optimization(
+                cfg, algorithm, model.chunks, loop, run.layout.precision
+            )
+            manager, state = _restore(run, model, optimization, reference)
+            trainer, logger = _build_trainer(
+                run,
+                model,
+                optimization,
+                (train, val),
+                loop,
+                (manager, state),
+                lambda: preemption.requested,
+            )
+            final = trainer.fit()
+            logger.close()
+            _say(
+                runtime.is_rank0,
+                f"done: step {final.step}, consumed {final.consumed_samples} samples; outputs in {log_dir}",
+            )
+            return final
+        finally:
+            teardown()
+
+
+def _prepare(cfg: Any, algorithm: str) -> tuple[Any, Any]:
+    """The prepared config and the model's architecture (`prepare.prepare_run_config`)."""
     try:
         adopt_launcher_env()  # srun without torchrun: SLURM's task variables
     except RuntimeError as e:
@@ -300,169 +272,191 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
     # Before any process group or model exists. The entry scripts have already done it (and
     # printed its notes); it is idempotent, and callers like tools/bench_kto.py rely on it.
     prepared = prepare_run_config(cfg, algorithm, world_size)
-    cfg, arch = prepared.cfg, prepared.architecture
-    max_time = _parse_max_time(cfg.trainer.max_time)
-    m, e = cfg.model, cfg.exp_manager
-    log_dir = Path(e.explicit_log_dir)
-    # Installed before anything slow (rendezvous, data, model, checkpoint load): a preemption
-    # signal during start-up then stops the run cleanly before its first step (exit 0; the
-    # checkpoint it resumed from is still the latest) instead of killing it.
-    with PreemptionHandler() as preemption:
-        runtime = init_runtime(
-            m.tensor_model_parallel_size,
-            m.pipeline_model_parallel_size,
-            m.virtual_pipeline_model_parallel_size,
-            seed=m.seed,
-            expert_parallel_size=m.expert_model_parallel_size,
-            context_parallel_size=m.context_parallel_size,
-            expert_tensor_parallel_size=m.expert_tensor_parallel_size,
+    return prepared.cfg, prepared.architecture
+
+
+def _init_runtime(m: Any):
+    """Process groups, megatron's parallel state and seeds for the `model.*` layout."""
+    return init_runtime(
+        m.tensor_model_parallel_size,
+        m.pipeline_model_parallel_size,
+        m.virtual_pipeline_model_parallel_size,
+        seed=m.seed,
+        expert_parallel_size=m.expert_model_parallel_size,
+        context_parallel_size=m.context_parallel_size,
+        expert_tensor_parallel_size=m.expert_tensor_parallel_size,
+    )
+
+
+def _build_data(run: _Run, reference: ReferenceStrategy):
+    """(train, validation) splits (validation None without files), each described on rank 0;
+    batches carry the example index where the reference strategy looks examples up."""
+    m = run.cfg.model
+    tokenizer = load_tokenizer(
+        m.tokenizer.library, str(resolve_path(m.tokenizer.model)), m.tokenizer.chat_template
+    )
+    max_length = m.data.max_length or run.arch.encoder_seq_length
+
+    def split(name: str, first_example: int):
+        return build_split(
+            run.cfg,
+            name,
+            run.algorithm,
+            tokenizer,
+            run.runtime,
+            max_length,
+            index_offset=reference.index_offset(first_example),
         )
-        rank0 = runtime.is_rank0
-        try:
-            tokenizer = load_tokenizer(
-                m.tokenizer.library, str(resolve_path(m.tokenizer.model)), m.tokenizer.chat_template
-            )
-            max_length = m.data.max_length or arch.encoder_seq_length
-            precomputed = (m.kto if algorithm == "kto" else m.dpo).reference_policy == "precomputed"
-            train = build_split(
-                cfg,
-                "train",
-                algorithm,
-                tokenizer,
-                runtime,
-                max_length,
-                index_offset=0 if precomputed else None,
-            )
-            val = build_split(
-                cfg,
-                "validation",
-                algorithm,
-                tokenizer,
-                runtime,
-                max_length,
-                index_offset=len(train.dataset) if precomputed else None,
-            )
-            splits = [s for s in (train, val) if s is not None]
-            for split in splits:
-                _say(rank0, split.describe())
 
-            layout = _layout(cfg)
-            if rank0:
-                # Before anything is allocated: a run that cannot fit says so first.
-                try:
-                    plan = startup_lines(cfg, arch, runtime.world_size, runtime.device, algorithm)
-                except ValueError as err:  # a shape the planner does not plan must not stop a run
-                    plan = [f"note: no memory plan: {err}"]
-                for line in plan:
-                    _say(rank0, line)
-            model = _build_policy(cfg, algorithm, arch, layout, runtime)
-            loop_cfg = cfg.trainer.kto if algorithm == "kto" else cfg.trainer.dpo
-            loop = resolve_loop(
-                loop_cfg,
-                train.num_global_batches,
-                val.num_global_batches if val is not None else 0,
-                m.global_batch_size,
-                cfg.trainer.log_every_n_steps,
-                max_time,
-            )
-            if precomputed:
-                _attach_precomputed_reference(
-                    cfg, algorithm, model, splits, arch, runtime, log_dir, loop
-                )
-            sched = m.optim.sched
-            if sched.name != "Constant" and sched.warmup_steps >= loop.max_steps:
-                _say(
-                    rank0,
-                    f"note: model.optim.sched.warmup_steps ({sched.warmup_steps}) >= the run's "
-                    f"{loop.max_steps} steps: the learning rate never reaches model.optim.lr",
-                )
-            optimizer, scheduler = _build_optimization(
-                cfg, algorithm, model.chunks, loop, layout.precision
-            )
+    train = split("train", 0)
+    val = split("validation", len(train.dataset))  # its examples follow the training examples
+    for s in (train, val):
+        if s is not None:
+            _say(run.runtime.is_rank0, s.describe())
+    return train, val
 
-            manager = None
-            state = TrainerState()
-            if e.create_checkpoint_callback:
-                manager = CheckpointManager(
-                    log_dir / "checkpoints",
-                    keep_last=e.checkpoint_callback_params.save_top_k,
-                    lora_base=_lora_base(cfg, model.chunks),
-                )
-                restored = (
-                    manager.load_latest(model.chunks, optimizer, scheduler)
-                    if e.resume_if_exists
-                    else None
-                )
-                if restored is not None:
-                    _check_reference_reproducible(cfg, algorithm, manager.loaded_from)
-                    state = TrainerState(
-                        step=restored["step"],
-                        epoch=restored["epoch"],
-                        consumed_samples=restored["consumed_samples"],
-                    )
-                    _say(
-                        rank0, f"resumed from step {state.step} ({state.consumed_samples} samples)"
-                    )
-            logger = MetricsLogger(
-                log_dir,
-                rank0=rank0,
-                tensorboard=e.create_tensorboard_logger,
-                wandb=dict(e.wandb_logger_kwargs) if e.create_wandb_logger else None,
-            )
-            if rank0:
-                logger.truncate_after(state.step)
-            # MFU only against a known peak: the configured one, or a GPU's datasheet figure
-            # for the run's dtype. A CPU's is not known (a timed matmul is not an upper bound
-            # on a shared machine, so MFU could read above 1), and then MFU is not reported.
-            peak = cfg.trainer.peak_flops_per_device or peak_flops_per_device(
-                runtime.device, PRECISION_DTYPES[layout.precision]
-            )
-            config_yaml = OmegaConf.to_yaml(cfg)
-            hf_output = hf_output_of_run(cfg, arch, log_dir) if e.save_hf else None
 
-            def checkpoint_hook(s: TrainerState, final: bool) -> None:
-                saved = None
-                if manager is not None:
-                    saved = manager.save(
-                        s.step,
-                        model.chunks,
-                        optimizer,
-                        scheduler,
-                        trainer.state_dict(),
-                        config_yaml,
-                        arch,
-                    )
-                if hf_output is not None and (final or e.save_hf_every_save):
-                    hf_output.write(s.step, model.chunks, saved)
+def _say_memory_plan(run: _Run) -> None:
+    """Rank 0 prints the memory plan before anything is allocated: a run that cannot fit says
+    so first."""
+    if not run.runtime.is_rank0:
+        return
+    try:
+        plan = startup_lines(
+            run.cfg, run.arch, run.runtime.world_size, run.runtime.device, run.algorithm
+        )
+    except ValueError as err:  # a shape the planner does not plan must not stop a run
+        plan = [f"note: no memory plan: {err}"]
+    for line in plan:
+        _say(True, line)
 
-            trainer = (KTOTrainer if algorithm == "kto" else DPOTrainer)(
-                model,
+
+def _resolve_loop(run: _Run, train, val, max_time: float | None):
+    """The run's `LoopSettings` (`trainer.<algorithm>.*` over the splits' global batches)."""
+    cfg = run.cfg
+    return resolve_loop(
+        cfg.trainer.kto if run.algorithm == "kto" else cfg.trainer.dpo,
+        train.num_global_batches,
+        val.num_global_batches if val is not None else 0,
+        cfg.model.global_batch_size,
+        cfg.trainer.log_every_n_steps,
+        max_time,
+    )
+
+
+def _note_warmup(run: _Run, loop) -> None:
+    """Say so when the warmup is as long as the run (the peak learning rate is never reached)."""
+    sched = run.cfg.model.optim.sched
+    if sched.name != "Constant" and sched.warmup_steps >= loop.max_steps:
+        _say(
+            run.runtime.is_rank0,
+            f"note: model.optim.sched.warmup_steps ({sched.warmup_steps}) >= the run's "
+            f"{loop.max_steps} steps: the learning rate never reaches model.optim.lr",
+        )
+
+
+def _restore(run: _Run, model, optimization, reference: ReferenceStrategy):
+    """(checkpoint manager or None, starting `TrainerState`): the latest checkpoint of the log
+    directory is loaded when `exp_manager.resume_if_exists`, once the reference strategy
+    accepts it."""
+    from megatron_kto.checkpointing.manager import CheckpointManager
+
+    e = run.cfg.exp_manager
+    if not e.create_checkpoint_callback:
+        return None, TrainerState()
+    manager = CheckpointManager(
+        run.log_dir / "checkpoints",
+        keep_last=e.checkpoint_callback_params.save_top_k,
+        lora_base=_lora_base(run.cfg, model.chunks),
+    )
+    restored = manager.load_latest(model.chunks, *optimization) if e.resume_if_exists else None
+    if restored is None:
+        return manager, TrainerState()
+    reference.check_resume(manager.loaded_from)
+    state = TrainerState(
+        step=restored["step"],
+        epoch=restored["epoch"],
+        consumed_samples=restored["consumed_samples"],
+    )
+    _say(run.runtime.is_rank0, f"resumed from step {state.step} ({state.consumed_samples} samples)")
+    return manager, state
+
+
+def _build_trainer(run: _Run, model, optimization, splits, loop, restored, stop_requested):
+    """(trainer, metrics logger): the KTO or DPO trainer with its logging, throughput figures
+    and the checkpoint / Hugging Face output hook.
+
+    Args:
+        optimization: (optimizer, scheduler).
+        splits: (train, validation or None).
+        restored: (checkpoint manager or None, starting `TrainerState`), from `_restore`.
+        stop_requested: whether a preemption signal asks the run to stop.
+    """
+    cfg, runtime, rank0 = run.cfg, run.runtime, run.runtime.is_rank0
+    (optimizer, scheduler), (train, val), (manager, state) = optimization, splits, restored
+    e = cfg.exp_manager
+    logger = MetricsLogger(
+        run.log_dir,
+        rank0=rank0,
+        tensorboard=e.create_tensorboard_logger,
+        wandb=dict(e.wandb_logger_kwargs) if e.create_wandb_logger else None,
+    )
+    if rank0:
+        logger.truncate_after(state.step)
+    # MFU only against a known peak: the configured one, or a GPU's datasheet figure for the
+    # run's dtype. A CPU's is not known (a timed matmul is not an upper bound on a shared
+    # machine, so MFU could read above 1), and then MFU is not reported.
+    peak = cfg.trainer.peak_flops_per_device or peak_flops_per_device(
+        runtime.device, PRECISION_DTYPES[run.layout.precision]
+    )
+    hook = _checkpoint_hook(run, model, optimization, manager, lambda: trainer)
+    trainer = (KTOTrainer if run.algorithm == "kto" else DPOTrainer)(
+        model,
+        optimizer,
+        scheduler,
+        train_loader=train.loader,
+        val_loader=val.loader if val is not None else None,
+        loop=loop,
+        device=runtime.device,
+        logger=logger,
+        progress=ProgressReporter(loop.max_steps, rank0=rank0, initial_step=state.step),
+        model_flops=architecture_flops(
+            run.arch, run.arch.padded_vocab(cfg.model.tensor_model_parallel_size)
+        ),
+        peak_flops=peak,
+        world_size=runtime.world_size,
+        checkpoint_hook=hook,
+        stop_requested=stop_requested,
+        state=state,
+    )
+    return trainer, logger
+
+
+def _checkpoint_hook(run: _Run, model, optimization, manager, trainer: Callable[[], Any]):
+    """The trainer's `checkpoint_hook`: a training checkpoint (with `manager`) and the Hugging
+    Face output (`exp_manager.save_hf`: at the end, or at every save)."""
+    e = run.cfg.exp_manager
+    optimizer, scheduler = optimization
+    config_yaml = OmegaConf.to_yaml(run.cfg)
+    hf_output = hf_output_of_run(run.cfg, run.arch, run.log_dir) if e.save_hf else None
+
+    def checkpoint_hook(s: TrainerState, final: bool) -> None:
+        saved = None
+        if manager is not None:
+            saved = manager.save(
+                s.step,
+                model.chunks,
                 optimizer,
                 scheduler,
-                train_loader=train.loader,
-                val_loader=val.loader if val is not None else None,
-                loop=loop,
-                device=runtime.device,
-                logger=logger,
-                progress=ProgressReporter(loop.max_steps, rank0=rank0, initial_step=state.step),
-                model_flops=architecture_flops(
-                    arch, arch.padded_vocab(m.tensor_model_parallel_size)
-                ),
-                peak_flops=peak,
-                world_size=runtime.world_size,
-                checkpoint_hook=checkpoint_hook,
-                stop_requested=lambda: preemption.requested,
-                state=state,
+                trainer().state_dict(),
+                config_yaml,
+                run.arch,
             )
-            final = trainer.fit()
-            logger.close()
-            _say(
-                rank0,
-                f"done: step {final.step}, consumed {final.consumed_samples} samples; outputs in {log_dir}",
-            )
-            return final
-        finally:
-            teardown()
+        if hf_output is not None and (final or e.save_hf_every_save):
+            hf_output.write(s.step, model.chunks, saved)
+
+    return checkpoint_hook
+
 
 
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, CheckpointError)

@@ -221,6 +221,7 @@ def measure_rank(rank: int, world: int, overrides: list[str]) -> dict:
     from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
 
     from megatron_kto import run
+    from megatron_kto.algorithms.reference_strategies import choose_reference
     from megatron_kto.entry import compose_run_config
     from megatron_kto.models.builder import unwrap
     from megatron_kto.models.reference import SeparateReference
@@ -245,7 +246,8 @@ def measure_rank(rank: int, world: int, overrides: list[str]) -> dict:
             expert_tensor_parallel_size=m.expert_tensor_parallel_size,
         )
         layout = run._layout(cfg)
-        model = run._build_policy(cfg, "kto", arch, layout, runtime)
+        reference = choose_reference(cfg, "kto")
+        model = run._build_policy(cfg, "kto", arch, layout, runtime, reference)
         optimizer, _ = run._build_optimization(
             cfg, "kto", model.chunks, SimpleNamespace(max_steps=10), layout.precision
         )

@@ -144,7 +144,27 @@ def validate(
         ConfigError: naming the offending key.
     """
     check_known_keys(cfg)
-    m, t = cfg.model, cfg.trainer
+    m = cfg.model
+    _check_trainer(cfg.trainer, world_size)
+    dp = _check_parallel_layout(cfg, world_size, architecture_file)
+    _check_batches(m, dp)
+    _check_recompute(m, layers_per_chunk=m.num_layers // _model_chunks(m))
+    attention_choice(cfg)
+    _check_data(m, architecture_file)
+    _check_optimizer(m.optim)
+    _check_loop(cfg.trainer.kto if algorithm == "kto" else cfg.trainer.dpo, f"trainer.{algorithm}")
+    _check_objective(m, algorithm)
+    _check_hf_output(cfg.exp_manager, m)
+    _check_forward_micro_batch(m, algorithm, dp)
+
+
+def _model_chunks(m: Any) -> int:
+    """Model chunks over the pipeline: PP x VPP."""
+    return m.pipeline_model_parallel_size * (m.virtual_pipeline_model_parallel_size or 1)
+
+
+def _check_trainer(t: Any, world_size: int) -> None:
+    """`trainer.*` outside the loop: precision, logging, time limit, and the launched devices."""
     canonical_precision(t.precision)
     need(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", "must be >= 1")
     if t.max_time:
@@ -159,6 +179,12 @@ def validate(
             f"trainer.devices ({t.devices}) x trainer.num_nodes ({t.num_nodes}) != launched world "
             f"size {world_size}; launch with torchrun --nproc_per_node {t.devices} or set trainer.devices=null",
         )
+
+
+def _check_parallel_layout(cfg: Any, world_size: int, architecture_file: str | None) -> int:
+    """TP / PP / VPP / CP / EP / ETP / SP against the model's shape and the world size; returns
+    the data-parallel size."""
+    m = cfg.model
     tp, pp, vpp = (
         m.tensor_model_parallel_size,
         m.pipeline_model_parallel_size,
@@ -183,31 +209,7 @@ def validate(
         tp=tp,
         etp=m.expert_tensor_parallel_size,
     )
-    need(
-        cp == 1 or not (m.num_moe_experts and m.moe_aux_loss_coeff),
-        "model.moe_aux_loss_coeff",
-        f"{m.moe_aux_loss_coeff}: the router load-balancing loss is not supported with "
-        f"model.context_parallel_size={cp} (each rank routes part of every row); set "
-        "model.moe_aux_loss_coeff=0 or model.context_parallel_size=1",
-    )
-    if m.num_moe_experts and m.moe_aux_loss_coeff:
-        need(m.moe_aux_loss_coeff > 0, "model.moe_aux_loss_coeff", "must be >= 0")
-        # The balance statistics of a micro-batch span every layer's router: each rank's
-        # model chunk must run a micro-batch's layers in one forward (`models.router_stats`).
-        need(
-            vpp is None or vpp == 1,
-            "model.moe_aux_loss_coeff",
-            f"{m.moe_aux_loss_coeff}: the router load-balancing loss is not supported with "
-            "virtual_pipeline_model_parallel_size > 1 (a rank's layers run its micro-batches "
-            "interleaved); set model.moe_aux_loss_coeff=0 to train without it",
-        )
-        need(
-            m.activations_checkpoint_granularity != "full",
-            "model.moe_aux_loss_coeff",
-            f"{m.moe_aux_loss_coeff}: the router load-balancing loss is not supported with "
-            "activations_checkpoint_granularity=full (the routers re-run in the backward "
-            "pass); use selective or no recompute, or set model.moe_aux_loss_coeff=0",
-        )
+    _check_router_loss(m)
     need(
         not (m.num_moe_experts and tp > 1) or m.sequence_parallel,
         "model.sequence_parallel",
@@ -225,6 +227,44 @@ def validate(
             "model.virtual_pipeline_model_parallel_size",
             "needs pipeline_model_parallel_size > 1",
         )
+    return dp
+
+
+def _check_router_loss(m: Any) -> None:
+    """`model.moe_aux_loss_coeff` (the router load-balancing loss) against the layouts and
+    recompute settings it cannot run under."""
+    cp, vpp = m.context_parallel_size, m.virtual_pipeline_model_parallel_size
+    need(
+        cp == 1 or not (m.num_moe_experts and m.moe_aux_loss_coeff),
+        "model.moe_aux_loss_coeff",
+        f"{m.moe_aux_loss_coeff}: the router load-balancing loss is not supported with "
+        f"model.context_parallel_size={cp} (each rank routes part of every row); set "
+        "model.moe_aux_loss_coeff=0 or model.context_parallel_size=1",
+    )
+    if not (m.num_moe_experts and m.moe_aux_loss_coeff):
+        return
+    need(m.moe_aux_loss_coeff > 0, "model.moe_aux_loss_coeff", "must be >= 0")
+    # The balance statistics of a micro-batch span every layer's router: each rank's model
+    # chunk must run a micro-batch's layers in one forward (`models.router_stats`).
+    need(
+        vpp is None or vpp == 1,
+        "model.moe_aux_loss_coeff",
+        f"{m.moe_aux_loss_coeff}: the router load-balancing loss is not supported with "
+        "virtual_pipeline_model_parallel_size > 1 (a rank's layers run its micro-batches "
+        "interleaved); set model.moe_aux_loss_coeff=0 to train without it",
+    )
+    need(
+        m.activations_checkpoint_granularity != "full",
+        "model.moe_aux_loss_coeff",
+        f"{m.moe_aux_loss_coeff}: the router load-balancing loss is not supported with "
+        "activations_checkpoint_granularity=full (the routers re-run in the backward "
+        "pass); use selective or no recompute, or set model.moe_aux_loss_coeff=0",
+    )
+
+
+def _check_batches(m: Any, dp: int) -> None:
+    """Micro / global batch sizes against the data-parallel size and the pipeline schedule."""
+    pp, vpp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
     need(m.micro_batch_size >= 1, "model.micro_batch_size", "must be >= 1")
     need(
         m.logprob_chunk_size >= 0,
@@ -237,19 +277,19 @@ def validate(
         f"{m.global_batch_size} is not divisible by micro_batch_size ({m.micro_batch_size}) x "
         f"data-parallel size ({dp})",
     )
-    per_rank = m.global_batch_size // dp
     if vpp is not None:
-        num_micro = per_rank // m.micro_batch_size
+        num_micro = m.global_batch_size // dp // m.micro_batch_size
         need(
             num_micro % pp == 0,
             "model.global_batch_size",
             f"interleaved pipelining needs micro-batches per step ({num_micro}) divisible by PP={pp}",
         )
-    _check_recompute(m, layers_per_chunk=m.num_layers // (pp * (vpp or 1)))
-    attention_choice(cfg)
+
+
+def _check_data(m: Any, architecture_file: str | None) -> None:
+    """`model.data.*` and `model.tokenizer.library`: files, lengths and their choices."""
     _choice(m.data.truncation_mode, "model.data.truncation_mode", ("keep_end", "keep_start"))
     _choice(m.tokenizer.library, "model.tokenizer.library", ("sentencepiece", "huggingface"))
-    _check_optimizer(m.optim)
     need(
         len(m.data.data_prefix.train) > 0, "model.data.data_prefix.train", "no training files given"
     )
@@ -267,8 +307,10 @@ def validate(
             "model.data.max_prompt_length",
             f"must be between 1 and max_length - 1 ({max_len - 1}), got {m.data.max_prompt_length}",
         )
-    loop = t.kto if algorithm == "kto" else t.dpo
-    _check_loop(loop, f"trainer.{algorithm}")
+
+
+def _check_objective(m: Any, algorithm: str) -> None:
+    """`model.kto.*` / `model.dpo.*`: loss type(s), β and weights."""
     loss = m.kto if algorithm == "kto" else m.dpo
     need(
         loss.preference_loss_weight >= 0,
@@ -277,45 +319,52 @@ def validate(
     )
     need(loss.sft_loss_weight >= 0, f"model.{algorithm}.sft_loss_weight", "must be >= 0")
     if algorithm == "kto":
-        k = m.kto
-        _choice(k.loss_type, "model.kto.loss_type", ("kto", "apo_zero_unpaired"))
-        need(k.ref_policy_kl_penalty > 0, "model.kto.ref_policy_kl_penalty", "β must be > 0")
-        need(
-            k.desirable_loss_weight >= 0 and k.undesirable_loss_weight >= 0,
-            "model.kto.desirable_loss_weight",
-            "weights must be >= 0",
+        _check_kto(m)
+        return
+    d = m.dpo
+    need(d.ref_policy_kl_penalty > 0, "model.dpo.ref_policy_kl_penalty", "β must be > 0")
+    try:
+        check_loss_mixture(
+            loss_type_names(d.loss_type), d.loss_weights, d.label_smoothing, d.discopop_tau
         )
-        need(
-            m.global_batch_size >= 2,
-            "model.global_batch_size",
-            "KL pairs need >= 2 examples per global batch (prompt i is paired with completion "
-            f"i+1 mod the global batch size), got {m.global_batch_size}",
-        )
-        fwd = k.log_prob_forward_micro_batch_size
-    else:
-        d = m.dpo
-        need(d.ref_policy_kl_penalty > 0, "model.dpo.ref_policy_kl_penalty", "β must be > 0")
-        try:
-            check_loss_mixture(
-                loss_type_names(d.loss_type), d.loss_weights, d.label_smoothing, d.discopop_tau
-            )
-        except DPOLossConfigError as e:
-            raise ConfigError(f"model.dpo.{e.field}: {e}") from None
-        fwd = d.log_prob_forward_micro_batch_size
-    _check_hf_output(cfg.exp_manager, m)
+    except DPOLossConfigError as e:
+        raise ConfigError(f"model.dpo.{e.field}: {e}") from None
+
+
+def _check_kto(m: Any) -> None:
+    """KTO's loss type, β, class weights, and the global batch its KL pairs need."""
+    k = m.kto
+    _choice(k.loss_type, "model.kto.loss_type", ("kto", "apo_zero_unpaired"))
+    need(k.ref_policy_kl_penalty > 0, "model.kto.ref_policy_kl_penalty", "β must be > 0")
+    need(
+        k.desirable_loss_weight >= 0 and k.undesirable_loss_weight >= 0,
+        "model.kto.desirable_loss_weight",
+        "weights must be >= 0",
+    )
+    need(
+        m.global_batch_size >= 2,
+        "model.global_batch_size",
+        "KL pairs need >= 2 examples per global batch (prompt i is paired with completion "
+        f"i+1 mod the global batch size), got {m.global_batch_size}",
+    )
+
+
+def _check_forward_micro_batch(m: Any, algorithm: str, dp: int) -> None:
+    """`model.<algorithm>.log_prob_forward_micro_batch_size`: the micro-batch of the
+    forward-only passes (reference, KL rows) against the per-rank batch and the schedule."""
+    key = f"model.{algorithm}.log_prob_forward_micro_batch_size"
+    fwd = (m.kto if algorithm == "kto" else m.dpo).log_prob_forward_micro_batch_size
+    per_rank = m.global_batch_size // dp
     if fwd is not None:
-        need(fwd >= 1, f"model.{algorithm}.log_prob_forward_micro_batch_size", "must be >= 1")
-        need(
-            per_rank % fwd == 0,
-            f"model.{algorithm}.log_prob_forward_micro_batch_size",
-            f"must divide the per-rank batch {per_rank}",
-        )
+        need(fwd >= 1, key, "must be >= 1")
+        need(per_rank % fwd == 0, key, f"must divide the per-rank batch {per_rank}")
     fwd = fwd or m.micro_batch_size
-    if vpp is not None:
+    pp = m.pipeline_model_parallel_size
+    if m.virtual_pipeline_model_parallel_size is not None:
         # Forward-only passes (reference, KL rows) also run the interleaved schedule.
         need(
             (per_rank // fwd) % pp == 0,
-            f"model.{algorithm}.log_prob_forward_micro_batch_size",
+            key,
             f"interleaved pipelining needs forward micro-batches per step ({per_rank // fwd}) "
             f"divisible by PP={pp}",
         )

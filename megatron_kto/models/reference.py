@@ -10,6 +10,9 @@ Memory cost per rank (P = this rank's parameter bytes):
 - `precomputed`: +0 parameters anywhere; the run's reference forward passes are done before
   training (the KL rows of every epoch it will reach), then 1 + epochs floats per example (host
   memory and a file in the run directory); see `algorithms.precompute`.
+
+The run chooses one strategy object per `reference_policy` (`algorithms.reference_strategies`),
+which builds these and owns the other steps of a run that depend on the strategy.
 """
 
 from __future__ import annotations

@@ -1,0 +1,311 @@
+"""Reference strategies as objects: `model.<algorithm>.reference_policy`, chosen once.
+
+Each strategy owns every step of a run that depends on where the reference weights live:
+
+- which examples its batches must name (`index_offset`: the keys of a precomputed table),
+- what it builds before the policy is wrapped in DDP (`before_ddp`: `separate`'s frozen copy),
+- the `models.reference.ReferencePolicy` it gives the model once the policy is wrapped
+  (`after_ddp`),
+- the work it does before the first step (`before_training`: `precomputed`'s forward passes),
+- whether a resumed run can rebuild it (`check_resume`).
+
+`choose_reference` picks the strategy from the validated config through one table
+(`STRATEGIES`, name -> factory); nothing else branches on the strategy's name. The
+implementations of the reference forward itself stay where they were: `models.reference`
+(`cpu_swap`, `separate`, `precomputed`) and `peft.reference` (`adapters_off`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from megatron_kto.checkpointing.errors import CheckpointError
+from megatron_kto.models.reference import (
+    CPUSwapReference,
+    PrecomputedReference,
+    ReferencePolicy,
+    SeparateReference,
+    copy_weights,
+)
+from megatron_kto.peft.reference import AdaptersOffReference
+from megatron_kto.peft.settings import reference_strategy
+
+Chunks = list[torch.nn.Module]
+
+
+@dataclass(frozen=True)
+class TrainingInputs:
+    """What a strategy may read before the first step: the run's data and loop, and where the
+    run keeps its files."""
+
+    splits: Sequence[Any]
+    """The run's `data.pipeline.Split`s (train first, then validation if any)."""
+    architecture: Any
+    """The model's `GPTArchitecture`."""
+    runtime: Any
+    """The run's `runtime.Runtime` (device, rank 0)."""
+    log_dir: Path
+    """`exp_manager.explicit_log_dir`."""
+    loop: Any
+    """The resolved `algorithms.dpo.LoopSettings` (steps, epochs, validation batches)."""
+
+
+class ReferenceStrategy(Protocol):
+    """Where a run's frozen reference policy lives, and each step of the run that depends on it."""
+
+    name: str
+    """The `reference_policy` value it implements."""
+
+    def index_offset(self, first_example: int) -> int | None:
+        """The `index` of a split's first example in its batches (`data.pipeline.build_split`),
+        or None when batches need no example index."""
+        ...
+
+    def before_ddp(self, policy_chunks: Chunks, build_chunks: Callable[[], Chunks]) -> None:
+        """Called once the policy holds its starting weights (and adapters), before DDP wraps it;
+        `build_chunks()` builds a fresh set of chunks of the same layout."""
+        ...
+
+    def after_ddp(self, policy_chunks: Chunks) -> ReferencePolicy | None:
+        """The reference policy for the DDP-wrapped policy chunks; None when it is attached
+        later (`before_training`)."""
+        ...
+
+    def before_training(self, model: Any, inputs: TrainingInputs) -> None:
+        """Called before the optimizer is built and the first step runs."""
+        ...
+
+    def check_resume(self, ckpt_dir: Path | None) -> None:
+        """Refuse a resume from `ckpt_dir` whose reference would differ from the interrupted
+        run's.
+
+        Raises:
+            CheckpointError: naming the checkpoint and the keys to resume with.
+        """
+        ...
+
+
+def check_initialisation_reproducible(cfg: Any, ckpt_dir: Path | None) -> None:
+    """Refuse a resume whose rebuilt initial weights would differ from the interrupted run's.
+
+    Training checkpoints do not store the reference policy: a resumed run rebuilds it as the
+    initial weights — `pretrained_checkpoint.restore_from_path` (layout-independent) or, without
+    it, the seeded random initialisation. The latter depends on the pipeline layout (pipeline
+    stages initialise their layers in a different order), so resuming a randomly initialised run
+    under another PP/VPP would silently train against a different reference model.
+
+    Raises:
+        CheckpointError: the checkpoint's PP/VPP differ from the config's, without a starting
+            checkpoint.
+    """
+    m = cfg.model
+    if cfg.pretrained_checkpoint.restore_from_path or ckpt_dir is None:
+        return
+    from megatron_kto.checkpointing import files
+
+    saved = files.read_json(ckpt_dir / files.CHECKPOINT_META).get("layout", {})
+    keys = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
+    now = (m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size)
+    then = tuple(saved.get(k) for k in keys)
+    if then != now:
+
+        def describe(pp: int | None, vpp: int | None) -> str:
+            return f"PP={pp}" + (f" VPP={vpp}" if vpp else "")
+
+        hint = f"model.pipeline_model_parallel_size={then[0]}" + (
+            f" model.virtual_pipeline_model_parallel_size={then[1]}" if then[1] else ""
+        )
+        raise CheckpointError(
+            f"{ckpt_dir}: saved with {describe(*then)}, resuming with {describe(*now)}; without "
+            "pretrained_checkpoint.restore_from_path the reference policy is the random "
+            f"initialisation, which depends on the pipeline layout: resume with {hint}"
+        )
+
+
+class CPUSwap:
+    """`cpu_swap`: a host copy of the initial weights, swapped into the policy chunks for each
+    reference pass (`models.reference.CPUSwapReference`)."""
+
+    name = "cpu_swap"
+
+    def __init__(self, cfg: Any, algorithm: str):
+        self._cfg = cfg
+
+    def index_offset(self, first_example: int) -> int | None:
+        return None
+
+    def before_ddp(self, policy_chunks: Chunks, build_chunks: Callable[[], Chunks]) -> None:
+        pass
+
+    def after_ddp(self, policy_chunks: Chunks) -> ReferencePolicy | None:
+        # After DDP: the host copy is taken from the wrapped chunks' (final) parameter storage.
+        return CPUSwapReference(policy_chunks)
+
+    def before_training(self, model: Any, inputs: TrainingInputs) -> None:
+        pass
+
+    def check_resume(self, ckpt_dir: Path | None) -> None:
+        check_initialisation_reproducible(self._cfg, ckpt_dir)
+
+
+class Separate:
+    """`separate`: a frozen second set of chunks on the device, a copy of the initial policy
+    (`models.reference.SeparateReference`)."""
+
+    name = "separate"
+
+    def __init__(self, cfg: Any, algorithm: str):
+        self._cfg = cfg
+        self._reference: SeparateReference | None = None
+
+    def index_offset(self, first_example: int) -> int | None:
+        return None
+
+    def before_ddp(self, policy_chunks: Chunks, build_chunks: Callable[[], Chunks]) -> None:
+        # Before DDP: the copy is a plain model that never gets gradient buffers.
+        ref_chunks = build_chunks()
+        copy_weights(policy_chunks, ref_chunks)
+        self._reference = SeparateReference(ref_chunks)
+
+    def after_ddp(self, policy_chunks: Chunks) -> ReferencePolicy | None:
+        return self._reference
+
+    def before_training(self, model: Any, inputs: TrainingInputs) -> None:
+        pass
+
+    def check_resume(self, ckpt_dir: Path | None) -> None:
+        check_initialisation_reproducible(self._cfg, ckpt_dir)
+
+
+class AdaptersOff:
+    """`adapters_off` (LoRA): the policy chunks themselves with the adapters off, or switched to
+    the frozen starting adapter (`peft.reference.AdaptersOffReference`)."""
+
+    name = "adapters_off"
+
+    def __init__(self, cfg: Any, algorithm: str):
+        self._cfg = cfg
+
+    def index_offset(self, first_example: int) -> int | None:
+        return None
+
+    def before_ddp(self, policy_chunks: Chunks, build_chunks: Callable[[], Chunks]) -> None:
+        pass
+
+    def after_ddp(self, policy_chunks: Chunks) -> ReferencePolicy | None:
+        return AdaptersOffReference(policy_chunks)
+
+    def before_training(self, model: Any, inputs: TrainingInputs) -> None:
+        pass
+
+    def check_resume(self, ckpt_dir: Path | None) -> None:
+        # The base weights are the reference: rebuilt like any initial weights.
+        check_initialisation_reproducible(self._cfg, ckpt_dir)
+
+
+class Precomputed:
+    """`precomputed`: the run's reference log-probs computed over the data before training
+    (`algorithms.precompute`), then looked up by example (`models.reference.PrecomputedReference`).
+
+    The table is kept in the run directory, so a resumed run reads it back instead of rebuilding
+    the reference weights.
+    """
+
+    name = "precomputed"
+
+    def __init__(self, cfg: Any, algorithm: str):
+        self._cfg = cfg
+        self._algorithm = algorithm
+
+    def index_offset(self, first_example: int) -> int | None:
+        # Train examples first, then validation examples: one table row per example.
+        return first_example
+
+    def before_ddp(self, policy_chunks: Chunks, build_chunks: Callable[[], Chunks]) -> None:
+        pass
+
+    def after_ddp(self, policy_chunks: Chunks) -> ReferencePolicy | None:
+        return None  # the table needs the model to compute it: `before_training`
+
+    def before_training(self, model: Any, inputs: TrainingInputs) -> None:
+        """Load the table from the run directory, or compute it with the policy's starting
+        weights (LoRA: the base, plus the frozen starting adapter), and attach it to `model`."""
+        from megatron_kto.algorithms.precompute import Coverage, load_or_compute
+        from megatron_kto.peft.wiring import reference_adapters
+
+        cfg, loop, log_dir = self._cfg, inputs.loop, inputs.log_dir
+        fingerprint = self._fingerprint(model, inputs)
+        resuming = (
+            cfg.exp_manager.resume_if_exists and (log_dir / "checkpoints" / "latest").exists()
+        )
+        if inputs.runtime.is_rank0:
+            print(
+                "precomputing reference log-probs over the data (reference_policy=precomputed)",
+                flush=True,
+            )
+        with reference_adapters(model.chunks):  # LoRA: base (+ the frozen starting adapter)
+            table = load_or_compute(
+                model,
+                inputs.splits,
+                inputs.runtime,
+                Coverage(loop.max_steps, loop.steps_per_epoch, loop.limit_val_batches),
+                log_dir / "reference_logps",
+                fingerprint,
+                resuming,
+            )
+        model.reference = PrecomputedReference(table)
+
+    def _fingerprint(self, model: Any, inputs: TrainingInputs) -> dict[str, Any]:
+        """Everything the looked-up rows depend on: data, weights, and (KTO) the batch order that
+        picks the KL partners; how many steps are covered is checked separately."""
+        from megatron_kto.data.cache import content_hash
+        from megatron_kto.data.pipeline import resolve_path
+        from megatron_kto.peft.settings import reference_includes_starting_adapter
+
+        cfg, splits = self._cfg, inputs.splits
+        fingerprint = {
+            "algorithm": self._algorithm,
+            "files": [[str(p) for p in s.stats.files] for s in splits],
+            "content": [[content_hash(p) for p in s.stats.files] for s in splits],
+            "examples": [len(s.dataset) for s in splits],
+            "restore_from_path": cfg.pretrained_checkpoint.restore_from_path,
+            "seed": cfg.model.seed,
+            "shuffle": cfg.model.data.shuffle,
+            "global_batch_size": cfg.model.global_batch_size,
+            "architecture": inputs.architecture.to_dict(),
+            "settings": repr(model.settings),
+        }
+        if reference_includes_starting_adapter(cfg.model):  # the reference includes the starting adapter
+            path = cfg.model.peft.restore_from_path
+            fingerprint["reference_adapter"] = (
+                content_hash(resolve_path(path)) if path else repr(cfg.model.peft.lora_tuning)
+            )
+        return fingerprint
+
+    def check_resume(self, ckpt_dir: Path | None) -> None:
+        pass  # the table computed by the interrupted run is read back, not recomputed
+
+
+#: `reference_policy` -> the strategy's factory, called with (validated config, algorithm).
+STRATEGIES: dict[str, Callable[[Any, str], ReferenceStrategy]] = {
+    "cpu_swap": CPUSwap,
+    "separate": Separate,
+    "adapters_off": AdaptersOff,
+    "precomputed": Precomputed,
+}
+
+
+def choose_reference(cfg: Any, algorithm: str) -> ReferenceStrategy:
+    """The run's reference strategy: `model.<algorithm>.reference_policy` (its default resolved,
+    `peft.settings.reference_strategy`), from a config that `config.validate` accepted.
+
+    Args:
+        cfg: the composed `AlignmentConfig`.
+        algorithm: 'kto' or 'dpo'.
+    """
+    return STRATEGIES[reference_strategy(cfg.model, algorithm)](cfg, algorithm)
