@@ -422,12 +422,14 @@ def install(trace_dir: str | Path, rank: int | None = None) -> None:
     atexit.register(rec.dump)
 
 
-def bind_rank(rank: int, world_size: int) -> None:
+def bind_rank(rank: int, world_size: int, trace_dir: str | Path | None = None) -> None:
     """Set this process's launch rank and world size (a recorder installed before the launcher's
-    variables were set, as `multirank`'s spawned ranks do)."""
+    variables were set, as `multirank`'s ranks do: they inherit it from their forkserver), and
+    the directory its trace goes to (default: where it was installed)."""
     if _RECORDER is not None:
         _RECORDER.rank, _RECORDER.world_size = rank, world_size
-        _RECORDER.path = _RECORDER.path.with_name(f"rank{rank}.jsonl")
+        parent = Path(trace_dir) if trace_dir is not None else _RECORDER.path.parent
+        _RECORDER.path = parent / f"rank{rank}.jsonl"
 
 
 def dump() -> None:
