@@ -52,7 +52,12 @@ _HEAVY = (
     "megatron_kto.checkpointing.manager",
     "megatron_kto.conversion.convert",
     "megatron_kto.peft",
+    "megatron_kto.config.entry",
+    "megatron_kto.config.schema",
+    "sentencepiece",
+    "transformers",
     "multirank",
+    "e2e_cli",
 )
 for _name in _HEAVY:
     with contextlib.suppress(Exception):
