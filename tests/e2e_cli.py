@@ -115,6 +115,9 @@ def _forked_rank(
             traceback.print_exc()
             code = 1
         atexit._run_exitfuncs()  # os._exit below skips them; `python` runs them (trace, logs)
+    except BaseException:  # setting the rank up failed: say so (the run is then rerun for real)
+        traceback.print_exc()
+        code = 1
     finally:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
@@ -187,8 +190,14 @@ def _forked_launch(
         codes = [p.exitcode for p in procs]
         failed = [c for c in codes if c != 0]
         code = 0 if not failed else (failed[0] if nproc == 1 else 1)
-        stdout = "".join((work / f"{r}.out").read_text(errors="replace") for r in range(nproc))
-        stderr = "".join((work / f"{r}.err").read_text(errors="replace") for r in range(nproc))
+        stdout, stderr = (
+            "".join(
+                (work / f"{r}{ext}").read_text(errors="replace")
+                for r in range(nproc)
+                if (work / f"{r}{ext}").exists()
+            )
+            for ext in (".out", ".err")
+        )
         return subprocess.CompletedProcess(args, code, stdout, stderr)
     finally:
         for p in procs:
