@@ -56,6 +56,7 @@ _HEAVY = (
     "megatron_kto.config.schema",
     "sentencepiece",
     "transformers",
+    "transformers.models.llama.modeling_llama",  # HF references in conversion / LoRA ranks
     "multirank",
     "e2e_cli",
 )
