@@ -3,7 +3,8 @@
 Public API (keep it small):
 
 - ``run_multirank(fn, world_size, *args, timeout=...) -> list``: start ``world_size`` fresh
-  processes (start method ``spawn``), call ``fn(rank, world_size, *args)`` in each with the
+  processes (forked from a ``forkserver`` that has imported torch, megatron-core and our package
+  once, `multirank_preload`; each rank gets the caller's current environment), call ``fn(rank, world_size, *args)`` in each with the
   torchrun environment set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, a free
   MASTER_PORT outside the kernel's ephemeral range, from `rendezvous_port`), and return the
   per-rank return values in rank order. If any rank raises, the test fails with a
@@ -23,17 +24,24 @@ Rules for ``fn``: it must be a module-level function of an importable module (a 
 ``tests/`` is fine — spawned children get the parent's ``sys.path``), its arguments and return
 value must be picklable (CPU tensors are), and it should call ``teardown()`` at the end. Each
 rank runs with one intra-op thread (``torch.set_num_threads(1)``): CI has 2 cores and up to 4
-ranks. Each spawned process pays ~5 s of torch + megatron-core import, so group several checks
-into one spawn.
+ranks. The heavy imports are paid once per pytest session (in the forkserver), but each rank
+still imports the test module and initialises its world (~1 s), so group several checks into one
+run where they share a setup.
+
+Each rank starts from the forkserver's pristine state (it never runs a test function), so no
+module state leaks from one run into the next.
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import multiprocessing.context
 import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -42,14 +50,8 @@ from pathlib import Path
 from typing import Any
 
 import nccl_order
-import torch.multiprocessing as mp
 
-if os.environ.get(nccl_order.TRACE_ENV) and mp.current_process().name != "MainProcess":
-    # A spawned rank (named by `run_multirank`): this module is unpickled (imported) before the
-    # test's function, so before megatron-core, which binds torch.distributed functions at import.
-    nccl_order.install(os.environ[nccl_order.TRACE_ENV])
-
-from megatron_kto.runtime.distributed import rendezvous_port  # noqa: E402
+from megatron_kto.runtime.distributed import rendezvous_port
 
 __all__ = ["MultirankError", "run_multirank", "solo_world"]
 
@@ -57,17 +59,57 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 # After the first rank fails, the others are usually blocked in a collective with it; give
 # them this long to fail on their own (their tracebacks are then reported too) before killing.
 _GRACE_AFTER_FAILURE_S = 5.0
+#: Imported once by the forkserver the ranks fork from (see `multirank_preload`).
+_PRELOAD = ["multirank_preload"]
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    """The start context of every rank: a forkserver that preloads `multirank_preload`.
+
+    The preload list belongs to the one forkserver of this process; it is set before that server
+    first starts (the first `run_multirank` of the session).
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    from multiprocessing import forkserver
+
+    if forkserver._forkserver._forkserver_pid is None:
+        # Python 3.11's forkserver ignores the caller's sys.path (it passes it but does not use
+        # it): give it this process's path through PYTHONPATH so `multirank_preload` (in tests/,
+        # which pytest put on sys.path) imports there. Ranks get sys.path from their parent.
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = saved
+    return ctx
 
 
 class MultirankError(AssertionError):
     """A rank raised, died, or the ranks did not finish in time."""
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    out_dir: str,
+    env: dict[str, str],
+    fn: Callable,
+    args: tuple,
+) -> None:
     # Own process group, so a timeout kill also reaches helpers a rank started (e.g. a
     # dist_checkpointing writer process).
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
+    # The forkserver's environment is the one of the session's first run; a rank sees the
+    # caller's environment now, as a spawned process would.
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -79,7 +121,10 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, ar
     import torch
 
     torch.set_num_threads(1)
-    nccl_order.bind_rank(rank, world_size)
+    # Installed in the forkserver before megatron-core was imported (then this is a no-op; if
+    # the preload failed, the recorder reports itself untraceable rather than miss calls).
+    nccl_order.install(env[nccl_order.TRACE_ENV])
+    nccl_order.bind_rank(rank, world_size, env[nccl_order.TRACE_ENV])
     out = Path(out_dir)
     try:
         result = fn(rank, world_size, *args)
@@ -121,32 +166,25 @@ def run_multirank(
         MultirankError: a rank raised (message holds every failed rank's traceback), exited
             without a result, or the run exceeded ``timeout`` (all ranks are killed).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     out_dir = tempfile.mkdtemp(prefix="multirank_")
     port = rendezvous_port()
+    out = Path(out_dir)
+    trace_dir = out / "nccl_trace"
+    # Every multi-rank run records its communication for the NCCL order replay.
+    env = {**os.environ, nccl_order.TRACE_ENV: str(trace_dir)}
     procs = [
         ctx.Process(
             target=_entry,
-            args=(rank, world_size, port, out_dir, fn, args),
+            args=(rank, world_size, port, out_dir, env, fn, args),
             name=f"{getattr(fn, '__name__', 'fn')}-rank{rank}",
         )
         for rank in range(world_size)
     ]
-    out = Path(out_dir)
     name = getattr(fn, "__qualname__", repr(fn))
-    trace_dir = out / "nccl_trace"
-    saved_trace_env = os.environ.get(nccl_order.TRACE_ENV)
     try:
-        # Every multi-rank run records its communication for the NCCL order replay.
-        os.environ[nccl_order.TRACE_ENV] = str(trace_dir)
-        try:
-            for p in procs:
-                p.start()
-        finally:
-            if saved_trace_env is None:
-                os.environ.pop(nccl_order.TRACE_ENV, None)
-            else:
-                os.environ[nccl_order.TRACE_ENV] = saved_trace_env
+        for p in procs:
+            p.start()
         deadline = time.monotonic() + timeout
         failed_at: float | None = None
         timed_out = False

@@ -35,9 +35,10 @@ rank's queues (rank, communicator, operation, shape) and what each host is waiti
 
 Recording: `install(trace_dir, rank)` patches `torch.distributed`'s functions in place (before
 megatron-core is imported: it keeps references to some of them) and writes
-``<trace_dir>/rank<N>.jsonl`` at exit. `tests/multirank.py` and `tests/e2e_cli.py` (through
-`tests/nccl_trace_main.py`) do this for every multi-rank run (`TRACE_ENV`), and replay the traces
-when the run succeeded; a run that cannot be traced (a world of another size inside the launch,
+``<trace_dir>/rank<N>.jsonl`` at exit. `tests/multirank.py` and `tests/e2e_cli.py` do this for
+every multi-rank run — installed once in the forkserver their ranks fork from
+(`tests/multirank_preload.py`, then `bind_rank` per rank), or through `tests/nccl_trace_main.py`
+for a real torchrun launch (`TRACE_ENV`) — and replay the traces when the run succeeded; a run that cannot be traced (a world of another size inside the launch,
 a receive from any source) is not replayed. Recorded: the collectives of `_COLLECTIVES` (object
 collectives through the ones they call), send / recv / isend / irecv, `batch_isend_irecv`,
 `_coalescing_manager` (megatron's bucketed gradient and parameter syncs), `Work.wait`, and
@@ -422,12 +423,14 @@ def install(trace_dir: str | Path, rank: int | None = None) -> None:
     atexit.register(rec.dump)
 
 
-def bind_rank(rank: int, world_size: int) -> None:
+def bind_rank(rank: int, world_size: int, trace_dir: str | Path | None = None) -> None:
     """Set this process's launch rank and world size (a recorder installed before the launcher's
-    variables were set, as `multirank`'s spawned ranks do)."""
+    variables were set, as `multirank`'s ranks do: they inherit it from their forkserver), and
+    the directory its trace goes to (default: where it was installed)."""
     if _RECORDER is not None:
         _RECORDER.rank, _RECORDER.world_size = rank, world_size
-        _RECORDER.path = _RECORDER.path.with_name(f"rank{rank}.jsonl")
+        parent = Path(trace_dir) if trace_dir is not None else _RECORDER.path.parent
+        _RECORDER.path = parent / f"rank{rank}.jsonl"
 
 
 def dump() -> None:

@@ -49,6 +49,7 @@ from e2e_cli import (
     REPO,
     TINY_EXAMPLE,
     cli_env,
+    launch,
     launcher,
     load_tp1_state_dicts,
     read_metrics,
@@ -166,7 +167,13 @@ class Run:
 
 
 def run_to_end(log_dir: Path, args: list[str], nproc: int = 1) -> str:
-    return Run(log_dir, args, nproc).finish()
+    """A run that is not signalled: `e2e_cli.launch` (forked ranks, NCCL order replayed for
+    several). Asserts exit code 0; returns stdout + stderr."""
+    argv = [str(KTO_SCRIPT), f"exp_manager.explicit_log_dir={log_dir}", *args]
+    proc, _ = launch(argv, nproc, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{output[-6000:]}"
+    return output
 
 
 def train_steps_logged(log_dir: Path) -> list[int]:
