@@ -82,3 +82,22 @@ def test_the_tool_counts_function_level_imports_and_not_type_checking_ones(tmp_p
     kinds = {(i.importer, i.imported): i.kind for i in result.imports}
     assert kinds[("megatron_kto.b.three", "megatron_kto.a.one")] == "type_checking"
     assert kinds[("megatron_kto.a.four", "megatron_kto.a.one")] == "module"
+
+
+def test_conversion_is_pure() -> None:
+    """conversion/ holds tables and tensor functions only: no collectives, no megatron-core (the
+    gathers and model building live in hf_writer/ and models/)."""
+    import ast
+
+    wrong = []
+    for path in sorted((PACKAGE_DIR / "conversion").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                if name.startswith(("torch.distributed", "megatron.")) or name == "megatron":
+                    wrong.append(f"{path.relative_to(REPO)}:{node.lineno} imports {name}")
+    assert wrong == []
