@@ -222,7 +222,16 @@ def _dpo_case(seed: int, b: int, equal_lengths: bool):
     return {"n": n, "mask": mask, "per_token": per_token, "ref": ref, "mean_logits": mean_logits}
 
 
-def _run_trl_dpo(case, loss_types, loss_weights, beta, label_smoothing=0.0, discopop_tau=0.05):
+def _run_trl_dpo(
+    case,
+    loss_types,
+    loss_weights,
+    beta,
+    label_smoothing=0.0,
+    discopop_tau=0.05,
+    f_divergence_type="reverse_kl",
+    f_alpha_divergence_coef=0.5,
+):
     two_b = case["n"].shape[0]
     leaf = case["per_token"].clone().requires_grad_(True)
     model = _FakeModel({1: _outputs(leaf * case["mask"], case["mean_logits"])})
@@ -241,7 +250,8 @@ def _run_trl_dpo(case, loss_types, loss_weights, beta, label_smoothing=0.0, disc
         label_smoothing=label_smoothing,
         args=types.SimpleNamespace(discopop_tau=discopop_tau),
         ld_alpha=None,
-        f_divergence_type="reverse_kl",
+        f_divergence_type=f_divergence_type,
+        f_alpha_divergence_coef=f_alpha_divergence_coef,
         use_weighting=False,
     )
     loss = DPOTrainer._compute_loss(stub, model, inputs, return_outputs=False)
@@ -368,3 +378,67 @@ def test_dpo_catalogue_matches_trl(
     out.loss.backward()
     torch.testing.assert_close(out.loss.detach(), trl_loss.to(torch.float64), rtol=1e-6, atol=0)
     torch.testing.assert_close(leaf.grad, trl_grad, rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "kind,alpha,loss_types,loss_weights,eps,equal_lengths",
+    [
+        ("forward_kl", 0.5, ["sigmoid"], [1.0], 0.0, False),
+        ("js_divergence", 0.5, ["hinge"], [1.0], 0.0, False),
+        ("forward_kl", 0.5, ["exo_pair"], [1.0], 1e-3, False),
+        ("js_divergence", 0.5, ["sigmoid_norm", "sft"], [1.0, 0.5], 0.0, True),
+        ("alpha_divergence", 0.5, ["robust"], [1.0], 0.1, False),
+        (
+            "alpha_divergence",
+            0.3,
+            ["sigmoid", "sigmoid_norm", "discopop"],
+            [1.0, 0.5, 2.0],
+            0.0,
+            False,
+        ),
+        ("alpha_divergence", 2.0, ["hinge"], [1.0], 0.0, False),
+        ("alpha_divergence", 1.0, ["sigmoid"], [1.0], 0.0, False),  # the reverse_kl limit
+    ],
+)
+def test_dpo_f_divergence_matches_trl(kind, alpha, loss_types, loss_weights, eps, equal_lengths):
+    """f-DPO scores in place of the log-ratios: loss and gradient equal TRL 1.16's, and the
+    rewards metrics stay β·u. TRL's alpha_divergence takes fp32/bf16/fp16 only (its clamp table
+    has no fp64 entry), so those cases run in fp32."""
+    beta, b, tau = 0.1, 5, 0.05
+    dtype = torch.float32 if kind == "alpha_divergence" else torch.float64
+    case = {
+        k: v.to(dtype) if v.is_floating_point() else v
+        for k, v in _dpo_case(3, b, equal_lengths).items()
+    }
+    trl_loss, trl_grad, trl_metrics = _run_trl_dpo(
+        case, loss_types, loss_weights, beta, eps, tau, kind, alpha
+    )
+
+    leaf = case["per_token"].clone().requires_grad_(True)
+    pc, pr = (leaf * case["mask"]).sum(-1).chunk(2)
+    rc, rr = case["ref"].chunk(2)
+    nt_c, nt_r = case["mask"].sum(-1).chunk(2)
+    out = dpo_total_loss(
+        pc,
+        pr,
+        rc,
+        rr,
+        beta=beta,
+        loss_type=loss_types,
+        loss_weights=loss_weights,
+        label_smoothing=eps,
+        discopop_tau=tau,
+        chosen_num_tokens=nt_c,
+        rejected_num_tokens=nt_r,
+        f_divergence_type=kind,
+        f_alpha_divergence_coef=alpha,
+    )
+    out.loss.backward()
+    rtol = 1e-6  # TRL's exo_pair takes log(ε) of a float32 ε, even on fp64 inputs
+    torch.testing.assert_close(out.loss.detach(), trl_loss.to(dtype), rtol=rtol, atol=0)
+    torch.testing.assert_close(leaf.grad, trl_grad, rtol=rtol, atol=1e-12)
+    for ours, name in (
+        (out.chosen_rewards, "rewards/chosen"),
+        (out.rejected_rewards, "rewards/rejected"),
+    ):
+        assert ours.mean().item() == pytest.approx(trl_metrics[name], rel=1e-6), name

@@ -1,12 +1,15 @@
-"""TRL 1.16 `KTOTrainer` set up to see what our trainer sees, for the trajectory parity tests.
+"""TRL 1.16 `KTOTrainer` / `DPOTrainer` set up to see what our trainer sees, for the trajectory
+parity tests.
 
 Same rows in the same order (`SequentialSampler`), the same KL rows — TRL pairs prompt i with
 completion i−1 of its batch, we pair it with completion i+1 (DESIGN §1), so TRL gets each batch's
-rows in reverse order — and a constant learning rate without warm-up or weight decay.
+rows in reverse order (KTO only; DPO has no KL rows) — and a constant learning rate without
+warm-up or weight decay.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -27,12 +30,20 @@ def kl_aligned_dataset(train_jsonl: Path, batch: int):
     )
 
 
-def in_order_trainer():
-    """`KTOTrainer` that takes its rows in dataset order."""
-    from torch.utils.data import SequentialSampler
-    from trl import KTOTrainer
+def paired_dataset(train_jsonl: Path):
+    """The `{"prompt", "chosen", "rejected"}` rows of `train_jsonl` as a `datasets.Dataset`."""
+    from datasets import Dataset
 
-    class InOrder(KTOTrainer):
+    rows = [json.loads(line) for line in train_jsonl.read_text().splitlines() if line.strip()]
+    return Dataset.from_dict({k: [r[k] for r in rows] for k in ("prompt", "chosen", "rejected")})
+
+
+def in_order_trainer(kind: str = "kto"):
+    """`KTOTrainer` (or `DPOTrainer`, `kind="dpo"`) that takes its rows in dataset order."""
+    from torch.utils.data import SequentialSampler
+    from trl import DPOTrainer, KTOTrainer
+
+    class InOrder(DPOTrainer if kind == "dpo" else KTOTrainer):
         def _get_train_sampler(self, train_dataset=None):
             return SequentialSampler(train_dataset or self.train_dataset)
 
@@ -45,7 +56,29 @@ def kto_args(
     """`KTOConfig` of a fp32 run: constant lr, Adam (0.9, 0.999, `eps`), no weight decay."""
     from trl import KTOConfig
 
-    return KTOConfig(
+    return KTOConfig(**_common_args(output_dir, batch, steps, lr, eps, clip, beta))
+
+
+def dpo_args(
+    output_dir: Path,
+    *,
+    batch: int,
+    steps: int,
+    lr: float,
+    eps: float,
+    clip: float,
+    beta: float,
+    **loss: object,
+):
+    """`DPOConfig` of a fp32 run as `kto_args`; `loss`: `loss_type`, `loss_weights`,
+    `label_smoothing`, `f_divergence_type`, ... as TRL names them."""
+    from trl import DPOConfig
+
+    return DPOConfig(**_common_args(output_dir, batch, steps, lr, eps, clip, beta), **loss)
+
+
+def _common_args(output_dir, batch, steps, lr, eps, clip, beta) -> dict:
+    return dict(
         output_dir=str(output_dir),
         per_device_train_batch_size=batch,
         max_steps=steps,

@@ -169,6 +169,11 @@ class DPOLossConfig:
     """ε: label-flip rate read by sigmoid (conservative DPO), robust and exo_pair (> 0)."""
     discopop_tau: float = 0.05
     """τ of the discopop loss."""
+    f_divergence_type: str = "reverse_kl"
+    """f-DPO regulariser: reverse_kl (plain DPO), forward_kl, js_divergence or alpha_divergence;
+    non-default only with sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, discopop, sft."""
+    f_alpha_divergence_coef: float = 0.5
+    """α of f_divergence_type=alpha_divergence (refused with any other type unless 0.5)."""
     preference_average_log_probs: bool = False
     """Length-normalise: use per-token mean log-probs instead of sums."""
     preference_loss_weight: float = 1.0

@@ -13,6 +13,7 @@ from megatron_kto.config.layout import check_expert_layout, check_layout, data_p
 from megatron_kto.config.machine import attention_choice, canonical_precision
 from megatron_kto.config.max_time import parse_max_time
 from megatron_kto.losses.dpo_types import DPOLossConfigError, check_loss_mixture, loss_type_names
+from megatron_kto.losses.f_divergence import check_f_divergence
 
 __all__ = [
     "ConfigError",
@@ -310,7 +311,7 @@ def _check_data(m: Any, architecture_file: str | None) -> None:
 
 
 def _check_objective(m: Any, algorithm: str) -> None:
-    """`model.kto.*` / `model.dpo.*`: loss type(s), β and weights."""
+    """`model.kto.*` / `model.dpo.*`: loss type(s), β, weights and the f-divergence."""
     loss = m.kto if algorithm == "kto" else m.dpo
     need(
         loss.preference_loss_weight >= 0,
@@ -326,6 +327,9 @@ def _check_objective(m: Any, algorithm: str) -> None:
     try:
         check_loss_mixture(
             loss_type_names(d.loss_type), d.loss_weights, d.label_smoothing, d.discopop_tau
+        )
+        check_f_divergence(
+            loss_type_names(d.loss_type), d.f_divergence_type, d.f_alpha_divergence_coef
         )
     except DPOLossConfigError as e:
         raise ConfigError(f"model.dpo.{e.field}: {e}") from None

@@ -13,6 +13,12 @@ pass per-token means. ``sigmoid_norm`` and ``sft`` normalise by themselves from 
 TRL 1.16 no longer applies ``label_smoothing`` to ``sigmoid`` (it only uses it in its ``robust``
 and ``exo_pair`` losses); this module keeps the conservative-DPO form, which reduces to TRL's
 ``sigmoid`` at ε = 0.
+
+**f-divergences** (:mod:`megatron_kto.losses.f_divergence`): with ``f_divergence_type`` other
+than ``reverse_kl`` each log-ratio u is replaced by its score s(u) before the loss reads it (the
+per-token variants divide the score by the token count, as TRL does); the reported rewards stay
+β·u. With per-token-mean inputs the score is taken of the mean log-ratio, s(u/n), which is what
+our length-normalised ``ipo`` then reads (TRL's ``ipo``: s(u)/n).
 """
 
 from __future__ import annotations
@@ -35,6 +41,11 @@ from megatron_kto.losses.dpo_types import (
     DPOPairs,
     check_loss_mixture,
     loss_type_names,
+)
+from megatron_kto.losses.f_divergence import (
+    DEFAULT_ALPHA,
+    check_f_divergence,
+    f_divergence_scores,
 )
 
 __all__ = ["DPO_LOSS_TYPES", "DPOLossOutput", "DPOTotalLossOutput", "dpo_loss", "dpo_total_loss"]
@@ -91,6 +102,8 @@ def dpo_loss(
     chosen_num_tokens: Tensor | None = None,
     rejected_num_tokens: Tensor | None = None,
     average_log_probs: bool = False,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = DEFAULT_ALPHA,
 ) -> DPOLossOutput:
     """Per-pair DPO-family loss: one catalogue entry, or a weighted sum of several.
 
@@ -111,17 +124,22 @@ def dpo_loss(
         chosen_num_tokens: [B] chosen completion token counts (``sigmoid_norm``, ``sft``).
         rejected_num_tokens: [B] rejected completion token counts (``sigmoid_norm``).
         average_log_probs: the given log-probs are already per-token means.
+        f_divergence_type: the regulariser (``reverse_kl``, ``forward_kl``, ``js_divergence``,
+            ``alpha_divergence``); other than ``reverse_kl`` only for the loss types of
+            :data:`~megatron_kto.losses.f_divergence.F_DIVERGENCE_LOSS_TYPES`.
+        f_alpha_divergence_coef: α of ``alpha_divergence``.
 
     Returns:
         :class:`DPOLossOutput`.
 
     Raises:
         ValueError: on an unknown ``loss_type``, β ≤ 0, ε outside [0, 0.5), ε > 0 with loss
-            types that ignore it, ε = 0 with ``exo_pair``, missing token counts, or
-            mismatched shapes.
+            types that ignore it, ε = 0 with ``exo_pair``, an f-divergence the loss types do not
+            take, missing token counts, or mismatched shapes.
     """
     names = loss_type_names(loss_type)
     weights = check_loss_mixture(names, loss_weights, label_smoothing, discopop_tau)
+    check_f_divergence(names, f_divergence_type, f_alpha_divergence_coef)
     if beta <= 0:
         raise ValueError(f"beta must be > 0 (IPO divides by it), got {beta}")
     tensors = {
@@ -150,26 +168,33 @@ def dpo_loss(
 
     chosen_logratios = pc - rc
     rejected_logratios = pr - rr
+    # f-DPO: the losses read the scores s(u) (u itself for reverse_kl); the rewards stay β·u.
+    chosen_scores = f_divergence_scores(
+        chosen_logratios, f_divergence_type, f_alpha_divergence_coef
+    )
+    rejected_scores = f_divergence_scores(
+        rejected_logratios, f_divergence_type, f_alpha_divergence_coef
+    )
     per_token = {"chosen_logratios_per_token": None, "rejected_logratios_per_token": None}
     chosen_nll_per_token = None
     if counted:
         if average_log_probs:
             per_token = {
-                "chosen_logratios_per_token": chosen_logratios,
-                "rejected_logratios_per_token": rejected_logratios,
+                "chosen_logratios_per_token": chosen_scores,
+                "rejected_logratios_per_token": rejected_scores,
             }
             chosen_nll_per_token = -pc
         else:
             per_token = {
-                "chosen_logratios_per_token": per_token_mean(chosen_logratios, chosen_num_tokens),
+                "chosen_logratios_per_token": per_token_mean(chosen_scores, chosen_num_tokens),
                 "rejected_logratios_per_token": per_token_mean(
-                    rejected_logratios, rejected_num_tokens
+                    rejected_scores, rejected_num_tokens
                 ),
             }
             chosen_nll_per_token = -per_token_mean(pc, chosen_num_tokens)
     pairs = DPOPairs(
-        chosen_logratios=chosen_logratios,
-        rejected_logratios=rejected_logratios,
+        chosen_logratios=chosen_scores,
+        rejected_logratios=rejected_scores,
         chosen_nll_per_token=chosen_nll_per_token,
         beta=beta,
         label_smoothing=label_smoothing,
@@ -205,6 +230,8 @@ def dpo_total_loss(
     loss_weights: list[float] | tuple[float, ...] | None = None,
     discopop_tau: float = 0.05,
     rejected_num_tokens: Tensor | None = None,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = DEFAULT_ALPHA,
 ) -> DPOTotalLossOutput:
     """DPO loss plus the optional SFT term on the chosen completions, reduced to a scalar.
 
@@ -221,7 +248,8 @@ def dpo_total_loss(
             the SFT term then recovers the sums as mean × chosen_num_tokens.
         sft_average_log_probs: the SFT NLL per token (True) or summed (False).
         preference_loss_weight: weight of the DPO term.
-        loss_weights, discopop_tau, rejected_num_tokens: as in :func:`dpo_loss`.
+        loss_weights, discopop_tau, rejected_num_tokens, f_divergence_type,
+            f_alpha_divergence_coef: as in :func:`dpo_loss`.
 
     Returns:
         :class:`DPOTotalLossOutput`.
@@ -242,6 +270,8 @@ def dpo_total_loss(
         chosen_num_tokens=chosen_num_tokens if rejected_num_tokens is not None else None,
         rejected_num_tokens=rejected_num_tokens,
         average_log_probs=average_log_probs,
+        f_divergence_type=f_divergence_type,
+        f_alpha_divergence_coef=f_alpha_divergence_coef,
     )
     if sft_loss_weight != 0.0:
         if chosen_num_tokens is None:

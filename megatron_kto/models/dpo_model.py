@@ -72,6 +72,10 @@ class DPOSettings:
     """One weight per loss_type entry; None means all 1."""
     discopop_tau: float = 0.05
     """τ of the discopop loss."""
+    f_divergence_type: str = "reverse_kl"
+    """f-DPO regulariser (losses.f_divergence)."""
+    f_alpha_divergence_coef: float = 0.5
+    """α of alpha_divergence."""
     router_aux_loss_coeff: float = 0.0
     """MoE only: weight of the router load-balancing loss over each training micro-batch (its
     chosen and rejected rows, one forward as TRL's concatenated pass); 0 = off."""
@@ -149,6 +153,8 @@ class MegatronGPTDPOModel:
             loss_weights=s.loss_weights,
             discopop_tau=s.discopop_tau,
             rejected_num_tokens=stats[n:, NUM_TOKENS],
+            f_divergence_type=s.f_divergence_type,
+            f_alpha_divergence_coef=s.f_alpha_divergence_coef,
         )
         sums = dpo_metric_sums(
             out.chosen_rewards,

@@ -46,5 +46,7 @@ def loss_settings(cfg: Any, algorithm: str, vocab_size: int) -> KTOSettings | DP
         label_smoothing=m.dpo.label_smoothing,
         loss_weights=None if m.dpo.loss_weights is None else tuple(m.dpo.loss_weights),
         discopop_tau=m.dpo.discopop_tau,
+        f_divergence_type=m.dpo.f_divergence_type,
+        f_alpha_divergence_coef=m.dpo.f_alpha_divergence_coef,
         **common,
     )
