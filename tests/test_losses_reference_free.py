@@ -218,6 +218,7 @@ def test_orpo_matches_trl_and_its_metrics():
         (["model.dpo.loss_type=sigmoid", "model.dpo.reference_policy=none"], "'none' only with"),
         (["model.dpo.loss_type=cpo", "model.dpo.cpo_alpha=-1"], "cpo_alpha must be >= 0"),
         (["model.dpo.loss_type=orpo", "model.dpo.label_smoothing=0.1"], "not read by"),
+        (["model.dpo.loss_type=simpo", "model.dpo.reference_policy=seperate"], "must be one of"),
     ],
 )
 def test_config_refusals_are_one_line(overrides, fragment):

@@ -191,6 +191,11 @@ def check_peft(model_cfg: Any, algorithm: str, arch: Any) -> None:
     ref_key = f"model.{algorithm}.reference_policy"
     ref = reference_strategy(model_cfg, algorithm)
     if ref == "none" and algorithm == "dpo":  # losses.dpo_types.NO_REFERENCE
+        # A reference-free loss: a stated strategy is unused (noted), but must still be a name.
+        stated = model_cfg.dpo.reference_policy
+        known = (*FULL_REFERENCES, *LORA_REFERENCES, "none")
+        if stated is not None and stated not in known:
+            raise ConfigError(f"{ref_key}: must be one of {list(known)}, got {stated!r}")
         ref = "adapters_off" if scheme == "lora" else "cpu_swap"  # any allowed one: none is
     if scheme != "lora":
         if ref not in FULL_REFERENCES:
