@@ -48,6 +48,7 @@ from megatron_kto.peft.settings import (
     check_peft,
     reference_strategy,
     resolve_lora_tuning,
+    unused_reference_note,
     uses_lora,
 )
 
@@ -334,7 +335,11 @@ def prepare_run_config(
     # conversion tables for target names, which config/ sits below).
     check_peft(m, algorithm, m)
     loss = m.kto if algorithm == "kto" else m.dpo
-    loss.reference_policy = reference_strategy(m, algorithm)  # its default depends on LoRA
+    unused = unused_reference_note(m, algorithm)
+    if unused:
+        notes.append(unused)
+    # Its default depends on LoRA; a reference-free loss type makes it 'none'.
+    loss.reference_policy = reference_strategy(m, algorithm)
 
     notes.append(attention_choice(cfg).note(m.attention_backend))
     if t.precision != "32" and not _on_cuda():

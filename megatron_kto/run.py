@@ -31,6 +31,7 @@ from megatron_kto.hf_writer.output import hf_output_of_run
 from megatron_kto.logging.metrics_logger import MetricsLogger
 from megatron_kto.logging.progress import ProgressReporter
 from megatron_kto.logging.throughput import architecture_flops, peak_flops_per_device
+from megatron_kto.losses.dpo_types import NO_REFERENCE
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
 from megatron_kto.models.dpo_model import MegatronGPTDPOModel
 from megatron_kto.models.kto_model import MegatronGPTKTOModel
@@ -96,7 +97,7 @@ def _build_policy(
         )
     lora = uses_lora(m)
     if lora:  # after the base weights are in, before DDP: only adapters get grad buffers
-        _add_adapters(cfg, arch, chunks, runtime)
+        _add_adapters(cfg, arch, chunks, runtime, reference.name != NO_REFERENCE)
     reference.before_ddp(chunks, lambda: build_gpt_chunks(arch, layout, runtime.device))
     chunks = wrap_ddp(
         chunks,
@@ -110,16 +111,20 @@ def _build_policy(
         _say(
             runtime.is_rank0,
             f"LoRA: {trainable:,} trainable of {total:,} parameters "
-            f"({100 * trainable / total:.3f}%); reference = {_lora_reference_words(m)}",
+            f"({100 * trainable / total:.3f}%); reference = "
+            f"{_lora_reference_words(m, reference.name != NO_REFERENCE)}",
         )
     settings = loss_settings(cfg, algorithm, arch.vocab_size)
     model_cls = MegatronGPTKTOModel if algorithm == "kto" else MegatronGPTDPOModel
     return model_cls(chunks, reference_policy, settings)
 
 
-def _add_adapters(cfg: Any, arch, chunks: list[torch.nn.Module], runtime) -> None:
+def _add_adapters(
+    cfg: Any, arch, chunks: list[torch.nn.Module], runtime, has_reference: bool
+) -> None:
     """LoRA adapters on the chunks (base frozen), starting from `model.peft.restore_from_path`
-    (a Hugging Face PEFT adapter directory) when given."""
+    (a Hugging Face PEFT adapter directory) when given; `has_reference`: False for a
+    reference-free objective (no frozen copy of the starting adapter is kept)."""
     from megatron_kto.peft import hf_peft
 
     settings = lora_settings(cfg.model)
@@ -137,13 +142,15 @@ def _add_adapters(cfg: Any, arch, chunks: list[torch.nn.Module], runtime) -> Non
         except (ValueError, OSError) as e:
             raise ConfigError(str(e) if where in str(e) else f"{where}: {e}") from e
         _say(runtime.is_rank0, f"LoRA: starting adapter loaded from {path}")
-    if reference_includes_starting_adapter(cfg.model):
+    if has_reference and reference_includes_starting_adapter(cfg.model):
         # KTO/DPO's reference is the starting policy: keep the starting adapter, frozen.
         freeze_starting_adapter_copy(chunks)
 
 
-def _lora_reference_words(model_cfg: Any) -> str:
+def _lora_reference_words(model_cfg: Any, has_reference: bool = True) -> str:
     """What a LoRA run's reference policy is, for the start-up log."""
+    if not has_reference:
+        return "none (reference-free loss type)"
     if reference_includes_starting_adapter(model_cfg):
         return "the base model + a frozen copy of the starting adapter"
     return "the base model (adapters off)"

@@ -17,6 +17,7 @@ from megatron_kto.algorithms.reference_strategies import (
     STRATEGIES,
     AdaptersOff,
     CPUSwap,
+    NoReference,
     Precomputed,
     Separate,
     choose_reference,
@@ -24,6 +25,7 @@ from megatron_kto.algorithms.reference_strategies import (
 from megatron_kto.checkpointing import files
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.config.schema import register
+from megatron_kto.losses.dpo_types import NO_REFERENCE
 from megatron_kto.models.reference import CPUSwapReference, SeparateReference
 from megatron_kto.peft.reference import AdaptersOffReference
 from megatron_kto.peft.settings import FULL_REFERENCES, LORA_REFERENCES
@@ -38,7 +40,8 @@ def _cfg(name: str, overrides: list[str]):
 
 
 def test_the_table_holds_every_strategy_the_config_accepts() -> None:
-    assert set(STRATEGIES) == set(FULL_REFERENCES) | set(LORA_REFERENCES)
+    # `none` is no user's choice: a reference-free loss type picks it (or an explicit `none`).
+    assert set(STRATEGIES) == set(FULL_REFERENCES) | set(LORA_REFERENCES) | {NO_REFERENCE}
     for name, factory in STRATEGIES.items():
         assert factory.name == name
 
@@ -52,8 +55,14 @@ def test_the_table_holds_every_strategy_the_config_accepts() -> None:
         ("gpt_kto", "kto", ["model.kto.reference_policy=precomputed"], Precomputed),
         ("gpt_dpo", "dpo", ["model.dpo.reference_policy=precomputed"], Precomputed),
         ("gpt_dpo", "dpo", ["model.dpo.reference_policy=separate"], Separate),
+        ("gpt_dpo", "dpo", ["model.dpo.loss_type=simpo"], NoReference),
+        ("gpt_dpo", "dpo", ["model.dpo.loss_type=[cpo,orpo]"], NoReference),
+        # A stated reference is not used by a reference-free loss (prepare notes it).
+        ("gpt_dpo", "dpo", ["model.dpo.loss_type=orpo", "model.dpo.reference_policy=separate"],
+         NoReference),
+        ("gpt_dpo", "dpo", ["model.dpo.loss_type=cpo", "model.peft.peft_scheme=lora"], NoReference),
     ],
-)
+)  # fmt: skip
 def test_choose_reference_reads_the_algorithms_key(config, algorithm, overrides, expected) -> None:
     assert type(choose_reference(_cfg(config, overrides), algorithm)) is expected
 
@@ -99,9 +108,20 @@ def test_strategies_over_the_policy_chunks_build_nothing() -> None:
     assert precomputed.after_ddp(_chunks(0)) is None  # attached by `before_training`
 
 
+def test_no_reference_builds_nothing_and_refuses_a_reference_pass() -> None:
+    strategy = NoReference(_cfg("gpt_dpo", ["model.dpo.loss_type=simpo"]), "dpo")
+    strategy.before_ddp(_chunks(0), lambda: pytest.fail("built a second model"))
+    policy = strategy.after_ddp(_chunks(0))
+    assert strategy.index_offset(0) is None  # no table to index
+    strategy.check_resume(None)
+    with pytest.raises(RuntimeError, match="simpo is reference-free: no reference pass"):
+        policy.log_probs({}, lambda chunks: pytest.fail("ran a reference forward"))
+
+
 def test_the_policys_own_initialisation_must_be_rebuildable_on_resume(tmp_path) -> None:
     """Every strategy that rebuilds the initial weights refuses a random initialisation resumed
-    under another pipeline layout; the precomputed table is read back instead."""
+    under another pipeline layout; the precomputed table is read back instead, and `none` has
+    nothing to rebuild."""
     files.write_json(
         tmp_path / files.CHECKPOINT_META,
         {"step": 3, "layout": {"pipeline_model_parallel_size": 1}},
@@ -109,7 +129,7 @@ def test_the_policys_own_initialisation_must_be_rebuildable_on_resume(tmp_path) 
     cfg = _cfg("gpt_kto", ["model.pipeline_model_parallel_size=2"])
     for name, factory in STRATEGIES.items():
         strategy = factory(cfg, "kto")
-        if name == "precomputed":
+        if name in ("precomputed", NO_REFERENCE):
             strategy.check_resume(tmp_path)
             continue
         with pytest.raises(CheckpointError, match="saved with PP=1, resuming with PP=2"):

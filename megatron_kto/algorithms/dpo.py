@@ -42,6 +42,8 @@ class PreferenceModel(Protocol):
     """What the trainer needs from MegatronGPTKTOModel / MegatronGPTDPOModel."""
 
     chunks: list[torch.nn.Module]
+    needs_reference: bool
+    """False: the objective reads no reference log-probs, and no reference pass is run."""
 
     def get_ref_policy_logprobs(self, batch: Batch) -> torch.Tensor: ...
 
@@ -183,11 +185,18 @@ class DPOTrainer:
 
     # --- per-algorithm -------------------------------------------------------------------------
     def augment_dataloader(self, dataloader: Iterable[Batch]) -> Iterator[Batch]:
-        """Move each batch to the device and attach its reference log-probs."""
+        """Move each batch to the device and attach its reference log-probs (none for a
+        reference-free objective)."""
         for batch in dataloader:
             batch = to_device(batch, self.device)
-            self.attach_reference(batch, self.model.get_ref_policy_logprobs(batch))
+            if self._needs_reference:
+                self.attach_reference(batch, self.model.get_ref_policy_logprobs(batch))
             yield batch
+
+    @property
+    def _needs_reference(self) -> bool:
+        # Stand-in models in tests may predate the attribute: they all read a reference.
+        return getattr(self.model, "needs_reference", True)
 
     def attach_reference(self, batch: Batch, ref: torch.Tensor) -> None:
         """Store reference log-probs [2B] in the batch, split into the chosen and rejected
@@ -198,11 +207,12 @@ class DPOTrainer:
         """(real tokens in this rank's batch, model FLOPs of its step for MFU; 0 without
         `model_flops`).
 
-        DPO: reference forward over chosen+rejected (1x) and policy forward+backward (3x).
+        DPO: reference forward over chosen+rejected (1x; none for a reference-free objective)
+        and policy forward+backward (3x).
         """
         lengths = torch.cat([batch["chosen_lengths"], batch["rejected_lengths"]])
         flops = self.model_flops.rows(lengths) if self.model_flops else 0.0
-        forward_only, forward_backward = dpo_pass_tokens(flops)
+        forward_only, forward_backward = dpo_pass_tokens(flops, self._needs_reference)
         return float(lengths.sum()), forward_only + FWD_BWD_MULTIPLIER * forward_backward
 
     # --- loop ----------------------------------------------------------------------------------
@@ -256,6 +266,10 @@ class DPOTrainer:
         fixed) and each batch gets its log-probs attached.
         """
         limit = self.loop.limit_val_batches
+        if not self._needs_reference:
+            for batch in itertools.islice(self.val_loader(), limit):
+                yield to_device(batch, self.device)
+            return
         refs = []
         with holding(self.model.reference):
             for batch in itertools.islice(self.val_loader(), limit):

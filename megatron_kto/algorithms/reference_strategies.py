@@ -9,6 +9,10 @@ Each strategy owns every step of a run that depends on where the reference weigh
 - the work it does before the first step (`before_training`: `precomputed`'s forward passes),
 - whether a resumed run can rebuild it (`check_resume`).
 
+A reference-free DPO objective (`cpo`, `simpo`, `orpo`) gets `NoReference` (`none`): it builds,
+computes and attaches nothing, and its policy refuses to be asked for log-probs — the model's
+`needs_reference` is False, so the trainer never asks.
+
 `choose_reference` picks the strategy from the validated config through one table
 (`STRATEGIES`, name -> factory); nothing else branches on the strategy's name. The
 implementations of the reference forward itself stay where they were: `models.reference`
@@ -25,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from megatron_kto.checkpointing.errors import CheckpointError
+from megatron_kto.losses.dpo_types import NO_REFERENCE
 from megatron_kto.models.reference import (
     CPUSwapReference,
     PrecomputedReference,
@@ -291,12 +296,59 @@ class Precomputed:
         pass  # the table computed by the interrupted run is read back, not recomputed
 
 
+class NoReference:
+    """`none`: the objective reads no reference (`losses.dpo_types.DPOLossKind.needs_reference`
+    is False): no reference weights, no reference pass, no precomputed table."""
+
+    name = NO_REFERENCE
+
+    def __init__(self, cfg: Any, algorithm: str):
+        self._loss_type = cfg.model.dpo.loss_type
+
+    def index_offset(self, first_example: int) -> int | None:
+        return None
+
+    def before_ddp(self, policy_chunks: Chunks, build_chunks: Callable[[], Chunks]) -> None:
+        pass
+
+    def after_ddp(self, policy_chunks: Chunks) -> ReferencePolicy | None:
+        return NoReferencePolicy(self._loss_type)
+
+    def before_training(self, model: Any, inputs: TrainingInputs) -> None:
+        if model.needs_reference:  # the strategy follows the loss type: they cannot disagree
+            raise RuntimeError(
+                f"reference_policy=none, but loss_type {model.settings.loss_type} reads a reference"
+            )
+        if inputs.runtime.is_rank0:
+            print(
+                f"reference: none — loss_type {self._loss_type} is reference-free: no reference "
+                "model is used (no reference weights, no reference pass)",
+                flush=True,
+            )
+
+    def check_resume(self, ckpt_dir: Path | None) -> None:
+        pass  # nothing to rebuild
+
+
+class NoReferencePolicy:
+    """The `ReferencePolicy` of a reference-free run: asking it for log-probs is a bug."""
+
+    def __init__(self, loss_type: Any):
+        self._loss_type = loss_type
+
+    def log_probs(self, batch: dict[str, torch.Tensor], forward: Any) -> torch.Tensor:
+        raise RuntimeError(
+            f"loss_type {self._loss_type} is reference-free: no reference pass may run"
+        )
+
+
 #: `reference_policy` -> the strategy's factory, called with (validated config, algorithm).
 STRATEGIES: dict[str, Callable[[Any, str], ReferenceStrategy]] = {
     "cpu_swap": CPUSwap,
     "separate": Separate,
     "adapters_off": AdaptersOff,
     "precomputed": Precomputed,
+    NO_REFERENCE: NoReference,
 }
 
 

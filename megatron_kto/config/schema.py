@@ -162,7 +162,8 @@ class DPOLossConfig:
     # cannot say in OmegaConf; validate checks the names.
     loss_type: Any = "sigmoid"
     """A name of losses.DPO_LOSS_TYPES (sigmoid, ipo, hinge, exo_pair, nca_pair, robust,
-    sppo_hard, apo_zero, apo_down, discopop, sigmoid_norm, sft) or a list of them."""
+    sppo_hard, apo_zero, apo_down, discopop, sigmoid_norm, sft; reference-free: cpo, simpo,
+    orpo) or a list of them (reference-free and reference-based names do not mix)."""
     loss_weights: Optional[list[float]] = None
     """One weight per loss_type entry (the loss is their weighted sum); None means all 1."""
     label_smoothing: float = 0.0
@@ -174,8 +175,13 @@ class DPOLossConfig:
     non-default only with sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, discopop, sft."""
     f_alpha_divergence_coef: float = 0.5
     """α of f_divergence_type=alpha_divergence (refused with any other type unless 0.5)."""
+    cpo_alpha: float = 1.0
+    """Weight of the chosen completions' NLL in cpo and simpo (TRL's CPOConfig.cpo_alpha)."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin γ (TRL's CPOConfig.simpo_gamma)."""
     preference_average_log_probs: bool = False
-    """Length-normalise: use per-token mean log-probs instead of sums."""
+    """Length-normalise: use per-token mean log-probs instead of sums (always on for simpo and
+    orpo, which TRL defines on per-token means)."""
     preference_loss_weight: float = 1.0
     """Weight of the DPO (preference) loss."""
     sft_loss_weight: float = 0.0
@@ -184,7 +190,8 @@ class DPOLossConfig:
     """SFT NLL per token (True) or summed over the completion (False)."""
     reference_policy: str | None = None
     """'cpu_swap', 'separate', 'precomputed' or 'adapters_off' (LoRA); None means
-    'adapters_off' with LoRA (model.peft), else 'cpu_swap'."""
+    'adapters_off' with LoRA (model.peft), else 'cpu_swap'. Reference-free loss types (cpo,
+    simpo, orpo) use 'none' whatever is set here (a set value is noted as unused)."""
     log_prob_forward_micro_batch_size: int | None = None
     """Pairs per micro-batch in forward-only passes; None means model.micro_batch_size."""
 

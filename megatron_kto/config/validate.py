@@ -12,7 +12,13 @@ from megatron_kto.config.keys import check_known_keys
 from megatron_kto.config.layout import check_expert_layout, check_layout, data_parallel_size
 from megatron_kto.config.machine import attention_choice, canonical_precision
 from megatron_kto.config.max_time import parse_max_time
-from megatron_kto.losses.dpo_types import DPOLossConfigError, check_loss_mixture, loss_type_names
+from megatron_kto.losses.dpo_types import (
+    NO_REFERENCE,
+    DPOLossConfigError,
+    check_loss_mixture,
+    loss_type_names,
+    needs_reference,
+)
 from megatron_kto.losses.f_divergence import check_f_divergence
 
 __all__ = [
@@ -325,14 +331,17 @@ def _check_objective(m: Any, algorithm: str) -> None:
     d = m.dpo
     need(d.ref_policy_kl_penalty > 0, "model.dpo.ref_policy_kl_penalty", "β must be > 0")
     try:
-        check_loss_mixture(
-            loss_type_names(d.loss_type), d.loss_weights, d.label_smoothing, d.discopop_tau
-        )
-        check_f_divergence(
-            loss_type_names(d.loss_type), d.f_divergence_type, d.f_alpha_divergence_coef
-        )
+        names = loss_type_names(d.loss_type)
+        check_loss_mixture(names, d.loss_weights, d.label_smoothing, d.discopop_tau, d.cpo_alpha)
+        check_f_divergence(names, d.f_divergence_type, d.f_alpha_divergence_coef)
     except DPOLossConfigError as e:
         raise ConfigError(f"model.dpo.{e.field}: {e}") from None
+    need(
+        d.reference_policy != NO_REFERENCE or not needs_reference(names),
+        "model.dpo.reference_policy",
+        f"'{NO_REFERENCE}' only with a reference-free loss_type (cpo, simpo, orpo), got "
+        f"loss_type {list(names)}",
+    )
 
 
 def _check_kto(m: Any) -> None:

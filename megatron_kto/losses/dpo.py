@@ -41,6 +41,7 @@ from megatron_kto.losses.dpo_types import (
     DPOPairs,
     check_loss_mixture,
     loss_type_names,
+    needs_reference,
 )
 from megatron_kto.losses.f_divergence import (
     DEFAULT_ALPHA,
@@ -92,8 +93,8 @@ class DPOTotalLossOutput:
 def dpo_loss(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
-    ref_chosen_logps: Tensor,
-    ref_rejected_logps: Tensor,
+    ref_chosen_logps: Tensor | None,
+    ref_rejected_logps: Tensor | None,
     beta: float,
     loss_type: LossTypes = "sigmoid",
     label_smoothing: float = 0.0,
@@ -104,6 +105,8 @@ def dpo_loss(
     average_log_probs: bool = False,
     f_divergence_type: str = "reverse_kl",
     f_alpha_divergence_coef: float = DEFAULT_ALPHA,
+    simpo_gamma: float = 0.5,
+    cpo_alpha: float = 1.0,
 ) -> DPOLossOutput:
     """Per-pair DPO-family loss: one catalogue entry, or a weighted sum of several.
 
@@ -113,7 +116,8 @@ def dpo_loss(
         policy_chosen_logps: [B] policy log-probs of the chosen completions (with grad); sums
             over completion tokens, or per-token means (``average_log_probs``).
         policy_rejected_logps: [B] same for the rejected completions.
-        ref_chosen_logps: [B] reference log-probs of the chosen completions (constant).
+        ref_chosen_logps: [B] reference log-probs of the chosen completions (constant); None
+            for the reference-free loss types (``cpo``, ``simpo``, ``orpo``: ref = 0).
         ref_rejected_logps: [B] reference log-probs of the rejected completions (constant).
         beta: β (τ for IPO); must be > 0.
         loss_type: a name of :data:`DPO_LOSS_TYPES` or a list of them.
@@ -128,26 +132,31 @@ def dpo_loss(
             ``alpha_divergence``); other than ``reverse_kl`` only for the loss types of
             :data:`~megatron_kto.losses.f_divergence.F_DIVERGENCE_LOSS_TYPES`.
         f_alpha_divergence_coef: α of ``alpha_divergence``.
+        simpo_gamma: γ, the target margin of ``simpo``.
+        cpo_alpha: α, the weight of the chosen NLL in ``cpo`` and ``simpo``.
 
     Returns:
-        :class:`DPOLossOutput`.
+        :class:`DPOLossOutput`; the reference-free types' rewards are β × the policy log-probs
+        (as TRL's CPO/ORPO trainers).
 
     Raises:
         ValueError: on an unknown ``loss_type``, β ≤ 0, ε outside [0, 0.5), ε > 0 with loss
             types that ignore it, ε = 0 with ``exo_pair``, an f-divergence the loss types do not
-            take, missing token counts, or mismatched shapes.
+            take, missing token counts or reference log-probs, or mismatched shapes.
     """
     names = loss_type_names(loss_type)
-    weights = check_loss_mixture(names, loss_weights, label_smoothing, discopop_tau)
+    weights = check_loss_mixture(names, loss_weights, label_smoothing, discopop_tau, cpo_alpha)
     check_f_divergence(names, f_divergence_type, f_alpha_divergence_coef)
     if beta <= 0:
         raise ValueError(f"beta must be > 0 (IPO divides by it), got {beta}")
     tensors = {
         "policy_chosen_logps": policy_chosen_logps,
         "policy_rejected_logps": policy_rejected_logps,
-        "ref_chosen_logps": ref_chosen_logps,
-        "ref_rejected_logps": ref_rejected_logps,
     }
+    if needs_reference(names):
+        if ref_chosen_logps is None or ref_rejected_logps is None:
+            raise ValueError(f"loss_type {list(names)} needs reference log-probs")
+        tensors |= {"ref_chosen_logps": ref_chosen_logps, "ref_rejected_logps": ref_rejected_logps}
     counted = chosen_num_tokens is not None and rejected_num_tokens is not None
     if counted:
         tensors |= {
@@ -162,12 +171,12 @@ def dpo_loss(
     check_batch(tensors)
     pc = as_float(policy_chosen_logps)
     pr = as_float(policy_rejected_logps).to(pc.dtype)
-    # The reference is a constant of the step: no gradient may reach it.
-    rc = as_float(ref_chosen_logps.detach()).to(pc.dtype)
-    rr = as_float(ref_rejected_logps.detach()).to(pc.dtype)
-
-    chosen_logratios = pc - rc
-    rejected_logratios = pr - rr
+    if needs_reference(names):
+        # The reference is a constant of the step: no gradient may reach it.
+        chosen_logratios = pc - as_float(ref_chosen_logps.detach()).to(pc.dtype)
+        rejected_logratios = pr - as_float(ref_rejected_logps.detach()).to(pc.dtype)
+    else:  # reference-free: the "log-ratios" are the policy log-probs (ref = 0)
+        chosen_logratios, rejected_logratios = pc, pr
     # f-DPO: the losses read the scores s(u) (u itself for reverse_kl); the rewards stay β·u.
     chosen_scores = f_divergence_scores(
         chosen_logratios, f_divergence_type, f_alpha_divergence_coef
@@ -192,6 +201,9 @@ def dpo_loss(
                 ),
             }
             chosen_nll_per_token = -per_token_mean(pc, chosen_num_tokens)
+        chosen_nll_token_mean = chosen_nll_token_mean_of(pc, chosen_num_tokens, average_log_probs)
+    else:
+        chosen_nll_token_mean = None
     pairs = DPOPairs(
         chosen_logratios=chosen_scores,
         rejected_logratios=rejected_scores,
@@ -199,6 +211,9 @@ def dpo_loss(
         beta=beta,
         label_smoothing=label_smoothing,
         discopop_tau=discopop_tau,
+        chosen_nll_token_mean=chosen_nll_token_mean,
+        simpo_gamma=simpo_gamma,
+        cpo_alpha=cpo_alpha,
         **per_token,
     )
     if len(names) == 1 and weights[0] == 1.0:
@@ -213,11 +228,22 @@ def dpo_loss(
     )
 
 
+def chosen_nll_token_mean_of(
+    chosen_logps: Tensor, chosen_num_tokens: Tensor, average_log_probs: bool
+) -> Tensor:
+    """TRL's CPO/ORPO NLL: Σ_i −π_c,i / Σ_i n_c,i over the given pairs, as a [B] tensor (the
+    same value in every entry, with grad), from sums or (``average_log_probs``) per-token means.
+    """
+    counts = chosen_num_tokens.to(chosen_logps.dtype)
+    sums = chosen_logps * counts if average_log_probs else chosen_logps
+    return (-sums.sum() / counts.sum().clamp(min=1.0)).expand(chosen_logps.shape[0])
+
+
 def dpo_total_loss(
     policy_chosen_logps: Tensor,
     policy_rejected_logps: Tensor,
-    ref_chosen_logps: Tensor,
-    ref_rejected_logps: Tensor,
+    ref_chosen_logps: Tensor | None,
+    ref_rejected_logps: Tensor | None,
     beta: float,
     loss_type: LossTypes = "sigmoid",
     label_smoothing: float = 0.0,
@@ -232,6 +258,8 @@ def dpo_total_loss(
     rejected_num_tokens: Tensor | None = None,
     f_divergence_type: str = "reverse_kl",
     f_alpha_divergence_coef: float = DEFAULT_ALPHA,
+    simpo_gamma: float = 0.5,
+    cpo_alpha: float = 1.0,
 ) -> DPOTotalLossOutput:
     """DPO loss plus the optional SFT term on the chosen completions, reduced to a scalar.
 
@@ -249,7 +277,7 @@ def dpo_total_loss(
         sft_average_log_probs: the SFT NLL per token (True) or summed (False).
         preference_loss_weight: weight of the DPO term.
         loss_weights, discopop_tau, rejected_num_tokens, f_divergence_type,
-            f_alpha_divergence_coef: as in :func:`dpo_loss`.
+            f_alpha_divergence_coef, simpo_gamma, cpo_alpha: as in :func:`dpo_loss`.
 
     Returns:
         :class:`DPOTotalLossOutput`.
@@ -272,6 +300,8 @@ def dpo_total_loss(
         average_log_probs=average_log_probs,
         f_divergence_type=f_divergence_type,
         f_alpha_divergence_coef=f_alpha_divergence_coef,
+        simpo_gamma=simpo_gamma,
+        cpo_alpha=cpo_alpha,
     )
     if sft_loss_weight != 0.0:
         if chosen_num_tokens is None:

@@ -24,7 +24,25 @@ name                      per-pair loss                                         
 ``discopop``              (1 − m)·(−log σ(x)) + m·exp(−x),  m = σ(x/τ)              —
 ``sigmoid_norm``          −log σ(β(c/n_c − r/n_r))  (per-token log-ratios)          —
 ``sft``                   −π_c / n_c  (chosen NLL per token)                        —
+``cpo``                   −(1 − ε)·log σ(x) − ε·log σ(−x) + α·NLL    (no reference)   optional
+``simpo``                 −(1 − ε)·log σ(y) − ε·log σ(−y) + α·NLL    (no reference)   optional
+``orpo``                  −β·log σ(o) + NLL                          (no reference)   —
 ========================  ========================================================  =========
+
+**Reference-free objectives** (``needs_reference=False``: the run builds no reference model and
+runs no reference pass; c and r are then the policy log-probs themselves, ref = 0). As TRL 1.16's
+experimental ``CPOTrainer`` (``loss_type="sigmoid"`` / ``"simpo"``) and ``ORPOTrainer``:
+
+- ``cpo`` (Xu et al. 2024): x = β·(π_c − π_r) on summed log-probs; α = ``cpo_alpha``.
+- ``simpo`` (Meng et al. 2024): y = β·(π_c/n_c − π_r/n_r) − γ on per-token means, γ =
+  ``simpo_gamma``; TRL's CPOTrainer adds α·NLL here too (α = 0 gives the paper's SimPO).
+- ``orpo`` (Hong et al. 2024): o = log odds(ℓ_c) − log odds(ℓ_r), odds(ℓ) = e^ℓ/(1 − e^ℓ), on
+  per-token means ℓ = π/n; β is the paper's λ; the NLL weight is 1.
+
+NLL is TRL's: the chosen completions' negative log-likelihood as one token-weighted mean over
+the pairs given (Σ_i −π_c,i / Σ_i n_c,i, a micro-batch in training), added to every pair's loss
+(so the mean over pairs adds it once). TRL's ORPO takes that NLL over the prompt tokens too;
+ours covers the completion tokens only (the prompt is never scored here).
 
 TRL's ``ipo`` divides the log-ratios by the token counts itself; ours (unchanged) does so when
 the caller passes per-token means (``model.dpo.preference_average_log_probs``). TRL's ``sft`` is
@@ -58,6 +76,10 @@ class DPOPairs:
         beta: β > 0.
         label_smoothing: ε ∈ [0, 0.5).
         discopop_tau: τ > 0 of ``discopop``.
+        chosen_nll_token_mean: [B], every entry Σ_i −π_c,i / Σ_i n_c,i over the pairs (None when
+            no token counts were given); the NLL of the reference-free objectives.
+        simpo_gamma: γ of ``simpo``.
+        cpo_alpha: α, the NLL weight of ``cpo`` and ``simpo``.
     """
 
     chosen_logratios: Tensor
@@ -68,6 +90,9 @@ class DPOPairs:
     beta: float
     label_smoothing: float
     discopop_tau: float
+    chosen_nll_token_mean: Tensor | None = None
+    simpo_gamma: float = 0.5
+    cpo_alpha: float = 1.0
 
     @property
     def logits(self) -> Tensor:
@@ -145,6 +170,54 @@ def _sft(p: DPOPairs) -> Tensor:
     return p.chosen_nll_per_token
 
 
+def _smoothed_sigmoid(x: Tensor, eps: float) -> Tensor:
+    losses = -(1.0 - eps) * F.logsigmoid(x)
+    return losses - eps * F.logsigmoid(-x) if eps != 0.0 else losses
+
+
+def _nll(p: DPOPairs) -> Tensor:
+    assert p.chosen_nll_token_mean is not None  # dpo_loss checks needs_token_counts
+    return p.chosen_nll_token_mean
+
+
+def _cpo(p: DPOPairs) -> Tensor:
+    losses = _smoothed_sigmoid(p.beta * p.logits, p.label_smoothing)
+    return losses + p.cpo_alpha * _nll(p) if p.cpo_alpha != 0.0 else losses
+
+
+def _simpo(p: DPOPairs) -> Tensor:
+    assert p.chosen_logratios_per_token is not None  # dpo_loss checks needs_token_counts
+    assert p.rejected_logratios_per_token is not None
+    h = p.chosen_logratios_per_token - p.rejected_logratios_per_token
+    losses = _smoothed_sigmoid(p.beta * h - p.simpo_gamma, p.label_smoothing)
+    return losses + p.cpo_alpha * _nll(p) if p.cpo_alpha != 0.0 else losses
+
+
+def log1mexp(x: Tensor) -> Tensor:
+    """log(1 − eˣ) for x < 0, accurate on both sides of −log 2 (Mächler 2012)."""
+    # Near 0, 1 − eˣ cancels: −expm1(x) keeps its digits; far below, log1p(−eˣ) does.
+    return torch.where(x < -math.log(2.0), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def orpo_log_odds(chosen_mean_logps: Tensor, rejected_mean_logps: Tensor) -> Tensor:
+    """ORPO's log odds ratio o = log(odds_c / odds_r), odds(ℓ) = e^ℓ / (1 − e^ℓ), per pair.
+
+    Args:
+        chosen_mean_logps: [B] per-token mean log-probs ℓ_c < 0 of the chosen completions.
+        rejected_mean_logps: [B] ℓ_r < 0.
+    """
+    return (chosen_mean_logps - rejected_mean_logps) - (
+        log1mexp(chosen_mean_logps) - log1mexp(rejected_mean_logps)
+    )
+
+
+def _orpo(p: DPOPairs) -> Tensor:
+    assert p.chosen_logratios_per_token is not None  # dpo_loss checks needs_token_counts
+    assert p.rejected_logratios_per_token is not None
+    log_odds = orpo_log_odds(p.chosen_logratios_per_token, p.rejected_logratios_per_token)
+    return -p.beta * F.logsigmoid(log_odds) + _nll(p)
+
+
 @dataclass(frozen=True)
 class DPOLossKind:
     """One catalogue entry.
@@ -154,11 +227,17 @@ class DPOLossKind:
         label_smoothing: whether ε is read ('optional'), must be > 0 ('required') or is not
             read ('unused'; a non-zero ε with only such losses is refused).
         needs_token_counts: reads the per-token fields of :class:`DPOPairs`.
+        needs_reference: reads reference log-probs; False: the run builds no reference model
+            and runs no reference pass (the objective's log-ratios are the policy log-probs).
+        averages_log_probs: TRL computes it on per-token mean log-probs, so a run passes means
+            (its rewards and ``logps/*`` metrics are then per token, as TRL's).
     """
 
     fn: Callable[[DPOPairs], Tensor]
     label_smoothing: Literal["unused", "optional", "required"] = "unused"
     needs_token_counts: bool = False
+    needs_reference: bool = True
+    averages_log_probs: bool = False
 
 
 DPO_LOSSES: dict[str, DPOLossKind] = {
@@ -174,8 +253,24 @@ DPO_LOSSES: dict[str, DPOLossKind] = {
     "discopop": DPOLossKind(_discopop),
     "sigmoid_norm": DPOLossKind(_sigmoid_norm, needs_token_counts=True),
     "sft": DPOLossKind(_sft, needs_token_counts=True),
+    "cpo": DPOLossKind(
+        _cpo, label_smoothing="optional", needs_token_counts=True, needs_reference=False
+    ),
+    "simpo": DPOLossKind(
+        _simpo,
+        label_smoothing="optional",
+        needs_token_counts=True,
+        needs_reference=False,
+        averages_log_probs=True,
+    ),
+    "orpo": DPOLossKind(
+        _orpo, needs_token_counts=True, needs_reference=False, averages_log_probs=True
+    ),
 }
 DPO_LOSS_TYPES: tuple[str, ...] = tuple(DPO_LOSSES)
+
+#: The `reference_policy` of a run whose objective reads no reference: nothing is built or run.
+NO_REFERENCE = "none"
 
 
 class DPOLossConfigError(ValueError):
@@ -195,13 +290,27 @@ def loss_type_names(loss_type: str | list[str] | tuple[str, ...]) -> tuple[str, 
     return (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
 
 
+def needs_reference(loss_type: str | list[str] | tuple[str, ...]) -> bool:
+    """Whether a loss type or list reads reference log-probs (the entries of a checked list
+    agree; an unknown name counts as reading one, `check_loss_mixture` refuses it)."""
+    names = loss_type_names(loss_type)
+    return any(t not in DPO_LOSSES or DPO_LOSSES[t].needs_reference for t in names)
+
+
+def averages_log_probs(loss_type: str | list[str] | tuple[str, ...]) -> bool:
+    """Whether a (checked) loss type or list is computed on per-token mean log-probs."""
+    names = loss_type_names(loss_type)
+    return any(DPO_LOSSES[t].averages_log_probs for t in names if t in DPO_LOSSES)
+
+
 def check_loss_mixture(
     loss_types: tuple[str, ...],
     loss_weights: tuple[float, ...] | None,
     label_smoothing: float,
     discopop_tau: float = 0.05,
+    cpo_alpha: float = 1.0,
 ) -> tuple[float, ...]:
-    """Check a (names, weights, ε, τ) combination; return the weights (default all 1).
+    """Check a (names, weights, ε, τ, α) combination; return the weights (default all 1).
 
     Raises:
         DPOLossConfigError: one line saying what is wrong (unknown names list the supported
@@ -215,6 +324,14 @@ def check_loss_mixture(
             "loss_type",
             f"unknown DPO loss_type {', '.join(map(repr, unknown))}; supported: "
             f"{', '.join(DPO_LOSS_TYPES)}",
+        )
+    free = [t for t in loss_types if not DPO_LOSSES[t].needs_reference]
+    if free and len(free) != len(loss_types):
+        based = [t for t in loss_types if DPO_LOSSES[t].needs_reference]
+        raise DPOLossConfigError(
+            "loss_type",
+            f"loss_type mixes reference-free {free} with reference-based {based}: a run either "
+            "has a reference model or not; list only one kind",
         )
     weights = tuple(loss_weights) if loss_weights is not None else (1.0,) * len(loss_types)
     if len(weights) != len(loss_types):
@@ -243,4 +360,6 @@ def check_loss_mixture(
         )
     if "discopop" in loss_types and not discopop_tau > 0:
         raise DPOLossConfigError("discopop_tau", f"discopop_tau must be > 0, got {discopop_tau}")
+    if not cpo_alpha >= 0:
+        raise DPOLossConfigError("cpo_alpha", f"cpo_alpha must be >= 0, got {cpo_alpha}")
     return weights

@@ -8,7 +8,8 @@ in a batch with no undesirable example) reads 0.0, never NaN.
 
 Metric names follow TRL: ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``,
 ``rewards/accuracies`` (DPO), ``logps/chosen``, ``logps/rejected``, ``logits/chosen``,
-``logits/rejected``, ``kl`` (KTO), plus ``loss``. Averaging matches TRL: rewards and logps are
+``logits/rejected``, ``kl`` (KTO), plus ``loss``; the reference-free objectives add TRL's
+``nll_loss`` (CPO, SimPO, ORPO) and ``log_odds_ratio`` / ``log_odds_chosen`` (ORPO). Averaging matches TRL: rewards and logps are
 means over examples; logits are means over completion *tokens* of the vocabulary-mean logit.
 """
 
@@ -17,7 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+from megatron_kto.losses.dpo_types import DPO_LOSSES
 
 # float64: sums of log-probs over a global batch and token counts in the millions are exact
 # enough, and the tensor is a handful of numbers, so the wider all-reduce costs nothing.
@@ -124,6 +128,47 @@ DPO_METRICS = MetricSums(
         "loss",
     )
 )
+
+
+#: CPO / SimPO (TRL's CPOTrainer): DPO's metrics + the chosen NLL (token-weighted mean).
+CPO_METRICS = MetricSums((*DPO_METRICS.names, "nll_loss"))
+#: ORPO (TRL's ORPOTrainer): + the mean log σ(log odds ratio) and mean log odds ratio.
+ORPO_METRICS = MetricSums((*CPO_METRICS.names, "log_odds_ratio", "log_odds_chosen"))
+
+
+def dpo_metric_set(loss_types: tuple[str, ...]) -> MetricSums:
+    """The metrics a DPO-family run logs: TRL's trainer for its (checked) loss types."""
+    if "orpo" in loss_types:
+        return ORPO_METRICS
+    if any(not DPO_LOSSES[t].needs_reference for t in loss_types):
+        return CPO_METRICS
+    return DPO_METRICS
+
+
+def reference_free_metric_sums(
+    metrics: MetricSums,
+    dpo_sums: Tensor,
+    chosen_nll_sum: Tensor,
+    chosen_num_tokens: Tensor,
+    log_odds: Tensor | None,
+) -> Tensor:
+    """``dpo_sums`` (:func:`dpo_metric_sums`) extended to ``metrics`` (CPO/ORPO_METRICS).
+
+    Args:
+        chosen_nll_sum: scalar Σ_i −π_c,i (summed log-probs) over the micro-batch.
+        chosen_num_tokens: [B] chosen completion token counts (``nll_loss`` is per token).
+        log_odds: [B] ORPO's log odds ratio per pair (read when ``metrics`` has it).
+    """
+    pairs: dict[str, tuple[Tensor | float, Tensor | float]] = {
+        "nll_loss": (chosen_nll_sum, chosen_num_tokens.sum())
+    }
+    if "log_odds_ratio" in metrics.names:
+        assert log_odds is not None
+        n = log_odds.shape[0]
+        pairs["log_odds_ratio"] = (F.logsigmoid(log_odds.detach().to(METRIC_DTYPE)).sum(), n)
+        pairs["log_odds_chosen"] = (log_odds.detach().to(METRIC_DTYPE).sum(), n)
+    extra = MetricSums(metrics.names[len(DPO_METRICS.names) :]).pack(pairs, dpo_sums.device)
+    return torch.cat([dpo_sums, extra])
 
 
 def _masked_sum(values: Tensor, mask: Tensor) -> Tensor:

@@ -1,5 +1,9 @@
 """MegatronGPTDPOModel: DPO on megatron-core GPT chunks (same machinery as the KTO model).
 
+A reference-free objective (`cpo`, `simpo`, `orpo`: `DPOLossKind.needs_reference` is False)
+makes `needs_reference` False: the trainer then runs no reference pass, the batches carry no
+reference log-probs and the step is one forward+backward of the policy.
+
 A training micro-batch holds `micro_batch_size` pairs: their chosen rows followed by their
 rejected rows, so each pair's loss is computed inside one micro-batch (packed end to end, in that
 order, unless `pack_sequences` is off).
@@ -12,7 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from megatron_kto.losses.dpo import dpo_total_loss
-from megatron_kto.losses.metrics import DPO_METRICS, dpo_metric_sums, finalize_dpo_metrics
+from megatron_kto.losses.dpo_types import loss_type_names, needs_reference, orpo_log_odds
+from megatron_kto.losses.metrics import (
+    DPO_METRICS,
+    dpo_metric_set,
+    dpo_metric_sums,
+    reference_free_metric_sums,
+)
 from megatron_kto.models.forward import (
     LOGIT_SUM,
     LOGP_SUM,
@@ -76,6 +86,10 @@ class DPOSettings:
     """f-DPO regulariser (losses.f_divergence)."""
     f_alpha_divergence_coef: float = 0.5
     """α of alpha_divergence."""
+    simpo_gamma: float = 0.5
+    """γ, SimPO's target margin."""
+    cpo_alpha: float = 1.0
+    """α, the chosen NLL's weight in CPO and SimPO."""
     router_aux_loss_coeff: float = 0.0
     """MoE only: weight of the router load-balancing loss over each training micro-batch (its
     chosen and rejected rows, one forward as TRL's concatenated pass); 0 = off."""
@@ -90,11 +104,18 @@ class MegatronGPTDPOModel:
     """Policy chunks + a reference policy + the DPO loss, driven by megatron-core schedules."""
 
     def __init__(
-        self, chunks: list[torch.nn.Module], reference: ReferencePolicy, settings: DPOSettings
+        self,
+        chunks: list[torch.nn.Module],
+        reference: ReferencePolicy | None,
+        settings: DPOSettings,
     ):
         self.chunks = chunks
         self.reference = reference
         self.settings = settings
+        names = loss_type_names(settings.loss_type)
+        self.needs_reference = needs_reference(names)
+        """False for the reference-free objectives: no reference pass is ever run."""
+        self.metrics = dpo_metric_set(names)
         coeff = settings.router_aux_loss_coeff
         self.router_stats = RouterStatistics(chunks, coeff) if coeff else None
 
@@ -137,11 +158,12 @@ class MegatronGPTDPOModel:
         n = stats.shape[0] // 2
         logps = _logps(stats, s.average_log_probs)
         chosen_tokens = stats[:n, NUM_TOKENS]
+        reference = self.needs_reference
         out = dpo_total_loss(
             logps[:n],
             logps[n:],
-            batch["ref_chosen"],
-            batch["ref_rejected"],
+            batch["ref_chosen"] if reference else None,
+            batch["ref_rejected"] if reference else None,
             s.beta,
             loss_type=s.loss_type,
             label_smoothing=s.label_smoothing,
@@ -155,6 +177,8 @@ class MegatronGPTDPOModel:
             rejected_num_tokens=stats[n:, NUM_TOKENS],
             f_divergence_type=s.f_divergence_type,
             f_alpha_divergence_coef=s.f_alpha_divergence_coef,
+            simpo_gamma=s.simpo_gamma,
+            cpo_alpha=s.cpo_alpha,
         )
         sums = dpo_metric_sums(
             out.chosen_rewards,
@@ -167,6 +191,12 @@ class MegatronGPTDPOModel:
             stats[n:, NUM_TOKENS],
             out.per_example,
         )
+        if self.metrics is not DPO_METRICS:
+            per_token = stats[:, LOGP_SUM] / stats[:, NUM_TOKENS].clamp(min=1)
+            log_odds = orpo_log_odds(per_token[:n].detach(), per_token[n:].detach())
+            sums = reference_free_metric_sums(
+                self.metrics, sums, -stats[:n, LOGP_SUM].detach().sum(), chosen_tokens, log_odds
+            )
         return out.loss, {"sums": sums}
 
     def _micro_batches(self, batch: Batch) -> list[Batch]:
@@ -192,11 +222,12 @@ class MegatronGPTDPOModel:
                     "position_ids": torch.cat(
                         [batch["position_ids"][sl], batch["position_ids"][sl]]
                     ),
-                    "ref_chosen": batch[REF_CHOSEN][sl],
-                    "ref_rejected": batch[REF_REJECTED][sl],
                     NUM_SCORED: sum(chosen_scored[sl]) + sum(rejected_scored[sl]),
                 }
             )
+            if self.needs_reference:
+                micro[-1]["ref_chosen"] = batch[REF_CHOSEN][sl]
+                micro[-1]["ref_rejected"] = batch[REF_REJECTED][sl]
             if chosen_spans is not None and rejected_spans is not None:
                 micro[-1][SCORED_SPANS] = chosen_spans[sl] + rejected_spans[sl]
             if pack:
@@ -207,7 +238,7 @@ class MegatronGPTDPOModel:
         self, batch: Batch, forward_only: bool
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The body of `get_loss_and_metrics` before finalising: the all-reduced [2K]
-        (sum, count) tensor of `DPO_METRICS` and no per-batch scalars (for exact aggregation
+        (sum, count) tensor of `self.metrics` (`DPO_METRICS`, or CPO/ORPO's) and no per-batch scalars (for exact aggregation
         over several global batches). Reads nothing back to the host."""
         s = self.settings
         step = stats_forward_step(self._loss_fn, s.vocab_size, s.logprob_chunk_size)
@@ -223,7 +254,7 @@ class MegatronGPTDPOModel:
             reported = run_schedule(self.chunks, micro, step, forward_only=False, pack=pack)
         local = torch.stack([r["sums"] for r in reported]).sum(0) if reported else None
         sums = broadcast_from_last_stage(
-            local, (DPO_METRICS.size,), torch.float64, batch["chosen"].device
+            local, (self.metrics.size,), torch.float64, batch["chosen"].device
         )
         data_parallel_all_reduce(sums)
         if self.router_stats is not None and not forward_only:
@@ -231,10 +262,11 @@ class MegatronGPTDPOModel:
             return sums, aux_scalars(values, s.router_aux_loss_coeff)
         return sums, {}
 
-    @staticmethod
-    def finalize_metrics(sums: torch.Tensor, scalars: dict[str, torch.Tensor]) -> dict[str, float]:
+    def finalize_metrics(
+        self, sums: torch.Tensor, scalars: dict[str, torch.Tensor]
+    ) -> dict[str, float]:
         """Metrics (TRL names) from (possibly accumulated) sums."""
-        return add_aux_metrics(finalize_dpo_metrics(sums), scalars)
+        return add_aux_metrics(self.metrics.finalize(sums), scalars)
 
     def get_loss_and_metrics(
         self, batch: Batch, forward_only: bool

@@ -91,6 +91,9 @@ class KTOSettings:
 class MegatronGPTKTOModel:
     """Policy chunks + a reference policy + the KTO loss, driven by megatron-core schedules."""
 
+    needs_reference = True
+    """KTO's rewards are policy/reference log-ratios: every step runs the reference pass."""
+
     def __init__(
         self, chunks: list[torch.nn.Module], reference: ReferencePolicy, settings: KTOSettings
     ):

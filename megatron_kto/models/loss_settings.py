@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_kto.losses.dpo_types import loss_type_names
+from megatron_kto.losses.dpo_types import averages_log_probs, loss_type_names
 from megatron_kto.models.dpo_model import DPOSettings
 from megatron_kto.models.kto_model import KTOSettings
 
@@ -42,11 +42,15 @@ def loss_settings(cfg: Any, algorithm: str, vocab_size: int) -> KTOSettings | DP
             **common,
         )
     common["loss_type"] = loss_type_names(m.dpo.loss_type)
+    # SimPO and ORPO are defined on per-token means (TRL's trainers average unconditionally).
+    common["average_log_probs"] |= averages_log_probs(common["loss_type"])
     return DPOSettings(
         label_smoothing=m.dpo.label_smoothing,
         loss_weights=None if m.dpo.loss_weights is None else tuple(m.dpo.loss_weights),
         discopop_tau=m.dpo.discopop_tau,
         f_divergence_type=m.dpo.f_divergence_type,
         f_alpha_divergence_coef=m.dpo.f_alpha_divergence_coef,
+        simpo_gamma=m.dpo.simpo_gamma,
+        cpo_alpha=m.dpo.cpo_alpha,
         **common,
     )

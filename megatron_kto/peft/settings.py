@@ -59,12 +59,34 @@ def uses_lora(model_cfg: Any) -> bool:
 
 
 def reference_strategy(model_cfg: Any, algorithm: str) -> str:
-    """`model.<algorithm>.reference_policy`, its default resolved: 'adapters_off' with LoRA,
-    else 'cpu_swap'."""
+    """`model.<algorithm>.reference_policy`, its default resolved: 'none' for a reference-free
+    DPO loss type (cpo, simpo, orpo; whatever is set: `unused_reference_note`), else
+    'adapters_off' with LoRA, else 'cpu_swap'."""
+    # Here, not at the top: this module imports without torch (the loss table needs it).
+    from megatron_kto.losses.dpo_types import NO_REFERENCE, needs_reference
+
+    if algorithm == "dpo" and not needs_reference(model_cfg.dpo.loss_type):
+        return NO_REFERENCE
     chosen = (model_cfg.kto if algorithm == "kto" else model_cfg.dpo).reference_policy
     if chosen is not None:
         return str(chosen)
     return "adapters_off" if uses_lora(model_cfg) else "cpu_swap"
+
+
+def unused_reference_note(model_cfg: Any, algorithm: str) -> str | None:
+    """A note when `model.dpo.reference_policy` names a reference a reference-free loss type
+    will not use (TRL's CPO/ORPO trainers take no reference model either), else None."""
+    from megatron_kto.losses.dpo_types import NO_REFERENCE, needs_reference
+
+    if algorithm != "dpo" or needs_reference(model_cfg.dpo.loss_type):
+        return None
+    stated = model_cfg.dpo.reference_policy
+    if stated is None or stated == NO_REFERENCE:
+        return None
+    return (
+        f"model.dpo.reference_policy={stated} is not used: loss_type "
+        f"{model_cfg.dpo.loss_type} is reference-free (no reference model, no reference pass)"
+    )
 
 
 def tuning_value(model_cfg: Any, key: str) -> Any:
@@ -168,6 +190,13 @@ def check_peft(model_cfg: Any, algorithm: str, arch: Any) -> None:
         raise ConfigError(f"model.peft.peft_scheme: must be one of {list(SCHEMES)}, got {scheme!r}")
     ref_key = f"model.{algorithm}.reference_policy"
     ref = reference_strategy(model_cfg, algorithm)
+    if ref == "none" and algorithm == "dpo":  # losses.dpo_types.NO_REFERENCE
+        # A reference-free loss: a stated strategy is unused (noted), but must still be a name.
+        stated = model_cfg.dpo.reference_policy
+        known = (*FULL_REFERENCES, *LORA_REFERENCES, "none")
+        if stated is not None and stated not in known:
+            raise ConfigError(f"{ref_key}: must be one of {list(known)}, got {stated!r}")
+        ref = "adapters_off" if scheme == "lora" else "cpu_swap"  # any allowed one: none is
     if scheme != "lora":
         if ref not in FULL_REFERENCES:
             raise ConfigError(

@@ -251,7 +251,9 @@ def format_plan(
         layout += f" EP={dims.ep} ETP={dims.expert_tp}"
     mbs = "micro-batch" if plan.in_flight == 1 else "micro-batches"
     reference = f"reference {size(plan.reference)}"
-    if reference_policy:
+    if reference_policy == "none":  # losses.dpo_types.NO_REFERENCE
+        reference = "no reference model (reference-free loss)"
+    elif reference_policy:
         reference += f" ({reference_policy}" + (
             f", +{size(plan.reference_host)} host)" if plan.reference_host else ")"
         )
