@@ -54,7 +54,7 @@ def row_sources(
         which = bisect.bisect_right(base._starts, int(index)) - 1
         shard, local = base.shards[which], int(index) - base._starts[which]
         path = Path(paths[which])
-        if shard.stats.dropped_total() > 0:
+        if shard.stats.dropped_total > 0:
             out.append(f"{path} (example {local + 1} of the kept ones)")
             continue
         if which not in lines:
