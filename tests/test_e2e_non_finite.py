@@ -10,7 +10,8 @@ are NaN.
   seconds of the step, with one `error:` line naming step 2, the quantities, the row
   (`train.jsonl:6`) and the untouched checkpoint; `latest` still names `step_1`.
 - `skip`: step 2's update is skipped with one `warning:` line, training goes on to step 3, and
-  metrics.jsonl counts it (`skipped_steps`), with no `null` anywhere.
+  metrics.jsonl counts it (`skipped_steps`, also kept in the checkpoints' trainer state), with
+  no `null` anywhere.
 
 Two runs, side by side (~40 s on 2 cores).
 """
@@ -142,6 +143,11 @@ def test_skip_counts_the_step_and_trains_on(runs):
         (2, 1, 1.0),
         (3, 1, 0.0),
     ]
+    # The count is part of the trainer state a resume continues from.
+    state = json.loads(
+        (root / "skip" / "checkpoints" / "step_3" / "trainer_state.json").read_text()
+    )
+    assert state["skipped_steps"] == 1
     text = (root / "skip" / "metrics.jsonl").read_text()
     assert "null" not in text and "NaN" not in text
     assert "loss" not in rows[1] and all(r["loss"] == r["loss"] for r in (rows[0], rows[2]))
