@@ -75,3 +75,15 @@ def test_describe_caps_the_rows():
     )
     everything = NonFiniteStep(2, ["loss"], ["f:1", "f:2"], True)
     assert everything.describe().endswith("the step's rows (none alone non-finite): f:1, f:2")
+
+
+def test_non_finite_validation_is_a_warning_not_a_silent_null(capsys):
+    from megatron_kto.algorithms.dpo import DPOTrainer, TrainerState
+
+    trainer = DPOTrainer.__new__(DPOTrainer)  # only its state is read
+    trainer.state = TrainerState(step=4)
+    trainer._warn_non_finite_validation({"loss": math.nan, "kl": 0.0})
+    trainer._warn_non_finite_validation({"loss": 0.5})
+    assert capsys.readouterr().out == (
+        "warning: validation after step 4: non-finite loss (null in metrics.jsonl)\n"
+    )

@@ -299,6 +299,16 @@ class DPOTrainer:
                 flush=True,
             )
 
+    def _warn_non_finite_validation(self, metrics: dict[str, float]) -> None:
+        """One rank-0 warning when validation metrics are NaN/Inf (metrics.jsonl holds null)."""
+        names = nf.non_finite_names(metrics)
+        if names and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+            print(
+                f"warning: validation after step {self.state.step}: non-finite "
+                f"{', '.join(names)} (null in metrics.jsonl)",
+                flush=True,
+            )
+
     def _train_row(self, last_step_metrics: dict[str, float]) -> dict[str, float]:
         """The logged row of the interval that just ended: its count-weighted metrics."""
         # A `train_single_step` that records no interval (a stand-in in tests) logs its own.
@@ -373,6 +383,7 @@ class DPOTrainer:
                 if s.step % loop.val_check_interval == 0 or s.step == loop.max_steps:
                     val = self.run_validation()
                     if val is not None:
+                        self._warn_non_finite_validation(val)
                         self.logger.log("val", s.step, s.consumed_samples, val)
                         self.progress.validation(s.step, val)
                 if (
