@@ -41,13 +41,17 @@ def non_finite_names(metrics: Mapping[str, float]) -> list[str]:
 
 def gradients_finite(chunks: Sequence[torch.nn.Module]) -> torch.Tensor:
     """Whether every gradient in the megatron DDP buffers of `chunks` is finite (0-d bool, on
-    the buffers' device)."""
-    flags = [
-        torch.isfinite(buffer.grad_data).all()
+    the buffers' device).
+
+    Reads each buffer's norm, as megatron-core's own `check_grads` does: a reduction that
+    allocates nothing the size of the gradients (a NaN or Inf anywhere makes it non-finite).
+    """
+    norms = [
+        torch.linalg.vector_norm(buffer.grad_data)
         for chunk in chunks
         for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]
     ]
-    return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool)
+    return torch.isfinite(torch.stack(norms)).all() if norms else torch.ones((), dtype=torch.bool)
 
 
 def agreed_flags(reference_logps: torch.Tensor, grads_ok: torch.Tensor | None) -> list[str]:
