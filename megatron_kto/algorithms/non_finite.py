@@ -62,12 +62,11 @@ def agreed_flags(reference_logps: torch.Tensor, grads_ok: torch.Tensor | None) -
         grads_ok: `gradients_finite` of this rank, or None not to check gradients (fp16, whose
             loss scaler handles overflows).
     """
-    bad = torch.stack(
-        [
-            ~torch.isfinite(reference_logps).all(),
-            ~grads_ok if grads_ok is not None else torch.zeros((), dtype=torch.bool),
-        ]
-    ).to(device=reference_logps.device, dtype=torch.float32)
+    device = reference_logps.device
+    grads_bad = ~grads_ok if grads_ok is not None else torch.zeros((), dtype=torch.bool)
+    bad = torch.stack([~torch.isfinite(reference_logps).all(), grads_bad.to(device)]).to(
+        dtype=torch.float32
+    )
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return [name for name, flag in zip((REFERENCE, GRADIENT), bad.tolist()) if flag > 0]
