@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from multirank import run_multirank
+
+pytestmark = pytest.mark.multirank
 
 TIMEOUT_MINUTES = 0.05  # 3 s
 
