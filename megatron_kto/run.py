@@ -17,7 +17,9 @@ import torch
 from omegaconf import OmegaConf
 
 from megatron_kto.algorithms.dpo import DPOTrainer, TrainerState, resolve_loop
+from megatron_kto.algorithms.errors import NonFiniteError
 from megatron_kto.algorithms.kto import KTOTrainer
+from megatron_kto.algorithms.non_finite import NonFiniteStep
 from megatron_kto.algorithms.reference_strategies import (
     ReferenceStrategy,
     TrainingInputs,
@@ -26,6 +28,7 @@ from megatron_kto.algorithms.reference_strategies import (
 from megatron_kto.checkpointing.model_io import CheckpointError
 from megatron_kto.config.validate import ConfigError
 from megatron_kto.data.pipeline import build_split, resolve_path
+from megatron_kto.data.provenance import row_sources
 from megatron_kto.data.tokenizers import load_tokenizer
 from megatron_kto.hf_writer.output import hf_output_of_run
 from megatron_kto.logging.metrics_logger import MetricsLogger
@@ -234,7 +237,7 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
     # signal during start-up then stops the run cleanly before its first step (exit 0; the
     # checkpoint it resumed from is still the latest) instead of killing it.
     with PreemptionHandler() as preemption:
-        runtime = _init_runtime(cfg.model)
+        runtime = _init_runtime(cfg.model, cfg.trainer.distributed_timeout_minutes)
         try:
             run = _Run(cfg, algorithm, arch, runtime, _layout(cfg), log_dir)
             reference = choose_reference(cfg, algorithm)
@@ -258,7 +261,11 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
                 (manager, state),
                 lambda: preemption.requested,
             )
-            final = trainer.fit()
+            try:
+                final = trainer.fit()
+            except NonFiniteStep as e:
+                logger.close()
+                raise NonFiniteError(_non_finite_message(e, log_dir)) from None
             logger.close()
             _say(
                 runtime.is_rank0,
@@ -267,6 +274,24 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
             return final
         finally:
             teardown()
+
+
+def _non_finite_message(error: NonFiniteStep, log_dir: Path) -> str:
+    """The one line a stopped non-finite step prints: the step, the quantities, the rows, the
+    checkpoint still good and what to do."""
+    from megatron_kto.checkpointing.files import read_latest
+
+    root = log_dir / "checkpoints"
+    name, _ = read_latest(root)
+    kept = (
+        f"the last good checkpoint, {root / name}, is untouched and a rerun resumes from it"
+        if name
+        else "no checkpoint was saved before it"
+    )
+    return (
+        f"{error.describe()}; stopped (trainer.non_finite=stop): {kept}; check those rows and "
+        f"the weights, or set trainer.non_finite=skip to skip such steps"
+    )
 
 
 def _prepare(cfg: Any, algorithm: str) -> tuple[Any, Any]:
@@ -282,13 +307,15 @@ def _prepare(cfg: Any, algorithm: str) -> tuple[Any, Any]:
     return prepared.cfg, prepared.architecture
 
 
-def _init_runtime(m: Any):
-    """Process groups, megatron's parallel state and seeds for the `model.*` layout."""
+def _init_runtime(m: Any, timeout_minutes: float):
+    """Process groups (collective timeout `trainer.distributed_timeout_minutes`), megatron's
+    parallel state and seeds for the `model.*` layout."""
     return init_runtime(
         m.tensor_model_parallel_size,
         m.pipeline_model_parallel_size,
         m.virtual_pipeline_model_parallel_size,
         seed=m.seed,
+        timeout_minutes=timeout_minutes,
         expert_parallel_size=m.expert_model_parallel_size,
         context_parallel_size=m.context_parallel_size,
         expert_tensor_parallel_size=m.expert_tensor_parallel_size,
@@ -296,8 +323,10 @@ def _init_runtime(m: Any):
 
 
 def _build_data(run: _Run, reference: ReferenceStrategy):
-    """(train, validation) splits (validation None without files), each described on rank 0;
-    batches carry the example index where the reference strategy looks examples up."""
+    """(train, validation) splits (validation None without files), each described on rank 0.
+
+    Batches always carry their examples' index: the precomputed reference looks its log-probs up
+    by it, and a non-finite step names its rows' files and lines from it."""
     m = run.cfg.model
     tokenizer = load_tokenizer(
         m.tokenizer.library, str(resolve_path(m.tokenizer.model)), m.tokenizer.chat_template
@@ -312,7 +341,7 @@ def _build_data(run: _Run, reference: ReferenceStrategy):
             tokenizer,
             run.runtime,
             max_length,
-            index_offset=reference.index_offset(first_example),
+            index_offset=_index_offset(reference, first_example),
         )
 
     train = split("train", 0)
@@ -321,6 +350,13 @@ def _build_data(run: _Run, reference: ReferenceStrategy):
         if s is not None:
             _say(run.runtime.is_rank0, s.describe())
     return train, val
+
+
+def _index_offset(reference: ReferenceStrategy, first_example: int) -> int:
+    """The strategy's example-index offset; a strategy that needs none gets the split's
+    position, so that indices stay unique across splits all the same."""
+    offset = reference.index_offset(first_example)
+    return first_example if offset is None else offset
 
 
 def _say_memory_plan(run: _Run) -> None:
@@ -384,6 +420,8 @@ def _restore(run: _Run, model, optimization, reference: ReferenceStrategy):
         step=restored["step"],
         epoch=restored["epoch"],
         consumed_samples=restored["consumed_samples"],
+        # Checkpoints written before the count existed have none: nothing was skipped then.
+        skipped_steps=restored.get("skipped_steps", 0),
     )
     _say(run.runtime.is_rank0, f"resumed from step {state.step} ({state.consumed_samples} samples)")
     return manager, state
@@ -435,6 +473,10 @@ def _build_trainer(run: _Run, model, optimization, splits, loop, restored, stop_
         checkpoint_hook=hook,
         stop_requested=stop_requested,
         state=state,
+        non_finite=cfg.trainer.non_finite,
+        # fp16's loss scaler finds overflowing gradients itself and skips those steps.
+        check_gradients=run.layout.precision != "16",
+        row_sources=lambda indices: row_sources(train.dataset, train.paths, train.kind, indices),
     )
     return trainer, logger
 
@@ -463,7 +505,6 @@ def _checkpoint_hook(run: _Run, model, optimization, manager, trainer: Callable[
             hf_output.write(s.step, model.chunks, saved)
 
     return checkpoint_hook
-
 
 
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, CheckpointError)

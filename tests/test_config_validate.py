@@ -91,6 +91,8 @@ def test_wrong_type_fails_at_composition():
         (["trainer.precision=16-true"], 1, "trainer.precision"),
         (["model.logprob_chunk_size=-1"], 1, "model.logprob_chunk_size"),
         (["trainer.devices=4"], 2, "trainer.devices"),
+        (["trainer.distributed_timeout_minutes=0"], 1, "trainer.distributed_timeout_minutes"),
+        (["trainer.non_finite=ignore"], 1, "trainer.non_finite"),
         (["model.data.truncation_mode=middle"], 1, "model.data.truncation_mode"),
         (["model.moe_layer_freq=[1,0]"], 1, "model.moe_layer_freq"),  # a dense model
         (["model.num_moe_experts=4", "model.moe_layer_freq=[1,0,1]"], 1, "model.moe_layer_freq"),

@@ -170,6 +170,14 @@ def test_peft_block_is_honoured():
         check_peft(tied.model, "kto", tied.model)
 
 
+def test_fault_keys_pass_through():
+    """NeMo-Aligner's configs have no collective timeout or non-finite policy; ours, added to
+    one (Megatron-LM's `distributed_timeout_minutes` name), keep their meaning."""
+    cfg, ignored = _adapt(["+trainer.distributed_timeout_minutes=5", "+trainer.non_finite=skip"])
+    assert cfg.trainer.distributed_timeout_minutes == 5 and cfg.trainer.non_finite == "skip"
+    assert not [k for k in ignored if "timeout" in k or "non_finite" in k]
+
+
 def test_renamed_keys():
     """Older NeMo-Aligner KTO configs spell preference_average_log_probs `average_log_probs`;
     the `sft_average_log_probs: ${.preference_average_log_probs}` default follows it."""

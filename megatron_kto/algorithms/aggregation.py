@@ -102,6 +102,11 @@ class TrainInterval:
         self.metrics.add(sums, scalars)
         self.steps.append(cost)
 
+    def add_skipped(self, cost: StepCost) -> None:
+        """Record a step whose update was skipped for non-finite values: its cost counts (in
+        `skipped_step`), its metrics do not."""
+        self.steps.append(cost)
+
     def pop(
         self,
         finalize: Finalize,
@@ -109,7 +114,8 @@ class TrainInterval:
         world_size: int,
     ) -> dict[str, float]:
         """The row for the interval (at least one step), and start a new one."""
-        row = self.metrics.result(finalize)
+        # An interval of skipped steps only has no metrics, only its costs.
+        row = self.metrics.result(finalize) if self.metrics.batches else {}
         row.update(throughput_fields(self.steps, peak_flops, world_size))
         self.__init__()
         return row

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron_kto.algorithms import non_finite as nf
 from megatron_kto.algorithms.aggregation import (
     MetricAccumulator,
     StepCost,
@@ -66,6 +67,8 @@ class TrainerState:
     """Current epoch (0-based)."""
     consumed_samples: int = 0
     """Training examples consumed across all DP ranks."""
+    skipped_steps: int = 0
+    """Steps whose update `trainer.non_finite=skip` left out (a non-finite loss or gradient)."""
 
 
 @dataclass
@@ -130,6 +133,9 @@ def resolve_loop(
 class DPOTrainer:
     """Runs `fit()` for a preference model (DPO here; KTO via `KTOTrainer`)."""
 
+    #: Blocks of `forward_logprobs`' rows that belong to the batch's own examples (chosen, rejected).
+    example_blocks = 2
+
     def __init__(
         self,
         model: PreferenceModel,
@@ -147,6 +153,9 @@ class DPOTrainer:
         checkpoint_hook: Callable[[TrainerState, bool], None] | None = None,
         stop_requested: Callable[[], bool] | None = None,
         state: TrainerState | None = None,
+        non_finite: str = "stop",
+        check_gradients: bool = True,
+        row_sources: Callable[[list[int]], list[str]] | None = None,
     ):
         """
         Args:
@@ -164,6 +173,12 @@ class DPOTrainer:
             checkpoint_hook: `(state, final)` called when a checkpoint is due.
             stop_requested: returns True when preemption was signalled.
             state: progress to resume from.
+            non_finite: `trainer.non_finite`: 'stop' raises `non_finite.NonFiniteStep` on
+                every rank; 'skip' leaves the step's update out and counts it.
+            check_gradients: look for non-finite gradients (False under fp16, whose loss
+                scaler skips overflowing steps itself).
+            row_sources: training dataset indices -> `file:line` (for the rows a non-finite
+                step names); None names the indices.
         """
         self.model = model
         self.optimizer = optimizer
@@ -180,6 +195,9 @@ class DPOTrainer:
         self.checkpoint_hook = checkpoint_hook
         self.stop_requested = stop_requested or (lambda: False)
         self.state = state or TrainerState()
+        self.non_finite = non_finite
+        self.check_gradients = check_gradients
+        self.row_sources = row_sources or (lambda indices: [f"example {i}" for i in indices])
         self._start_time = time.monotonic()
         self._interval = TrainInterval()
 
@@ -202,6 +220,10 @@ class DPOTrainer:
         """Store reference log-probs [2B] in the batch, split into the chosen and rejected
         halves (`ref_policy_log_probs_chosen` / `_rejected`, [B] each)."""
         batch[REF_CHOSEN], batch[REF_REJECTED] = ref.chunk(2)
+
+    def reference_logps(self, batch: Batch) -> torch.Tensor:
+        """The reference log-probs attached to `batch`, in `forward_logprobs`' row order."""
+        return torch.cat([batch[REF_CHOSEN], batch[REF_REJECTED]])
 
     def step_cost(self, batch: Batch) -> tuple[float, float]:
         """(real tokens in this rank's batch, model FLOPs of its step for MFU; 0 without
@@ -228,7 +250,12 @@ class DPOTrainer:
         sums, scalars = self.model.get_loss_and_metric_sums(batch, forward_only=False)
         # The rate this update uses; after `scheduler.step` the optimizer holds the next one.
         lr = float(self.optimizer.param_groups[0]["lr"])
-        update_ok, grad_norm, _ = self.optimizer.step()
+        problems = self._non_finite(batch, sums, scalars)
+        if problems:
+            self._on_non_finite(batch, problems)  # raises under `stop`
+            update_ok, grad_norm = False, None
+        else:
+            update_ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         elapsed = time.monotonic() - started
         tokens, flops = self.step_cost(batch)
@@ -245,10 +272,52 @@ class DPOTrainer:
             samples=self.loop.global_batch_size,
             peak_memory_gb=peak_memory_gb(self.device),
         )
-        self._interval.add(sums, scalars, cost)
+        if problems:  # its NaN must not spoil the interval's means: the row counts it instead
+            self._interval.add_skipped(cost)
+        else:
+            self._interval.add(sums, scalars, cost)
         metrics = self.model.finalize_metrics(sums, scalars)
         metrics.update(throughput_fields([cost], self.peak_flops, self.world_size))
         return metrics
+
+    def _non_finite(
+        self, batch: Batch, sums: torch.Tensor, scalars: dict[str, torch.Tensor]
+    ) -> list[str]:
+        """What was non-finite in this step (empty: nothing), the same list on every rank."""
+        names = nf.non_finite_names(self.model.finalize_metrics(sums, scalars))
+        grads = nf.gradients_finite(self.model.chunks) if self.check_gradients else None
+        return names + nf.agreed_flags(self.reference_logps(batch), grads)
+
+    def _on_non_finite(self, batch: Batch, problems: list[str]) -> None:
+        """Raise `NonFiniteStep` (`stop`), or warn on rank 0 and count the skipped step."""
+        step = self.state.step + 1
+        rows = batch["samples" if "samples" in batch else "chosen"].shape[0]
+        with eval_mode(self.model.chunks), torch.no_grad():
+            policy = self.model.forward_logprobs(batch, self.model.chunks)
+        bad, everything = nf.gather_rows(
+            batch["index"],
+            nf.bad_rows(policy, self.reference_logps(batch), rows, self.example_blocks),
+        )
+        error = nf.NonFiniteStep(step, problems, self.row_sources(bad or everything), not bad)
+        if self.non_finite == "stop":
+            raise error
+        self.state.skipped_steps += 1
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(
+                f"warning: {error.describe()}; update skipped (trainer.non_finite=skip, "
+                f"{self.state.skipped_steps} skipped so far)",
+                flush=True,
+            )
+
+    def _warn_non_finite_validation(self, metrics: dict[str, float]) -> None:
+        """One rank-0 warning when validation metrics are NaN/Inf (metrics.jsonl holds null)."""
+        names = nf.non_finite_names(metrics)
+        if names and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+            print(
+                f"warning: validation after step {self.state.step}: non-finite "
+                f"{', '.join(names)} (null in metrics.jsonl)",
+                flush=True,
+            )
 
     def _train_row(self, last_step_metrics: dict[str, float]) -> dict[str, float]:
         """The logged row of the interval that just ended: its count-weighted metrics."""
@@ -321,11 +390,14 @@ class DPOTrainer:
                 s.consumed_samples += loop.global_batch_size
                 if s.step % loop.log_every_n_steps == 0 or s.step == loop.max_steps:
                     row = self._train_row(metrics)
+                    if self.non_finite == "skip":
+                        row["skipped_steps"] = s.skipped_steps
                     self.logger.log("train", s.step, s.consumed_samples, row)
                 self.progress.update(s.step, metrics)
                 if s.step % loop.val_check_interval == 0 or s.step == loop.max_steps:
                     val = self.run_validation()
                     if val is not None:
+                        self._warn_non_finite_validation(val)
                         self.logger.log("val", s.step, s.consumed_samples, val)
                         self.progress.validation(s.step, val)
                 if (

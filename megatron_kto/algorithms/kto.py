@@ -15,6 +15,9 @@ from megatron_kto.models.schedule import Batch
 class KTOTrainer(DPOTrainer):
     """Trains a `MegatronGPTKTOModel`; everything but the batch preparation is `DPOTrainer`'s."""
 
+    #: The sample rows (the KL rows pair other examples' completions).
+    example_blocks = 1
+
     def augment_dataloader(self, dataloader: Iterable[Batch]) -> Iterator[Batch]:
         """Attach reference log-probs to each global batch, split into sample and KL halves.
 
@@ -31,6 +34,12 @@ class KTOTrainer(DPOTrainer):
         batch[REF_SAMPLES] = ref[:rows]
         if self.model.settings.uses_kl_rows:
             batch[REF_KL] = ref[rows : 2 * rows]
+
+    def reference_logps(self, batch: Batch) -> torch.Tensor:
+        """The reference log-probs of the sample rows, then of the KL rows (if any)."""
+        if self.model.settings.uses_kl_rows:
+            return torch.cat([batch[REF_SAMPLES], batch[REF_KL]])
+        return batch[REF_SAMPLES]
 
     def step_cost(self, batch: Batch) -> tuple[float, float]:
         """KTO step cost: reference fwd over samples+KL (1x each), policy fwd over KL (1x),

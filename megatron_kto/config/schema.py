@@ -61,6 +61,13 @@ class TrainerConfig:
     """Loop settings used by train_gpt_kto.py."""
     dpo: LoopConfig = field(default_factory=LoopConfig)
     """Loop settings used by train_gpt_dpo.py."""
+    distributed_timeout_minutes: float = 30.0
+    """Timeout of every collective (megatron's name): a rank that waits this long for a
+    missing peer fails instead of hanging; > 0."""
+    non_finite: str = "stop"
+    """A NaN/Inf loss, log-prob, reward or gradient: 'stop' (every rank exits with one error
+    line naming the step, the quantity and the rows) or 'skip' (no update that step; counted
+    as `skipped_steps` in metrics.jsonl)."""
 
 
 @dataclass

@@ -29,6 +29,10 @@ __all__ = [
 ]
 
 
+#: `trainer.non_finite`: what a non-finite loss or gradient norm does (algorithms/non_finite.py).
+NON_FINITE_POLICIES = ("stop", "skip")
+
+
 def _choice(value: Any, key: str, choices: tuple[str, ...]) -> None:
     need(value in choices, key, f"must be one of {list(choices)}, got {value!r}")
 
@@ -174,6 +178,8 @@ def _check_trainer(t: Any, world_size: int) -> None:
     """`trainer.*` outside the loop: precision, logging, time limit, and the launched devices."""
     canonical_precision(t.precision)
     need(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", "must be >= 1")
+    need(t.distributed_timeout_minutes > 0, "trainer.distributed_timeout_minutes", "must be > 0")
+    _choice(t.non_finite, "trainer.non_finite", NON_FINITE_POLICIES)
     if t.max_time:
         try:
             parse_max_time(t.max_time)

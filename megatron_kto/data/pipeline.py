@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,10 @@ class Split:
     entries chosen over the global batch (`data.kl_pairs`)."""
     pin_memory: bool = False
     """Batches come in pinned host memory (CUDA runs: asynchronous host->device copies)."""
+    paths: list[Path] = field(default_factory=list)
+    """The split's data files, in dataset order (`provenance.row_sources` names rows by them)."""
+    kind: str = "kto"
+    """'kto' or 'dpo' (how the files' rows become examples)."""
 
     @property
     def num_global_batches(self) -> int:
@@ -203,4 +207,6 @@ def build_split(
         num_workers=d.num_workers,
         kl_prompt_keys=keys,
         pin_memory=runtime.device.type == "cuda",
+        paths=paths,
+        kind=algorithm,
     )

@@ -5,7 +5,9 @@ Only rank 0 writes; on every other rank the logger is a no-op, so callers need n
 ``metrics.jsonl`` holds one JSON object per :meth:`MetricsLogger.log` call, starting with
 ``"split"``, ``"step"`` and ``"consumed_samples"``. Each line is flushed as it is written, so a
 crash keeps everything logged before it. Non-finite values (a NaN loss) are written as ``null``
-because strict JSON has no NaN; TensorBoard and W&B still get the raw value.
+because strict JSON has no NaN; TensorBoard and W&B still get the raw value. Training rows
+never carry one: `trainer.non_finite` stops the run or leaves the step out of the row
+(`algorithms/non_finite.py`); non-finite validation metrics come with a warning line.
 
 On resume, call :meth:`MetricsLogger.truncate_after` with the restored step before logging
 again: it drops the lines of steps the previous run logged after its last checkpoint (they will

@@ -143,7 +143,7 @@ def init_runtime(
     virtual_pipeline_parallel_size: int | None = None,
     seed: int = 1234,
     device: str = "auto",
-    timeout_minutes: int = 30,
+    timeout_minutes: float = 30.0,
     expert_parallel_size: int = 1,
     context_parallel_size: int = 1,
     expert_tensor_parallel_size: int | None = None,
@@ -160,7 +160,8 @@ def init_runtime(
         virtual_pipeline_parallel_size: model chunks per pipeline rank (interleaved 1F1B), or None.
         seed: base random seed.
         device: "auto" (CUDA if available), "cuda" or "cpu".
-        timeout_minutes: collective timeout.
+        timeout_minutes: collective timeout of the default group and of megatron's groups
+            (`trainer.distributed_timeout_minutes`).
         expert_parallel_size: EP degree of MoE layers (ranks within the data-parallel group
             that split each layer's experts); 1 for dense models.
         context_parallel_size: CP degree (ranks each row is split over along the sequence).
@@ -215,6 +216,7 @@ def init_runtime(
         expert_model_parallel_size=expert_parallel_size,
         context_parallel_size=context_parallel_size,
         expert_tensor_parallel_size=expert_tensor_parallel_size,
+        distributed_timeout_minutes=timeout_minutes,
     )
     set_seed(seed)
     return Runtime(
