@@ -222,7 +222,11 @@ class DPOTrainer:
         batch[REF_CHOSEN], batch[REF_REJECTED] = ref.chunk(2)
 
     def reference_logps(self, batch: Batch) -> torch.Tensor:
-        """The reference log-probs attached to `batch`, in `forward_logprobs`' row order."""
+        """The reference log-probs attached to `batch`, in `forward_logprobs`' row order; a
+        reference-free objective has none: zeros, one per row (finite, so they flag nothing)."""
+        if not self._needs_reference:
+            chosen = batch["chosen"]
+            return torch.zeros(2 * chosen.shape[0], device=chosen.device)
         return torch.cat([batch[REF_CHOSEN], batch[REF_REJECTED]])
 
     def step_cost(self, batch: Batch) -> tuple[float, float]:
