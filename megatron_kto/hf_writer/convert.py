@@ -15,11 +15,12 @@ sharded state dict views (the SwiGLU fc1 gate/up halves): measured on a 237M-par
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,28 @@ def _finish(tmp: Path, out_dir: Path) -> None:
     tmp.rename(out_dir)
 
 
+@contextlib.contextmanager
+def staged_output(out_dir: Path) -> Iterator[Path]:
+    """A directory to write `out_dir` into (`<out_dir>.tmp`): renamed to `out_dir` when the
+    block ends cleanly, removed when it raises; the single-process runtime the block may have
+    started is torn down either way.
+
+    Raises:
+        ConversionError: `out_dir` exists and is not empty (before the block runs).
+    """
+    tmp = _prepare_out(out_dir)
+    try:
+        yield tmp
+        _finish(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        from megatron_kto.runtime.distributed import teardown  # megatron-core only if run
+
+        teardown()
+
+
 def copy_tokenizer(src: Path | None, dst: Path) -> list[str]:
     copied = []
     for name in TOKENIZER_FILES if src is not None else ():
@@ -114,12 +137,10 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     config, arch = read_hf_architecture(hf_dir)  # the vocabulary padded as hf_dir pads it
     weights = HFWeights(hf_dir)
-    tmp = _prepare_out(out_dir)
     # Input is validated above; megatron-core is imported only now, so bad input fails fast.
     from megatron_kto.checkpointing.model_io import save_model
-    from megatron_kto.runtime import teardown
 
-    try:
+    with staged_output(out_dir) as tmp:
         model = _single_process_model(arch, dtype)
         params = dict(model.named_parameters())
         used: set[str] = set()
@@ -157,12 +178,6 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -
         save_model(tmp, [model], arch)
         (tmp / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         copy_tokenizer(hf_dir, tmp)
-        _finish(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        teardown()
     return arch
 
 
@@ -250,7 +265,6 @@ def export_hf(
     from megatron_kto.checkpointing import files
     from megatron_kto.checkpointing.model_io import load_model, read_architecture
     from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir
-    from megatron_kto.runtime import teardown
 
     ckpt = Path(ckpt)
     if ckpt.is_file() and ckpt.name == files.LATEST:  # the marker names the checkpoint to take
@@ -261,8 +275,7 @@ def export_hf(
     base = _read_json(source_config(source), "source config") if source else None
     config, model_type, dtype = export_config(arch, base, model_type, dtype)
     out_dir = Path(out_dir)
-    tmp = _prepare_out(out_dir)
-    try:
+    with staged_output(out_dir) as tmp:
         # A bf16 export loads straight into a bf16 model (half the host memory); the cast on
         # load rounds exactly as `Tensor.to(torch.bfloat16)` would.
         half = half_model and dtype == "bfloat16"
@@ -282,10 +295,4 @@ def export_hf(
         )
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         copy_tokenizer(ckpt_dir if (ckpt_dir / "tokenizer_config.json").exists() else source, tmp)
-        _finish(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        teardown()
     return ckpt_dir

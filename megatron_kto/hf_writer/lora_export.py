@@ -12,7 +12,6 @@ the base checks against the fingerprint the run took of it (`checkpoint.build_lo
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +77,7 @@ def export_adapter(ckpt: str | Path, out_dir: str | Path) -> Path:
     from megatron_kto.checkpointing.errors import CheckpointError
     from megatron_kto.checkpointing.locate import resolve_pretrained_dir
     from megatron_kto.checkpointing.model_io import read_architecture
-    from megatron_kto.hf_writer.convert import _finish, _prepare_out
+    from megatron_kto.hf_writer.convert import staged_output
     from megatron_kto.peft.checkpoint import (
         BASE_FILE,
         read_trained_adapters,
@@ -87,7 +86,7 @@ def export_adapter(ckpt: str | Path, out_dir: str | Path) -> Path:
     )
     from megatron_kto.peft.hf_peft import expected_keys, hf_key, write_adapter_files
     from megatron_kto.peft.settings import lora_settings
-    from megatron_kto.runtime.distributed import init_runtime, teardown
+    from megatron_kto.runtime.distributed import init_runtime
 
     ckpt_dir = resolve_pretrained_dir(ckpt)
     cfg = run_config(ckpt_dir)
@@ -97,8 +96,7 @@ def export_adapter(ckpt: str | Path, out_dir: str | Path) -> Path:
     settings = lora_settings(cfg.model)
     base = json.loads((ckpt_dir / BASE_FILE).read_text())["restore_from_path"]
     out_dir = Path(out_dir)
-    tmp = _prepare_out(out_dir)
-    try:
+    with staged_output(out_dir) as tmp:
         init_runtime(1, 1, seed=0)  # megatron-core's checkpoint reader needs a process group
         tensors = {
             hf_key(*trained_adapter_key(key)): tensor.float().contiguous()  # type: ignore[misc]
@@ -112,10 +110,4 @@ def export_adapter(ckpt: str | Path, out_dir: str | Path) -> Path:
                 f"(missing {missing[:2]}, unexpected {extra[:2]})"
             )
         write_adapter_files(tmp, tensors, settings, arch, base_model=str(base) if base else None)
-        _finish(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        teardown()
     return ckpt_dir
