@@ -13,13 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import OmegaConf
 
 from megatron_kto.algorithms.dpo import DPOTrainer, TrainerState, resolve_loop
 from megatron_kto.algorithms.errors import NonFiniteError
 from megatron_kto.algorithms.kto import KTOTrainer
-from megatron_kto.algorithms.non_finite import NonFiniteStep
+from megatron_kto.algorithms.non_finite import NonFiniteStep, stop_message
 from megatron_kto.algorithms.reference_strategies import (
     ReferenceStrategy,
     TrainingInputs,
@@ -40,8 +39,9 @@ from megatron_kto.models.dpo_model import MegatronGPTDPOModel
 from megatron_kto.models.kto_model import MegatronGPTKTOModel
 from megatron_kto.models.loss_settings import loss_settings
 from megatron_kto.models.training_setup import build_optimizer, build_scheduler, wrap_ddp
-from megatron_kto.peft.settings import lora_settings, reference_includes_starting_adapter, uses_lora
-from megatron_kto.peft.wiring import apply_lora, freeze_starting_adapter_copy, parameter_counts
+from megatron_kto.peft.run_adapters import add_adapters, base_record_of_run, reference_words
+from megatron_kto.peft.settings import uses_lora
+from megatron_kto.peft.wiring import parameter_counts
 from megatron_kto.planning.memory import startup_lines
 from megatron_kto.prepare import prepare_run_config
 from megatron_kto.runtime.distributed import init_runtime, teardown
@@ -100,7 +100,7 @@ def _build_policy(
         )
     lora = uses_lora(m)
     if lora:  # after the base weights are in, before DDP: only adapters get grad buffers
-        _add_adapters(cfg, arch, chunks, runtime, reference.name != NO_REFERENCE)
+        add_adapters(cfg, arch, chunks, runtime.is_rank0, reference.name != NO_REFERENCE)
     reference.before_ddp(chunks, lambda: build_gpt_chunks(arch, layout, runtime.device))
     chunks = wrap_ddp(
         chunks,
@@ -115,57 +115,11 @@ def _build_policy(
             runtime.is_rank0,
             f"LoRA: {trainable:,} trainable of {total:,} parameters "
             f"({100 * trainable / total:.3f}%); reference = "
-            f"{_lora_reference_words(m, reference.name != NO_REFERENCE)}",
+            f"{reference_words(m, reference.name != NO_REFERENCE)}",
         )
     settings = loss_settings(cfg, algorithm, arch.vocab_size)
     model_cls = MegatronGPTKTOModel if algorithm == "kto" else MegatronGPTDPOModel
     return model_cls(chunks, reference_policy, settings)
-
-
-def _add_adapters(
-    cfg: Any, arch, chunks: list[torch.nn.Module], runtime, has_reference: bool
-) -> None:
-    """LoRA adapters on the chunks (base frozen), starting from `model.peft.restore_from_path`
-    (a Hugging Face PEFT adapter directory) when given; `has_reference`: False for a
-    reference-free objective (no frozen copy of the starting adapter is kept)."""
-    from megatron_kto.peft import hf_peft
-
-    settings = lora_settings(cfg.model)
-    try:
-        apply_lora(chunks, arch, settings)
-    except ValueError as e:
-        raise ConfigError(f"model.peft.lora_tuning: {e}") from e
-    path = cfg.model.peft.restore_from_path
-    if path:
-        where = f"model.peft.restore_from_path={path}"
-        try:
-            config, tensors = hf_peft.read_adapter(resolve_path(path))
-            hf_peft.check_matches(config, settings, arch, where)
-            hf_peft.load_adapter(chunks, tensors, hf_peft.expected_keys(settings, arch), where)
-        except (ValueError, OSError) as e:
-            raise ConfigError(str(e) if where in str(e) else f"{where}: {e}") from e
-        _say(runtime.is_rank0, f"LoRA: starting adapter loaded from {path}")
-    if has_reference and reference_includes_starting_adapter(cfg.model):
-        # KTO/DPO's reference is the starting policy: keep the starting adapter, frozen.
-        freeze_starting_adapter_copy(chunks)
-
-
-def _lora_reference_words(model_cfg: Any, has_reference: bool = True) -> str:
-    """What a LoRA run's reference policy is, for the start-up log."""
-    if not has_reference:
-        return "none (reference-free loss type)"
-    if reference_includes_starting_adapter(model_cfg):
-        return "the base model + a frozen copy of the starting adapter"
-    return "the base model (adapters off)"
-
-
-def _lora_base(cfg: Any, chunks: list[torch.nn.Module]) -> dict[str, Any] | None:
-    """A LoRA run's base record for its (adapter-only) checkpoints; None without LoRA."""
-    if not uses_lora(cfg.model):
-        return None
-    from megatron_kto.peft.checkpoint import base_fingerprint, base_record
-
-    return base_record(cfg.pretrained_checkpoint.restore_from_path, base_fingerprint(chunks))
 
 
 def _bucket_size(bucket_cap_mb: float | None) -> int | None:
@@ -265,7 +219,7 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
                 final = trainer.fit()
             except NonFiniteStep as e:
                 logger.close()
-                raise NonFiniteError(_non_finite_message(e, log_dir)) from None
+                raise NonFiniteError(stop_message(e, log_dir)) from None
             logger.close()
             _say(
                 runtime.is_rank0,
@@ -274,24 +228,6 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
             return final
         finally:
             teardown()
-
-
-def _non_finite_message(error: NonFiniteStep, log_dir: Path) -> str:
-    """The one line a stopped non-finite step prints: the step, the quantities, the rows, the
-    checkpoint still good and what to do."""
-    from megatron_kto.checkpointing.files import read_latest
-
-    root = log_dir / "checkpoints"
-    name, _ = read_latest(root)
-    kept = (
-        f"the last good checkpoint, {root / name}, is untouched and a rerun resumes from it"
-        if name
-        else "no checkpoint was saved before it"
-    )
-    return (
-        f"{error.describe()}; stopped (trainer.non_finite=stop): {kept}; check those rows and "
-        f"the weights, or set trainer.non_finite=skip to skip such steps"
-    )
 
 
 def _prepare(cfg: Any, algorithm: str) -> tuple[Any, Any]:
@@ -410,7 +346,7 @@ def _restore(run: _Run, model, optimization, reference: ReferenceStrategy):
     manager = CheckpointManager(
         run.log_dir / "checkpoints",
         keep_last=e.checkpoint_callback_params.save_top_k,
-        lora_base=_lora_base(run.cfg, model.chunks),
+        lora_base=base_record_of_run(run.cfg, model.chunks),
     )
     restored = manager.load_latest(model.chunks, *optimization) if e.resume_if_exists else None
     if restored is None:

@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+
+from megatron_kto.checkpointing.files import read_latest
 
 #: Names of the rank-dependent quantities `agreed_flags` checks, in order.
 REFERENCE = "reference log-probs"
@@ -129,3 +132,19 @@ class NonFiniteStep(Exception):
             shown += f" and {more} more"
         which = "the step's rows (none alone non-finite)" if self.all_rows else "rows"
         return f"{self}; {which}: {shown}"
+
+
+def stop_message(error: NonFiniteStep, log_dir: Path) -> str:
+    """The one line a stopped non-finite step prints: the step, the quantities, the rows, the
+    checkpoint still good and what to do."""
+    root = log_dir / "checkpoints"
+    name, _ = read_latest(root)
+    kept = (
+        f"the last good checkpoint, {root / name}, is untouched and a rerun resumes from it"
+        if name
+        else "no checkpoint was saved before it"
+    )
+    return (
+        f"{error.describe()}; stopped (trainer.non_finite=stop): {kept}; check those rows and "
+        f"the weights, or set trainer.non_finite=skip to skip such steps"
+    )
