@@ -132,11 +132,11 @@ def check_initialisation_reproducible(cfg: Any, ckpt_dir: Path | None) -> None:
         )
 
 
-class CPUSwap:
-    """`cpu_swap`: a host copy of the initial weights, swapped into the policy chunks for each
-    reference pass (`models.reference.CPUSwapReference`)."""
-
-    name = "cpu_swap"
+class _InitialWeightsReference:
+    """Shared steps of the strategies whose reference is the run's initial weights, rebuilt on a
+    resume (cpu_swap, separate, adapters_off): batches need no example index, nothing runs
+    before DDP or before training unless a strategy says so, and a resume must rebuild the same
+    initial weights. Each strategy states only the steps where it differs."""
 
     def __init__(self, cfg: Any, algorithm: str):
         self._cfg = cfg
@@ -147,10 +147,6 @@ class CPUSwap:
     def before_ddp(self, policy_chunks: Chunks, build_chunks: Callable[[], Chunks]) -> None:
         pass
 
-    def after_ddp(self, policy_chunks: Chunks) -> ReferencePolicy | None:
-        # After DDP: the host copy is taken from the wrapped chunks' (final) parameter storage.
-        return CPUSwapReference(policy_chunks)
-
     def before_training(self, model: Any, inputs: TrainingInputs) -> None:
         pass
 
@@ -158,18 +154,26 @@ class CPUSwap:
         check_initialisation_reproducible(self._cfg, ckpt_dir)
 
 
-class Separate:
+class CPUSwap(_InitialWeightsReference):
+    """`cpu_swap`: a host copy of the initial weights, swapped into the policy chunks for each
+    reference pass (`models.reference.CPUSwapReference`)."""
+
+    name = "cpu_swap"
+
+    def after_ddp(self, policy_chunks: Chunks) -> ReferencePolicy | None:
+        # After DDP: the host copy is taken from the wrapped chunks' (final) parameter storage.
+        return CPUSwapReference(policy_chunks)
+
+
+class Separate(_InitialWeightsReference):
     """`separate`: a frozen second set of chunks on the device, a copy of the initial policy
     (`models.reference.SeparateReference`)."""
 
     name = "separate"
 
     def __init__(self, cfg: Any, algorithm: str):
-        self._cfg = cfg
+        super().__init__(cfg, algorithm)
         self._reference: SeparateReference | None = None
-
-    def index_offset(self, first_example: int) -> int | None:
-        return None
 
     def before_ddp(self, policy_chunks: Chunks, build_chunks: Callable[[], Chunks]) -> None:
         # Before DDP: the copy is a plain model that never gets gradient buffers.
@@ -180,37 +184,16 @@ class Separate:
     def after_ddp(self, policy_chunks: Chunks) -> ReferencePolicy | None:
         return self._reference
 
-    def before_training(self, model: Any, inputs: TrainingInputs) -> None:
-        pass
 
-    def check_resume(self, ckpt_dir: Path | None) -> None:
-        check_initialisation_reproducible(self._cfg, ckpt_dir)
-
-
-class AdaptersOff:
+class AdaptersOff(_InitialWeightsReference):
     """`adapters_off` (LoRA): the policy chunks themselves with the adapters off, or switched to
-    the frozen starting adapter (`peft.reference.AdaptersOffReference`)."""
+    the frozen starting adapter (`peft.reference.AdaptersOffReference`); the base weights are the
+    reference, rebuilt on a resume like any initial weights."""
 
     name = "adapters_off"
 
-    def __init__(self, cfg: Any, algorithm: str):
-        self._cfg = cfg
-
-    def index_offset(self, first_example: int) -> int | None:
-        return None
-
-    def before_ddp(self, policy_chunks: Chunks, build_chunks: Callable[[], Chunks]) -> None:
-        pass
-
     def after_ddp(self, policy_chunks: Chunks) -> ReferencePolicy | None:
         return AdaptersOffReference(policy_chunks)
-
-    def before_training(self, model: Any, inputs: TrainingInputs) -> None:
-        pass
-
-    def check_resume(self, ckpt_dir: Path | None) -> None:
-        # The base weights are the reference: rebuilt like any initial weights.
-        check_initialisation_reproducible(self._cfg, ckpt_dir)
 
 
 class Precomputed:
