@@ -22,7 +22,7 @@ import pytest
 import torch
 from e2e_cli import QUIET, REPO, read_metrics, run_script
 from hf_tiny import make_hf_chat_model
-from trl_harness import dpo_args, in_order_trainer, paired_dataset
+from trl_harness import dpo_args, in_order_trainer, paired_dataset, trl_optimizer_overrides
 
 pytestmark = pytest.mark.e2e
 trl = pytest.importorskip("trl")
@@ -121,12 +121,7 @@ def _ours(root: Path, name: str):
             f"model.global_batch_size={BATCH}",
             f"model.micro_batch_size={MICRO}",
             f"model.dpo.ref_policy_kl_penalty={BETA}",
-            "model.optim.sched.name=Constant",
-            "model.optim.sched.warmup_steps=0",
-            f"model.optim.lr={LR}",
-            f"model.optim.eps={EPS}",
-            "model.optim.betas=[0.9,0.999]",
-            "model.optim.weight_decay=0.0",
+            *trl_optimizer_overrides(LR, EPS),
             *(_override(k, v) for k, v in CASES[name].items()),
         ],
         timeout=600,

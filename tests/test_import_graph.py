@@ -19,6 +19,7 @@ import import_graph  # noqa: E402
 
 PACKAGE_DIR = REPO / "megatron_kto"
 
+
 @pytest.fixture(scope="module")
 def report() -> import_graph.Report:
     return import_graph.analyse(PACKAGE_DIR)

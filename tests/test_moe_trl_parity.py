@@ -26,7 +26,7 @@ import pytest
 import torch
 from e2e_cli import KTO_SCRIPT, QUIET, REPO, read_metrics, run_script
 from hf_tiny import make_hf_qwen3_moe, write_kto_rows
-from trl_harness import in_order_trainer, kl_aligned_dataset, kto_args
+from trl_harness import in_order_trainer, kl_aligned_dataset, kto_args, trl_optimizer_overrides
 
 pytestmark = pytest.mark.e2e
 trl = pytest.importorskip("trl")
@@ -76,12 +76,7 @@ def _ours(root: Path, name: str, pack: bool) -> tuple[list[dict], dict[str, torc
             f"model.global_batch_size={BATCH}",
             f"model.micro_batch_size={BATCH}",
             f"model.kto.ref_policy_kl_penalty={BETA}",
-            "model.optim.sched.name=Constant",
-            "model.optim.sched.warmup_steps=0",
-            f"model.optim.lr={LR}",
-            f"model.optim.eps={EPS}",
-            "model.optim.betas=[0.9,0.999]",
-            "model.optim.weight_decay=0.0",
+            *trl_optimizer_overrides(LR, EPS),
         ],
         timeout=900,
     )

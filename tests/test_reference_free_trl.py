@@ -22,6 +22,7 @@ import types
 import pytest
 import torch
 from e2e_cli import QUIET, REPO, TOKENIZER, read_metrics, run_script
+from trl_harness import trl_optimizer_overrides
 
 pytestmark = pytest.mark.e2e
 trl = pytest.importorskip("trl")
@@ -75,12 +76,7 @@ def _ours(root, loss_type: str) -> list[dict]:
             f"model.dpo.loss_type={loss_type}",
             f"model.dpo.ref_policy_kl_penalty={BETA}",
             f"model.dpo.simpo_gamma={GAMMA}",
-            "model.optim.sched.name=Constant",
-            "model.optim.sched.warmup_steps=0",
-            f"model.optim.lr={LR}",
-            f"model.optim.eps={EPS}",
-            "model.optim.betas=[0.9,0.999]",
-            "model.optim.weight_decay=0.0",
+            *trl_optimizer_overrides(LR, EPS),
         ],
         timeout=600,
     )

@@ -102,3 +102,16 @@ def _common_args(output_dir, batch, steps, lr, eps, clip, beta) -> dict:
         disable_tqdm=True,
         dataloader_drop_last=True,
     )
+
+
+def trl_optimizer_overrides(lr: float, eps: float) -> list[str]:
+    """Our optimizer keys set as `_common_args` sets TRL's: a constant learning rate with no
+    warm-up, Adam betas (0.9, 0.999), `eps`, no weight decay."""
+    return [
+        "model.optim.sched.name=Constant",
+        "model.optim.sched.warmup_steps=0",
+        f"model.optim.lr={lr}",
+        f"model.optim.eps={eps}",
+        "model.optim.betas=[0.9,0.999]",
+        "model.optim.weight_decay=0.0",
+    ]
