@@ -233,6 +233,40 @@ def test_native_gqa_equals_expanded_kv(runtime, monkeypatch, masked):
     assert all((x - y).abs().max() <= 1e-6 for x, y in zip(ga, gb))
 
 
+def test_cuda_calls_leave_cudnn_attention_out():
+    """On CUDA our SDPA calls choose among flash, memory-efficient and math only: cuDNN's kernel
+    gave wrong gradients for them on an H200 (`CUDA_SDPA_BACKENDS`); elsewhere torch chooses."""
+    from torch.nn.attention import SDPBackend
+
+    allowed = attention_module.sdpa_backends(torch.device("cuda", 0))
+    assert SDPBackend.CUDNN_ATTENTION not in allowed
+    assert allowed == [
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ]
+    assert attention_module.sdpa_backends(torch.device("cpu")) is None
+
+
+def test_the_allowed_backends_bind_every_sdpa_call(runtime, monkeypatch):
+    """The list `sdpa_backends` returns is what SDPA may use: restricted to a kernel the CPU does
+    not have, the module's call fails; restricted to the math kernel, it equals torch's choice."""
+    from torch.nn.attention import SDPBackend
+
+    seq, batch, dim, heads, groups = 12, 2, 8, 4, 2
+    sdpa, _, _ = _attention_pair(heads, groups)
+    q, k, v = _qkv(seq, batch, heads, groups, dim)
+    with torch.no_grad():
+        free = sdpa(q, k, v, None)
+        monkeypatch.setattr(attention_module, "sdpa_backends", lambda d: [SDPBackend.MATH])
+        assert (sdpa(q, k, v, None) - free).abs().max() <= 1e-6
+        monkeypatch.setattr(
+            attention_module, "sdpa_backends", lambda d: [SDPBackend.EFFICIENT_ATTENTION]
+        )
+        with pytest.raises(RuntimeError, match="backend"):
+            sdpa(q, k, v, None)
+
+
 def test_attention_dropout_is_seeded_and_off_in_eval(runtime):
     """Dropout on the probabilities is drawn from megatron's tensor-parallel RNG stream: the
     same seed repeats the masks exactly, another seed changes them, eval mode disables them."""
