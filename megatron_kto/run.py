@@ -32,6 +32,7 @@ from megatron_kto.data.tokenizers import load_tokenizer
 from megatron_kto.hf_writer.output import hf_output_of_run
 from megatron_kto.logging.metrics_logger import MetricsLogger
 from megatron_kto.logging.progress import ProgressReporter
+from megatron_kto.logging.startup import StartupClock
 from megatron_kto.logging.throughput import architecture_flops, peak_flops_per_device
 from megatron_kto.losses.dpo_types import NO_REFERENCE
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
@@ -184,7 +185,9 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
 
     # megatron-core logs its DDP/optimizer configs at INFO on every rank; keep warnings and up.
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
+    clock = StartupClock()
     cfg, arch = _prepare(cfg, algorithm)
+    clock.lap("config")
     max_time = _parse_max_time(cfg.trainer.max_time)
     log_dir = Path(cfg.exp_manager.explicit_log_dir)
     # Installed before anything slow (rendezvous, data, model, checkpoint load): a preemption
@@ -192,20 +195,26 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
     # checkpoint it resumed from is still the latest) instead of killing it.
     with PreemptionHandler() as preemption:
         runtime = _init_runtime(cfg.model, cfg.trainer.distributed_timeout_minutes)
+        clock.lap("distributed set-up")
         try:
             run = _Run(cfg, algorithm, arch, runtime, _layout(cfg), log_dir)
             reference = choose_reference(cfg, algorithm)
             train, val = _build_data(run, reference)
+            clock.lap("data")
             _say_memory_plan(run)
             model = _build_policy(cfg, algorithm, arch, run.layout, runtime, reference)
+            clock.lap("model")
             loop = _resolve_loop(run, train, val, max_time)
             splits = [s for s in (train, val) if s is not None]
             reference.before_training(model, TrainingInputs(splits, arch, runtime, log_dir, loop))
+            clock.lap("reference")
             _note_warmup(run, loop)
             optimization = _build_optimization(
                 cfg, algorithm, model.chunks, loop, run.layout.precision
             )
             manager, state = _restore(run, model, optimization, reference)
+            clock.lap("optimizer and restore")
+            _say(runtime.is_rank0, clock.line())
             trainer, logger = _build_trainer(
                 run,
                 model,

@@ -11,6 +11,7 @@ checks SKIP with their reason.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -163,9 +164,36 @@ def test_a_check_over_its_budget_is_stopped_and_fails(tmp_path, capsys, monkeypa
     assert re.search(r"^FAIL slow \(\d s of 2 s\): -c: ran over the check's budget", out, re.M)
 
 
-def test_the_one_gpu_budgets_fit_eight_minutes() -> None:
-    """The header's promise: the checks that run on one GPU fit 8 minutes with time to spare;
-    every check has a budget."""
+def test_the_one_gpu_budgets_fit_one_ten_minute_call() -> None:
+    """The header's promise: the checks that run on one GPU without TE (a lent machine) fit one
+    10-minute call with time to install; every check has a budget."""
     assert set(ac.BUDGETS) == set(ac.CHECKS)
-    two_gpu = {"moe_pp", "context_parallel", "pipeline"}
-    assert sum(v for k, v in ac.BUDGETS.items() if k not in two_gpu) <= 455
+    elsewhere = {"moe_pp", "context_parallel", "pipeline", "attention_te", "te_local_checkpoint"}
+    assert sum(v for k, v in ac.BUDGETS.items() if k not in elsewhere) <= 555
+
+
+@pytest.mark.parametrize(
+    ("bf16", "verdict"), [(0.2681, "PASS"), (17.26, "FAIL")], ids=["measured_fix", "cudnn"]
+)
+def test_the_sdpa_check_compares_bf16_gradients_with_fp32(
+    tmp_path, capsys, monkeypatch, bf16, verdict
+):
+    """The SDPA check's bf16 step-1 gradient norm against the fp32 quick start's (H200 figures:
+    0.2681 with cuDNN attention excluded, 17.26 with it, fp32 0.2684)."""
+    ctx = ac.Context(tmp_path, cuda=True, gpus=1, transformer_engine=False, steps=2, timeout=60)
+    for name, norm in (("quickstart", 0.2684), ("attention_sdpa", bf16)):
+        (tmp_path / name).mkdir()
+        row = {"split": "train", "step": 1, "grad_norm": norm}
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    ctx.runs["quickstart"] = tmp_path / "quickstart"
+
+    def trained(ctx, name, overrides, nproc=1, saves=1):
+        assert "trainer.precision=bf16" in overrides
+        ctx.runs[name] = tmp_path / name
+        return "figures"
+
+    monkeypatch.setattr(ac, "train", trained)
+    results = ac.run_checks(ctx, ["attention_sdpa"], gpu_required=False)
+    assert results[0][1] == verdict
+    if verdict == "FAIL":
+        assert "step-1 gradient norm 17.26 vs the fp32 quick start's 0.2684" in results[0][2]

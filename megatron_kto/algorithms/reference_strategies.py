@@ -268,7 +268,7 @@ class Precomputed:
             "architecture": inputs.architecture.to_dict(),
             "settings": repr(model.settings),
         }
-        if reference_includes_starting_adapter(cfg.model):  # the reference includes the starting adapter
+        if reference_includes_starting_adapter(cfg.model):
             path = cfg.model.peft.restore_from_path
             fingerprint["reference_adapter"] = (
                 content_hash(resolve_path(path)) if path else repr(cfg.model.peft.lora_tuning)
