@@ -151,6 +151,12 @@ def test_readme_gpu_command_trains_a_hugging_face_gqa_model(results):
     assert "done: step 2, consumed 16 samples" in stdout0
     assert "note: trainer.precision=bf16 on a CPU" in stdout0  # said once, by rank 0
     assert stdout0.count("note: trainer.precision=bf16") == 1 and "note:" not in stdout1
+    # Where start-up time went, once, by rank 0, before the first step.
+    startup = re.search(
+        r"^start-up \d+\.\d s: imports .*, optimizer and restore \d+\.\d s$", stdout0, re.M
+    )
+    assert startup and "start-up" not in stdout1
+    assert startup.start() < stdout0.index("[train] step 1/")
     assert stderr0.strip() == "" and stderr1.strip() == ""
     for text in (stdout0, stdout1):
         _clean(text)
