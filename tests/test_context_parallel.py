@@ -8,6 +8,9 @@ reference pass (forward-only), the policy's KL pass (z₀), the training pass (f
 megatron's gradient reduction over the data- and context-parallel ranks). Rows are 3..16 tokens,
 mostly not multiples of 2·CP (× TP under SP), so every row is padded before the split.
 
+The CP=2 × PP=2 pair's model has sliding windows (5 tokens, layers 1 and 4 of 4: each pipeline
+stage holds a windowed and a full layer), so windows under the 2·CP split are checked there.
+
 Per-row reference log-probs (gathered over DP), every metric (z₀ and the loss included) and
 every gradient this rank holds must agree to 1e-5 (gradients relative to each tensor's largest
 entry). The CP=1 runs are the independent reference: they never split a row (`SDPAttention`'s
@@ -61,7 +64,9 @@ def _chunks(rt, tp: int, pp: int, cp: int, sp: bool):
         sequence_parallel=sp,
         attention_backend="sdpa",
     )
-    arch = tiny_arch(vocab_size=VOCAB)
+    # The PP=2 pair (both of its layouts) runs a model with sliding windows (module docstring).
+    windows = dict(sliding_window=5, window_layers=[1, 0, 0, 1]) if pp == 2 else {}
+    arch = tiny_arch(vocab_size=VOCAB, **windows)
     policy = build_gpt_chunks(arch, layout, rt.device)
     reference = build_gpt_chunks(arch, layout, rt.device)
     g = torch.Generator().manual_seed(100 + rt.pipeline_parallel_rank)

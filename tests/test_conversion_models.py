@@ -1,8 +1,9 @@
 """Hugging Face <-> megatron_kto conversion, checked against `transformers` itself.
 
 Tiny random `transformers` models — Llama with GQA and Llama-3 RoPE scaling, Mistral (one KV
-head), Qwen2 with qkv biases and tied embeddings; vocabulary 100, so the megatron embedding is
-padded — are saved with `save_pretrained`, imported and exported. Shown here:
+head, a sliding window of 8 in every layer), Qwen2 with qkv biases, tied embeddings and a
+window of 6 in its second layer only (`layer_types`); rows of 24 tokens, longer than the
+windows; vocabulary 100, so the megatron embedding is padded — are saved with `save_pretrained`, imported and exported. Shown here:
 
 * the converted model's full logits (TP=1; TP=2 gathered; PP=2 from the last stage) and its
   per-token log-probs through megatron-core's schedule equal `transformers`' to 1e-4;
@@ -63,8 +64,15 @@ def _hf_configs() -> dict[str, object]:
             # above the scaling's original_max_position_embeddings, as in real Llama-3.1 configs
             **{**common, "max_position_embeddings": 16384},
         ),
-        "mistral": MistralConfig(num_key_value_heads=1, sliding_window=None, **common),
-        "qwen2": Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common),
+        "mistral": MistralConfig(num_key_value_heads=1, sliding_window=8, **common),
+        "qwen2": Qwen2Config(
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=6,
+            layer_types=["full_attention", "sliding_attention"],
+            **common,
+        ),
     }
 
 

@@ -206,12 +206,14 @@ def choose_attention(settings: dict[str, Any]):
     from megatron_kto.runtime.gpu_settings import Accelerator
 
     try:
+        arch = read_architecture(Path(settings["policy"]))
         return choose_attention_backend(
             settings["attention_backend"],
             precision=settings["precision"],
             packed=PACKED_PASSES,
             accelerator=Accelerator.detect(),
-            head_dim=head_dim_of(read_architecture(Path(settings["policy"]))),
+            head_dim=head_dim_of(arch),
+            sliding_window=bool(arch.sliding_window),
             context_parallel_size=settings["context_parallel_size"],
             names=SettingNames("--attention-backend", "--precision", packing=None),
         )

@@ -65,6 +65,12 @@ class GPTArchitecture:
     """Dropout after attention/MLP."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
+    sliding_window: int | None = None
+    """Sliding-window attention: a query sees itself and the `sliding_window - 1` positions
+    before it (HF `sliding_window`); None means full causal attention in every layer."""
+    window_layers: list[int] | None = None
+    """Which layers use `sliding_window`: one 1 (sliding) or 0 (full attention) per layer
+    (megatron-core's `window_attn_skip_freq` list; HF `layer_types`); None means every layer."""
 
     num_moe_experts: int | None = None
     """Routed experts per MoE layer; None means a dense MLP in every layer."""
@@ -89,6 +95,8 @@ class GPTArchitecture:
     def __post_init__(self) -> None:
         if self.moe_layer_freq is not None:  # plain ints (a config gives a ListConfig)
             self.moe_layer_freq = [int(v) for v in self.moe_layer_freq]
+        if self.window_layers is not None:
+            self.window_layers = [int(v) for v in self.window_layers]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form, for checkpoints and JSON."""
@@ -108,6 +116,14 @@ class GPTArchitecture:
         if not self.num_moe_experts:
             return False
         return self.moe_layer_freq is None or bool(self.moe_layer_freq[layer])
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (0-based, global), None for full attention."""
+        if not self.sliding_window:
+            return None
+        if self.window_layers is None or self.window_layers[layer]:
+            return self.sliding_window
+        return None
 
     def has_dense_layers(self) -> bool:
         """An MoE model with some dense-MLP layers (`moe_layer_freq` with a 0)."""

@@ -68,6 +68,7 @@ def attention_choice(cfg: Any, accelerator: Any = None) -> Any:
             packed=m.data.pack_sequences,
             accelerator=accelerator or Accelerator.detect(),
             head_dim=head_dim_of(m),
+            sliding_window=bool(m.sliding_window),
             sequence_parallel=m.sequence_parallel,
             context_parallel_size=m.context_parallel_size,
         )

@@ -61,7 +61,7 @@ def family_of_config(config: dict[str, Any], where: str) -> Family:
 
 def expressing_types(arch: GPTArchitecture) -> list[str]:
     """The model types an architecture exports as, in registration order."""
-    return [t for t, family in families().items() if family.cannot_express(arch) is None]
+    return [t for t, family in families().items() if family.refuses(arch) is None]
 
 
 def default_model_type(arch: GPTArchitecture) -> str:

@@ -101,6 +101,12 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         add_bias_linear=arch.add_bias_linear,
         add_qkv_bias=arch.add_qkv_bias,
         qk_layernorm=arch.qk_layernorm,
+        # Sliding windows as megatron-core states them (TE and our SDPA read the same two
+        # fields): (left, right) keys around each query, and a 1/0 per layer (1 = windowed).
+        window_size=(arch.sliding_window - 1, 0) if arch.sliding_window else None,
+        window_attn_skip_freq=(
+            list(arch.window_layers) if arch.sliding_window and arch.window_layers else None
+        ),
         gated_linear_unit=arch.activation == "swiglu",
         activation_func=_ACTIVATIONS[arch.activation],
         init_method_std=arch.init_method_std,
@@ -165,6 +171,7 @@ def attention_choice(arch: GPTArchitecture, layout: ParallelLayout) -> Attention
             packed=layout.pack_sequences,
             accelerator=accelerator,
             head_dim=head_dim_of(arch),
+            sliding_window=bool(arch.sliding_window),
             sequence_parallel=layout.sequence_parallel,
             context_parallel_size=layout.context_parallel_size,
         )

@@ -31,6 +31,13 @@ run any precision and head dim on CPU and CUDA; `local` cannot keep packed rows 
 context parallelism; `sdpa` has its own (keys and values all-gathered over the CP group,
 `models/cp_attention.py`), for padded and packed micro-batches.
 
+Sliding-window attention (`model.sliding_window`, megatron-core's `window_size`): `sdpa` runs
+it everywhere (band masks, packed rows and context parallelism included); TE takes `window_size`
+in its own attention, but its context parallelism with our `cp_comm_type="p2p"` has no sliding
+window (TE v2.9-v2.12 run windows under CP only with "a2a"/"all_gather"), so windows + CP is
+`sdpa` under `auto` and an error for an explicit `te`; megatron's `local` attention builds its
+window mask on CUDA only and ignores a padding mask with it: refused.
+
 How `auto` decides: TE when it is usable and one of its fused kernels surely exists for the
 configuration (bf16/fp16, head dim a multiple of 8 up to 128); otherwise `sdpa` — in fp32 TE
 would only have its unfused attention, which materialises the [b, h, s, s] scores, where torch's
@@ -204,6 +211,7 @@ def choose_attention_backend(
     head_dim: int,
     context_parallel_size: int = 1,
     sequence_parallel: bool = False,
+    sliding_window: bool = False,
     names: SettingNames = CONFIG_NAMES,
 ) -> AttentionChoice:
     """The attention backend for a configuration on a machine.
@@ -217,6 +225,7 @@ def choose_attention_backend(
         context_parallel_size: CP degree (`model.context_parallel_size`).
         sequence_parallel: megatron sequence parallelism; no backend restricts it (the module
             docstring says why), taken so that callers state the whole layout.
+        sliding_window: some layers attend within a sliding window (`model.sliding_window`).
         names: how messages spell the settings (config keys by default).
 
     Returns:
@@ -244,6 +253,18 @@ def choose_attention_backend(
             f"{names.set(key, 'local')} (megatron's unfused attention) cannot take them: "
             f"{fix} another backend"
         )
+    if request == "local" and sliding_window:
+        raise ValueError(
+            f"{key}: 'local' (megatron's unfused attention) cannot run sliding-window attention "
+            f"(model.sliding_window) here; set {names.set(key, 'sdpa')} (or auto)"
+        )
+    if te is not None and sliding_window and cp > 1:
+        te = _TECapability(
+            False,
+            False,
+            f"Transformer Engine {accelerator.transformer_engine}: its context parallelism "
+            '(cp_comm_type "p2p") has no sliding-window attention',
+        )
     if request in ("sdpa", "local"):
         if cp > 1 and request == "local":
             raise ValueError(
@@ -257,6 +278,11 @@ def choose_attention_backend(
             raise ValueError(
                 f"{key}: 'te' needs Transformer Engine and a CUDA device "
                 f"({_te_missing(accelerator)}); set {names.set(key, 'auto')} or sdpa"
+            )
+        if not te.runs and sliding_window and cp > 1:
+            raise ValueError(
+                f"{key}: 'te' cannot run {what} + sliding-window attention ({te.why_not}); set "
+                f"{names.set(key, 'sdpa')} (or auto), or context parallel size 1"
             )
         if not te.runs:
             raise ValueError(

@@ -34,7 +34,84 @@ class Family:
     layer_mappings: Callable[[GPTArchitecture, dict[str, str]], tuple[Mapping, ...]]
     """The per-layer tensor table of an architecture, given the built model's norm names."""
     cannot_express: Callable[[GPTArchitecture], str | None]
-    """Why an architecture does not export as this type (one phrase), or None when it does."""
+    """Why an architecture does not export as this type (one phrase), or None when it does
+    (windows aside: `refuses` adds them)."""
+    windows: str = "none"
+    """How its config.json states sliding windows (`WINDOW_STYLES`)."""
+
+    def refuses(self, arch: GPTArchitecture) -> str | None:
+        """Why `arch` does not export as this type (one phrase), or None when it does."""
+        return self.cannot_express(arch) or window_mismatch(arch, self.windows)
+
+
+#: How a family's config.json states sliding windows, as its `transformers` model reads them:
+#: "none" — no windows (full causal attention whatever the file says); "uniform" — the
+#: `sliding_window` (unless `use_sliding_window` is false) in every layer (Mistral, Mixtral,
+#: Qwen3-MoE); "per_layer" — in the layers `layer_types` marks "sliding_attention", or from
+#: `max_window_layers` on where `layer_types` is absent (Qwen2, Qwen3, Qwen2-MoE).
+WINDOW_STYLES = ("none", "uniform", "per_layer")
+_LAYER_KINDS = {"sliding_attention": 1, "full_attention": 0}
+
+
+def window_mismatch(arch: GPTArchitecture, style: str) -> str | None:
+    """Why `arch`'s windows cannot be stated in a config.json of `style` (one phrase), or None."""
+    if not arch.sliding_window or style == "per_layer":
+        return None
+    if style == "none":
+        return "the model has sliding-window attention"
+    if arch.window_layers is not None and not all(arch.window_layers):
+        return "the model has full-attention layers between sliding-window layers"
+    return None
+
+
+def hf_windows(config: dict[str, Any], where: str, style: str) -> dict[str, Any]:
+    """The `GPTArchitecture` window fields (`sliding_window`, `window_layers`) of a config.json.
+
+    Raises:
+        ConversionError: a window that is not a positive integer, or `layer_types` that are not
+            one "sliding_attention" / "full_attention" per layer, naming `where` and the key.
+    """
+    window = config.get("sliding_window")
+    if style == "none" or not window or not config.get("use_sliding_window", True):
+        return {"sliding_window": None, "window_layers": None}
+    if not isinstance(window, int) or window < 1:
+        raise ConversionError(f"{where}: sliding_window {window!r}: expected a positive integer")
+    layers = config["num_hidden_layers"]
+    pattern = None
+    if style == "per_layer":
+        kinds = config.get("layer_types")
+        if kinds is None and "max_window_layers" in config:
+            pattern = [int(i >= config["max_window_layers"]) for i in range(layers)]
+        elif kinds is not None:
+            if len(kinds) != layers or not set(kinds) <= set(_LAYER_KINDS):
+                raise ConversionError(
+                    f"{where}: layer_types: expected one of {sorted(_LAYER_KINDS)} per layer "
+                    f"({layers} layers), got {kinds}"
+                )
+            pattern = [_LAYER_KINDS[k] for k in kinds]
+    if pattern is not None and not any(pattern):
+        return {"sliding_window": None, "window_layers": None}
+    if pattern is not None and all(pattern):
+        pattern = None
+    return {"sliding_window": window, "window_layers": pattern}
+
+
+def hf_window_config(arch: GPTArchitecture, config: dict[str, Any], style: str) -> dict[str, Any]:
+    """Writes `arch`'s windows into a config.json of `style` (`sliding_window`, and for
+    "per_layer" `use_sliding_window` and `layer_types`)."""
+    if style == "none":
+        return config
+    config["sliding_window"] = arch.sliding_window
+    if style == "per_layer":
+        config["use_sliding_window"] = bool(arch.sliding_window)
+        if arch.sliding_window or "layer_types" in config:
+            config["layer_types"] = [
+                "sliding_attention" if arch.layer_window(i) else "full_attention"
+                for i in range(arch.num_layers)
+            ]
+    else:
+        config.pop("layer_types", None)
+    return config
 
 
 #: The Llama-3 RoPE scaling megatron-core 0.16 implements (`RotaryEmbedding._apply_scaling`).
