@@ -3,7 +3,10 @@
 Tiny random `transformers` models — Llama with GQA and Llama-3 RoPE scaling, Mistral (one KV
 head, a sliding window of 8 in every layer), Qwen2 with qkv biases, tied embeddings and a
 window of 6 in its second layer only (`layer_types`); rows of 24 tokens, longer than the
-windows; vocabulary 100, so the megatron embedding is padded — are saved with `save_pretrained`, imported and exported. Shown here:
+windows; Gemma 3 (`gemma3_text`: 4 layers alternating sliding window 6 / full attention, a
+local and a global RoPE base with linear scaling on the global layers, head dim 32 != hidden /
+heads, query_pre_attn_scalar 24, (1 + w) pre-, post- and Q/K norms, GeGLU, scaled tied
+embeddings); vocabulary 100, so the megatron embedding is padded — are saved with `save_pretrained`, imported and exported. Shown here:
 
 * the converted model's full logits (TP=1; TP=2 gathered; PP=2 from the last stage) and its
   per-token log-probs through megatron-core's schedule equal `transformers`' to 1e-4;
@@ -32,14 +35,14 @@ REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "convert_checkpoint.py"
 VOCAB, SEQ, BATCH = 100, 24, 4
 TOLERANCE = 1e-4
-MODELS = ("llama3", "mistral", "qwen2")
+MODELS = ("llama3", "mistral", "qwen2", "gemma3")
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
 #: Mistral is exported in shards of at most this many bytes: an index and several files.
 SHARD_BYTES = 100_000
 
 
 def _hf_configs() -> dict[str, object]:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(
         hidden_size=64,
@@ -72,6 +75,21 @@ def _hf_configs() -> dict[str, object]:
             sliding_window=6,
             layer_types=["full_attention", "sliding_attention"],
             **common,
+        ),
+        "gemma3": Gemma3TextConfig(
+            num_key_value_heads=2,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+            pad_token_id=0,
+            bos_token_id=2,
+            eos_token_id=1,
+            **{**common, "num_hidden_layers": 4},
         ),
     }
 

@@ -202,6 +202,7 @@ def choose_attention(settings: dict[str, Any]):
         SettingNames,
         choose_attention_backend,
         head_dim_of,
+        local_layers_only_of,
     )
     from megatron_kto.runtime.gpu_settings import Accelerator
 
@@ -214,6 +215,7 @@ def choose_attention(settings: dict[str, Any]):
             accelerator=Accelerator.detect(),
             head_dim=head_dim_of(arch),
             sliding_window=bool(arch.sliding_window),
+            local_layers_only=local_layers_only_of(arch),
             context_parallel_size=settings["context_parallel_size"],
             names=SettingNames("--attention-backend", "--precision", packing=None),
         )

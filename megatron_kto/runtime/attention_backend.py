@@ -67,6 +67,7 @@ __all__ = [
     "SettingNames",
     "choose_attention_backend",
     "head_dim_of",
+    "local_layers_only_of",
 ]
 
 #: `model.attention_backend` values.
@@ -108,6 +109,14 @@ class AttentionChoice:
 def head_dim_of(model: Any) -> int:
     """Per-head dimension of anything with the GPTArchitecture fields."""
     return model.kv_channels or model.hidden_size // model.num_attention_heads
+
+
+def local_layers_only_of(model: Any) -> bool:
+    """Whether anything with the GPTArchitecture fields has layers only the local spec builds
+    (post-norms, or a RoPE base of its own in sliding-window layers: `models.gemma_layers`)."""
+    return bool(model.post_norms) or (
+        model.rotary_base_local is not None and bool(model.sliding_window)
+    )
 
 
 def _te_version(accelerator: Accelerator) -> Version | None:
@@ -212,6 +221,7 @@ def choose_attention_backend(
     context_parallel_size: int = 1,
     sequence_parallel: bool = False,
     sliding_window: bool = False,
+    local_layers_only: bool = False,
     names: SettingNames = CONFIG_NAMES,
 ) -> AttentionChoice:
     """The attention backend for a configuration on a machine.
@@ -226,6 +236,8 @@ def choose_attention_backend(
         sequence_parallel: megatron sequence parallelism; no backend restricts it (the module
             docstring says why), taken so that callers state the whole layout.
         sliding_window: some layers attend within a sliding window (`model.sliding_window`).
+        local_layers_only: the model's layers exist in the local spec only (Gemma 3's post-norms
+            and per-layer RoPE base, `models.gemma_layers`): never TE.
         names: how messages spell the settings (config keys by default).
 
     Returns:
@@ -258,6 +270,14 @@ def choose_attention_backend(
             f"{key}: 'local' (megatron's unfused attention) cannot run sliding-window attention "
             f"(model.sliding_window) here; set {names.set(key, 'sdpa')} (or auto)"
         )
+    if local_layers_only:
+        if request == "te":
+            raise ValueError(
+                f"{key}: 'te' has no post-norms or per-layer RoPE base (Gemma 3); set "
+                f"{names.set(key, 'sdpa')} (or auto)"
+            )
+        if request == "auto":
+            return AttentionChoice("sdpa", "the model's layers are built on the local spec only")
     if te is not None and sliding_window and cp > 1:
         te = _TECapability(
             False,

@@ -48,14 +48,15 @@ class Family:
 #: "none" — no windows (full causal attention whatever the file says); "uniform" — the
 #: `sliding_window` (unless `use_sliding_window` is false) in every layer (Mistral, Mixtral,
 #: Qwen3-MoE); "per_layer" — in the layers `layer_types` marks "sliding_attention", or from
-#: `max_window_layers` on where `layer_types` is absent (Qwen2, Qwen3, Qwen2-MoE).
-WINDOW_STYLES = ("none", "uniform", "per_layer")
+#: `max_window_layers` on where `layer_types` is absent (Qwen2, Qwen3, Qwen2-MoE); "own" — the
+#: family reads and writes its windows itself (Gemma 3).
+WINDOW_STYLES = ("none", "uniform", "per_layer", "own")
 _LAYER_KINDS = {"sliding_attention": 1, "full_attention": 0}
 
 
 def window_mismatch(arch: GPTArchitecture, style: str) -> str | None:
     """Why `arch`'s windows cannot be stated in a config.json of `style` (one phrase), or None."""
-    if not arch.sliding_window or style == "per_layer":
+    if not arch.sliding_window or style in ("per_layer", "own"):
         return None
     if style == "none":
         return "the model has sliding-window attention"
@@ -71,6 +72,8 @@ def hf_windows(config: dict[str, Any], where: str, style: str) -> dict[str, Any]
         ConversionError: a window that is not a positive integer, or `layer_types` that are not
             one "sliding_attention" / "full_attention" per layer, naming `where` and the key.
     """
+    if style == "own":
+        return {}
     window = config.get("sliding_window")
     if style == "none" or not window or not config.get("use_sliding_window", True):
         return {"sliding_window": None, "window_layers": None}
@@ -99,7 +102,7 @@ def hf_windows(config: dict[str, Any], where: str, style: str) -> dict[str, Any]
 def hf_window_config(arch: GPTArchitecture, config: dict[str, Any], style: str) -> dict[str, Any]:
     """Writes `arch`'s windows into a config.json of `style` (`sliding_window`, and for
     "per_layer" `use_sliding_window` and `layer_types`)."""
-    if style == "none":
+    if style in ("none", "own"):
         return config
     config["sliding_window"] = arch.sliding_window
     if style == "per_layer":
@@ -131,12 +134,26 @@ _FEATURES = {
         lambda a: bool(a.moe_shared_expert_intermediate_size) and a.moe_shared_expert_gate,
     ),
     "dense_layers": ("dense layers between MoE layers", lambda a: a.has_dense_layers()),
+    "gemma": (
+        "Gemma's layers (post-norms, (1 + w) norms, GeGLU, scaled embeddings or scores, "
+        "a local RoPE base)",
+        lambda a: (
+            a.post_norms
+            or a.zero_centered_norms
+            or a.activation == "geglu"
+            or a.embedding_multiplier is not None
+            or a.softmax_scale is not None
+            or a.rotary_base_local is not None
+            or a.rotary_interpolation_factor is not None
+        ),
+    ),
 }
 
 
 def mismatch(arch: GPTArchitecture, **has: bool) -> str | None:
     """Why `arch` differs from a family that has exactly the features `has` (qkv_bias, qk_norm,
-    moe, shared_expert, dense_layers — absent means False): one phrase, or None when it matches."""
+    moe, shared_expert, dense_layers, gemma — absent means False): one phrase, or None when it
+    matches."""
     if arch.moe_shared_expert_intermediate_size and not arch.moe_shared_expert_gate:
         return "the model has an ungated shared expert"
     for key in _FEATURES:
@@ -224,14 +241,14 @@ def dense_hf_config(
     dtype: str,
 ) -> dict[str, Any]:
     """The shared fields of a Llama-style config.json for `arch`, over the non-shape fields of
-    `base`.
+    `base` (a family with another activation, Gemma's GeGLU, rewrites `hidden_act`).
 
     Raises:
-        ConversionError: `arch` is not RMSNorm + SwiGLU without linear biases.
+        ConversionError: `arch` is not RMSNorm + a gated MLP without linear biases.
     """
-    if arch.normalization != "RMSNorm" or arch.activation != "swiglu" or arch.add_bias_linear:
+    if arch.normalization != "RMSNorm" or not arch.gated_mlp or arch.add_bias_linear:
         raise ConversionError(
-            "only RMSNorm + SwiGLU models without linear biases export to Hugging Face"
+            "only RMSNorm + SwiGLU/GeGLU models without linear biases export to Hugging Face"
         )
     config = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "rope_scaling")}
     heads = arch.num_attention_heads
