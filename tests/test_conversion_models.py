@@ -13,6 +13,9 @@ embeddings); vocabulary 100, so the megatron embedding is padded — are saved w
 * HF -> megatron -> HF is bit-exact, also through a sharded (index) export, and the export loads
   in `transformers` with identical logits; tokenizer files travel both ways;
 * bf16 import and export store exactly the bf16-rounded weights;
+* a multimodal `gemma3` checkpoint (`Gemma3ForConditionalGeneration`, a tiny vision tower) is
+  read as its language model: its logits equal `transformers`' on text, and it exports as a
+  `gemma3_text` directory without the vision tower that loads with the same logits;
 * the CLI turns bad input into one `error:` line and exit code 2.
 
 Process spawns are grouped: one single-process conversion worker and one 2-rank worker that
@@ -36,6 +39,7 @@ TOOL = REPO / "tools" / "convert_checkpoint.py"
 VOCAB, SEQ, BATCH = 100, 24, 4
 TOLERANCE = 1e-4
 MODELS = ("llama3", "mistral", "qwen2", "gemma3")
+MULTIMODAL = "gemma3_multimodal"
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
 #: Mistral is exported in shards of at most this many bytes: an index and several files.
 SHARD_BYTES = 100_000
@@ -172,11 +176,61 @@ def _convert_worker(rank: int, world_size: int, root: str) -> dict:
         teardown()
         shard = SHARD_BYTES if name == "mistral" else 5 * 1024**3
         export_hf(base / "mcore", base / "export", max_shard_bytes=shard)
+    mm = Path(root) / MULTIMODAL
+    import_hf(mm / "hf", mm / "mcore")
+    arch = read_architecture(mm / "mcore")
+    rt = init_runtime(1, 1, seed=9)
+    out[MULTIMODAL] = _forward(arch, build_and_restore(mm / "mcore", arch, rt))
+    teardown()
+    export_hf(mm / "mcore", mm / "export")
     qwen = Path(root) / "qwen2"
     import_hf(qwen / "hf", qwen / "mcore_bf16", dtype="bfloat16")
     export_hf(qwen / "mcore_bf16", qwen / "export_from_bf16", dtype="float32")
     export_hf(qwen / "mcore", qwen / "export_bf16", dtype="bfloat16")
     return out
+
+
+def build_and_restore(ckpt: Path, arch, rt):
+    from megatron_kto.checkpointing.pretrained import restore_pretrained
+    from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
+
+    chunks = build_gpt_chunks(arch, ParallelLayout(), rt.device)
+    restore_pretrained(ckpt, chunks)
+    return chunks
+
+
+def _multimodal_config():
+    """A tiny Gemma 3 with a vision tower; image token ids above the test batch's tokens."""
+    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+
+    text = Gemma3TextConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=128,
+        max_position_embeddings=64,
+        sliding_window=5,
+        layer_types=["full_attention", "sliding_attention"],
+    )
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    return Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        boi_token_index=125,
+        eoi_token_index=126,
+        image_token_index=127,
+    )
 
 
 def _layout_worker(rank: int, world_size: int, root: str) -> dict:
@@ -220,9 +274,19 @@ def converted(tmp_path_factory):
         model.save_pretrained(root / name / "hf")
         (root / name / "hf" / "tokenizer_config.json").write_text(json.dumps({"name": name}))
         reference[name] = _hf_logits(root / name / "hf")
+    from transformers import Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    multimodal = Gemma3ForConditionalGeneration(_multimodal_config()).float().eval()
+    with torch.no_grad():
+        for pname, p in multimodal.named_parameters():
+            if "norm" in pname:
+                p.add_(0.1 * torch.randn_like(p))
+        reference[MULTIMODAL] = multimodal(input_ids=_batch()[0]).logits.float()
+    multimodal.save_pretrained(root / MULTIMODAL / "hf")
     tp1 = run_multirank(_convert_worker, 1, str(root), timeout=300)[0]
     layouts = run_multirank(_layout_worker, 2, str(root), timeout=300)
-    results = {("tp1", name): tp1[name] for name in MODELS}
+    results = {("tp1", name): tp1[name] for name in (*MODELS, MULTIMODAL)}
     for rank_out in layouts:
         for key, value in rank_out.items():
             if value is not None:  # one last-stage rank's result suffices (TP ranks agree)
@@ -266,6 +330,21 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(converted, name):
     tokenizer = json.loads((root / name / "export" / "tokenizer_config.json").read_text())
     assert tokenizer == {"name": name}  # copied in by the import, out by the export
     assert torch.equal(_hf_logits(root / name / "export"), reference[name])
+
+
+def test_multimodal_gemma3_is_read_and_exported_as_its_language_model(converted):
+    root, reference, results = converted
+    logits, logprobs = results["tp1", MULTIMODAL]
+    want = reference[MULTIMODAL]
+    logit_diff = (logits[..., :128] - want).abs().max().item()
+    logp_diff = (logprobs - _reference_logprobs(want)).abs().max().item()
+    print(f"{MULTIMODAL}: max|Δ logits| {logit_diff:.2e}, max|Δ logp| {logp_diff:.2e}")
+    assert logit_diff <= TOLERANCE and logp_diff <= TOLERANCE
+    export = root / MULTIMODAL / "export"
+    config = json.loads((export / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text" and "vision_config" not in config
+    assert not any("vision" in name for name in _safetensors(export))
+    assert torch.equal(_hf_logits(export), want)
 
 
 def test_bf16_import_and_export_store_rounded_weights(converted):

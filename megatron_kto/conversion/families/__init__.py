@@ -38,6 +38,9 @@ class Family:
     (windows aside: `refuses` adds them)."""
     windows: str = "none"
     """How its config.json states sliding windows (`WINDOW_STYLES`)."""
+    weight_prefixes: tuple[tuple[str, str], ...] = ()
+    """(stored prefix, table prefix) pairs: its checkpoints store the tables' tensors under other
+    names (a multimodal model's language model); tensors under none of them are not read."""
 
     def refuses(self, arch: GPTArchitecture) -> str | None:
         """Why `arch` does not export as this type (one phrase), or None when it does."""

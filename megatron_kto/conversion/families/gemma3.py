@@ -1,4 +1,5 @@
-"""Gemma 3 text models (`gemma3_text`, `Gemma3ForCausalLM`).
+"""Gemma 3 text models (`gemma3_text`, `Gemma3ForCausalLM`), and the language model inside
+multimodal `gemma3` checkpoints (`Gemma3ForConditionalGeneration`).
 
 What sets them apart from the Llama layout, and where each lives in `GPTArchitecture`:
 
@@ -17,6 +18,12 @@ What sets them apart from the Llama layout, and where each lives in `GPTArchitec
 
 Not supported (one ConversionError line): attention or final logit soft-capping, bidirectional
 attention, attention biases, RoPE types other than default / linear.
+
+A multimodal `gemma3` checkpoint is read as its language model: `text_config` gives the
+architecture, the tensors under `language_model.model.` / `model.language_model.` (and
+`language_model.lm_head.`) are the text model's; the vision tower and the multimodal projector
+are not read. Training and hf/ output are text-only: the export is a `gemma3_text` directory
+(`Gemma3ForCausalLM`), never a multimodal one.
 """
 
 from __future__ import annotations
@@ -38,6 +45,32 @@ ACTIVATION = "gelu_pytorch_tanh"
 #: transformers' defaults for configs that leave them out (`Gemma3TextConfig`).
 DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 DEFAULT_PATTERN = 6
+#: `Gemma3TextConfig`'s defaults of the shape fields (multimodal configs on the Hub often state
+#: only what differs).
+TEXT_DEFAULTS = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "tie_word_embeddings": True,
+}
+#: Keys of a multimodal config.json that an exported text model does not keep.
+MULTIMODAL_KEYS = (
+    "text_config",
+    "vision_config",
+    "mm_tokens_per_image",
+    "boi_token_index",
+    "eoi_token_index",
+    "image_token_index",
+    "_sliding_window_pattern",
+)
 
 
 def layer_mappings(arch: GPTArchitecture, norms: dict[str, str]) -> tuple[Mapping, ...]:
@@ -90,6 +123,7 @@ def gemma3_architecture(config: dict[str, Any], where: str) -> GPTArchitecture:
     Raises:
         ConversionError: an unsupported option, naming `where` and the key.
     """
+    config = {**TEXT_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
     activation = config.get("hidden_activation") or config.get("hidden_act") or ACTIVATION
     if activation != ACTIVATION:
         raise ConversionError(f"{where}: hidden_activation {activation!r}: only {ACTIVATION}")
@@ -176,6 +210,26 @@ def _cannot_express(arch: GPTArchitecture) -> str | None:
     return f"the model lacks Gemma 3's {', '.join(missing)}" if missing else None
 
 
+def multimodal_architecture(config: dict[str, Any], where: str) -> GPTArchitecture:
+    """The language model's architecture of a multimodal `gemma3` config.json."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ConversionError(f"{where}: text_config: missing (a gemma3 config holds one)")
+    return gemma3_architecture(text, f"{where}: text_config")
+
+
+def multimodal_export_config(arch: GPTArchitecture, config: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal source exports as its text model: a `gemma3_text` config.json."""
+    text = config.get("text_config") or {}
+    for key in MULTIMODAL_KEYS:
+        config.pop(key, None)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in text:
+            config[key] = text[key]
+    config.update(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"])
+    return gemma3_config(arch, config)
+
+
 FAMILIES = (
     Family(
         model_type="gemma3_text",
@@ -185,5 +239,22 @@ FAMILIES = (
         layer_mappings=layer_mappings,
         cannot_express=_cannot_express,
         windows="own",
+    ),
+    Family(
+        model_type="gemma3",
+        hf_architecture="Gemma3ForCausalLM",
+        architecture_from_hf=multimodal_architecture,
+        hf_config=multimodal_export_config,
+        layer_mappings=layer_mappings,
+        # A text-only model never exports as the multimodal type by default (`default_model_type`
+        # takes gemma3_text, registered first); as the source's type it exports as gemma3_text.
+        cannot_express=_cannot_express,
+        windows="own",
+        weight_prefixes=(
+            ("language_model.model.", "model."),
+            ("model.language_model.", "model."),
+            ("language_model.lm_head.", "lm_head."),
+            ("lm_head.", "lm_head."),
+        ),
     ),
 )
