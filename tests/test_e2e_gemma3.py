@@ -8,6 +8,11 @@ A tiny random `transformers` Gemma3ForCausalLM (the bundled tokenizer's vocabula
 the defaults have them). The first step's `logps/chosen` / `logps/rejected` (computed before the
 update) must equal the same numbers from the `transformers` model on the same rows, and the run's
 `hf/` must load in `transformers` as a Gemma 3 whose every tensor moved and which generates.
+
+A second run trains LoRA adapters on every projection (2 steps, lr 1e-2) from the same directory:
+its `hf/` adapter loads with `peft` onto the original model under Hugging Face's target names
+(q/k/v/o_proj, gate/up/down_proj), moves the logits away from the base, and gives the logits of
+the run's merged `hf_merged/` model.
 """
 
 from __future__ import annotations
@@ -61,26 +66,34 @@ def run(tmp_path_factory):
     tok = load_tokenizer("sentencepiece", str(TOKENIZER))
     model = _hf_model(tok.vocab_size)
     model.save_pretrained(root / "hf")
+    common = [
+        *QUIET,
+        f"pretrained_checkpoint.restore_from_path={root / 'hf'}",
+        f"model.data.data_prefix.train=[{TRAIN_DATA}]",
+        "model.tokenizer.library=sentencepiece",
+        f"model.tokenizer.model={TOKENIZER}",
+        "trainer.precision=32",
+        "exp_manager.save_hf=true",
+        f"model.global_batch_size={GLOBAL_BATCH}",
+        "model.micro_batch_size=2",
+        "model.data.shuffle=false",
+        f"model.data.max_length={MAX_LENGTH}",
+        "model.data.data_prefix.validation=[]",
+    ]
     log_dir = root / "run"
     run_script(
-        KTO_SCRIPT,
-        [
-            *QUIET,
-            f"pretrained_checkpoint.restore_from_path={root / 'hf'}",
-            f"model.data.data_prefix.train=[{TRAIN_DATA}]",
-            "model.tokenizer.library=sentencepiece",
-            f"model.tokenizer.model={TOKENIZER}",
-            "trainer.precision=32",
-            f"exp_manager.explicit_log_dir={log_dir}",
-            "exp_manager.save_hf=true",
-            "trainer.kto.max_steps=1",
-            f"model.global_batch_size={GLOBAL_BATCH}",
-            "model.micro_batch_size=2",
-            "model.data.shuffle=false",
-            f"model.data.max_length={MAX_LENGTH}",
-            "model.data.data_prefix.validation=[]",
-        ],
+        KTO_SCRIPT, [*common, f"exp_manager.explicit_log_dir={log_dir}", "trainer.kto.max_steps=1"]
     )
+    lora = [
+        "model.peft.peft_scheme=lora",
+        "model.peft.lora_tuning.adapter_dim=4",
+        "model.peft.lora_tuning.alpha=8",
+        "model.peft.lora_tuning.target_modules=[all]",
+        "model.optim.lr=1e-2",
+        "exp_manager.save_hf_merged=true",
+        "trainer.kto.max_steps=2",
+    ]
+    run_script(KTO_SCRIPT, [*common, *lora, f"exp_manager.explicit_log_dir={root / 'lora'}"])
     return root, model, tok, read_metrics(log_dir)[0]
 
 
@@ -127,3 +140,25 @@ def test_hf_output_loads_and_generates(run):
     prompt = torch.tensor([[1, 5, 9, 13]])
     generated = trained.generate(prompt, max_new_tokens=12, do_sample=False)
     assert generated.shape == (1, 16) and torch.equal(generated[:, :4], prompt)
+
+
+def test_lora_adapter_loads_in_peft_under_hf_names(run):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    root, _, _, _ = run
+    adapter = root / "lora" / "hf"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert set(config["target_modules"]) == targets
+    tokens = torch.tensor([[1, *range(5, 40)]])  # longer than the window
+    base = AutoModelForCausalLM.from_pretrained(root / "hf").eval()
+    with torch.no_grad():
+        base_logits = base(tokens).logits
+        peft_logits = PeftModel.from_pretrained(base, adapter).eval()(tokens).logits
+        merged = AutoModelForCausalLM.from_pretrained(root / "lora" / "hf_merged").eval()
+        merged_logits = merged(tokens).logits
+    moved = (peft_logits - base_logits).abs().max().item()
+    diff = (peft_logits - merged_logits).abs().max().item()
+    print(f"LoRA: |peft - base| {moved:.2e}, |peft - merged| {diff:.2e}")
+    assert moved > 1e-2 and diff <= 1e-5

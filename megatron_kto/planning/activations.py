@@ -190,7 +190,7 @@ def layer_bytes(
     if moe:
         total += moe_mlp_bytes(arch, dims, x)
     else:
-        mlp = 5 if arch.gated_mlp else 2
+        mlp = 5 if arch.activation in ("swiglu", "geglu") else 2
         if adapted is not None and "linear_fc2" not in adapted:
             mlp -= 1  # fc2's input, saved only by an fc2 adapter
         total += t * mlp * f // T * e
@@ -325,7 +325,7 @@ def activation_bytes(
             head_transient -= arch.padded_vocab(T) // T * h * e
     mlp_weight = 0
     if False in kinds:
-        mlp_weight = (2 if arch.gated_mlp else 1) * f * h // T
+        mlp_weight = (2 if arch.activation in ("swiglu", "geglu") else 1) * f * h // T
     if True in kinds:
         moe_f = arch.moe_ffn_hidden_size or f
         shared = arch.moe_shared_expert_intermediate_size or 0
