@@ -8,6 +8,7 @@ Q/K norms) and mixture-of-experts layers (`layer_options.py`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -218,29 +219,30 @@ def build_gpt_chunks(
     chunks: list[torch.nn.Module] = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=decoder_block_spec(
-                config, arch.normalization, backend, vp_stage=stage, extras=extras
-            ),
-            vocab_size=vocab,
-            max_sequence_length=arch.encoder_seq_length,
-            pre_process=parallel_state.is_pipeline_first_stage(
-                ignore_virtual=False, vp_stage=stage
-            ),
-            post_process=parallel_state.is_pipeline_last_stage(
-                ignore_virtual=False, vp_stage=stage
-            ),
-            parallel_output=True,
-            share_embeddings_and_output_weights=arch.share_embeddings_and_output_weights,
-            position_embedding_type=arch.position_embedding_type,
-            rotary_percent=arch.rotary_percent,
-            rotary_base=arch.rotary_base,
-            rope_scaling=arch.rope_scaling,
-            rope_scaling_factor=arch.rope_scaling_factor,
-            seq_len_interpolation_factor=arch.rotary_interpolation_factor,
-            vp_stage=stage,
-        )
+        with _quiet_about_our_mlp():
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=decoder_block_spec(
+                    config, arch.normalization, backend, vp_stage=stage, extras=extras
+                ),
+                vocab_size=vocab,
+                max_sequence_length=arch.encoder_seq_length,
+                pre_process=parallel_state.is_pipeline_first_stage(
+                    ignore_virtual=False, vp_stage=stage
+                ),
+                post_process=parallel_state.is_pipeline_last_stage(
+                    ignore_virtual=False, vp_stage=stage
+                ),
+                parallel_output=True,
+                share_embeddings_and_output_weights=arch.share_embeddings_and_output_weights,
+                position_embedding_type=arch.position_embedding_type,
+                rotary_percent=arch.rotary_percent,
+                rotary_base=arch.rotary_base,
+                rope_scaling=arch.rope_scaling,
+                rope_scaling_factor=arch.rope_scaling_factor,
+                seq_len_interpolation_factor=arch.rotary_interpolation_factor,
+                vp_stage=stage,
+            )
         if arch.embedding_multiplier is not None and model.pre_process:
             model.embedding.register_forward_hook(_scale_output(arch.embedding_multiplier))
         model.to(device)
@@ -248,6 +250,26 @@ def build_gpt_chunks(
             model = Float16Module(config, model)
         chunks.append(model)
     return chunks
+
+
+class _OurMLPFilter(logging.Filter):
+    """Drops megatron's "Unknown MLP type" warning: `TransformerLayer` says it (once per layer)
+    for any MLP class other than its own, here `gemma_layers.PostNormMLP`, whose default
+    construction (megatron's TP group) is the one we want."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unknown MLP type" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_about_our_mlp():
+    layer_logger = logging.getLogger("megatron.core.transformer.transformer_layer")
+    quiet = _OurMLPFilter()
+    layer_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        layer_logger.removeFilter(quiet)
 
 
 def _scale_output(multiplier: float):
