@@ -14,7 +14,8 @@ embeddings); vocabulary 100, so the megatron embedding is padded — are saved w
   in `transformers` with identical logits; tokenizer files travel both ways;
 * bf16 import and export store exactly the bf16-rounded weights;
 * a multimodal `gemma3` checkpoint (`Gemma3ForConditionalGeneration`, a tiny vision tower) is
-  read as its language model: its logits equal `transformers`' on text, and it exports as a
+  read as its language model (imported, or loaded straight from the directory): its logits equal
+  `transformers`' on text, and it exports as a
   `gemma3_text` directory without the vision tower that loads with the same logits;
 * the CLI turns bad input into one `error:` line and exit code 2.
 
@@ -181,6 +182,9 @@ def _convert_worker(rank: int, world_size: int, root: str) -> dict:
     arch = read_architecture(mm / "mcore")
     rt = init_runtime(1, 1, seed=9)
     out[MULTIMODAL] = _forward(arch, build_and_restore(mm / "mcore", arch, rt))
+    # ... and straight from the directory (each rank reads its slices; no conversion step)
+    direct = read_architecture(mm / "hf")
+    out[MULTIMODAL, "direct"] = _forward(direct, build_and_restore(mm / "hf", direct, rt))
     teardown()
     export_hf(mm / "mcore", mm / "export")
     qwen = Path(root) / "qwen2"
@@ -287,6 +291,7 @@ def converted(tmp_path_factory):
     tp1 = run_multirank(_convert_worker, 1, str(root), timeout=300)[0]
     layouts = run_multirank(_layout_worker, 2, str(root), timeout=300)
     results = {("tp1", name): tp1[name] for name in (*MODELS, MULTIMODAL)}
+    results["direct", MULTIMODAL] = tp1[MULTIMODAL, "direct"]
     for rank_out in layouts:
         for key, value in rank_out.items():
             if value is not None:  # one last-stage rank's result suffices (TP ranks agree)
@@ -340,6 +345,8 @@ def test_multimodal_gemma3_is_read_and_exported_as_its_language_model(converted)
     logp_diff = (logprobs - _reference_logprobs(want)).abs().max().item()
     print(f"{MULTIMODAL}: max|Δ logits| {logit_diff:.2e}, max|Δ logp| {logp_diff:.2e}")
     assert logit_diff <= TOLERANCE and logp_diff <= TOLERANCE
+    direct_logits, _ = results["direct", MULTIMODAL]
+    assert torch.equal(direct_logits, logits)  # the direct load reads the same weights
     export = root / MULTIMODAL / "export"
     config = json.loads((export / "config.json").read_text())
     assert config["model_type"] == "gemma3_text" and "vision_config" not in config
