@@ -3,9 +3,9 @@ command, `hf/` out, `transformers` generates from it.
 
 A tiny random `transformers` Gemma3ForCausalLM (the bundled tokenizer's vocabulary; sliding window
 8 in three of four layers, rows up to 64 tokens) is saved with `save_pretrained`;
-`examples/train_gpt_kto.py` trains one step straight from that directory
-(`pretrained_checkpoint.restore_from_path`, `exp_manager.save_hf=true`, packed micro-batches as
-the defaults have them). The first step's `logps/chosen` / `logps/rejected` (computed before the
+`examples/train_gpt_kto.py` trains one step straight from that directory on 2 ranks at TP=2 with
+sequence parallelism (`pretrained_checkpoint.restore_from_path`, `exp_manager.save_hf=true`,
+packed micro-batches as the defaults have them; `hf/` gathered over TP). The first step's `logps/chosen` / `logps/rejected` (computed before the
 update) must equal the same numbers from the `transformers` model on the same rows, and the run's
 `hf/` must load in `transformers` as a Gemma 3 whose every tensor moved and which generates.
 
@@ -81,8 +81,11 @@ def run(tmp_path_factory):
         "model.data.data_prefix.validation=[]",
     ]
     log_dir = root / "run"
+    tp2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
     run_script(
-        KTO_SCRIPT, [*common, f"exp_manager.explicit_log_dir={log_dir}", "trainer.kto.max_steps=1"]
+        KTO_SCRIPT,
+        [*common, *tp2, f"exp_manager.explicit_log_dir={log_dir}", "trainer.kto.max_steps=1"],
+        nproc=2,
     )
     lora = [
         "model.peft.peft_scheme=lora",
