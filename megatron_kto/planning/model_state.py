@@ -179,6 +179,8 @@ def _layer_params(
     if arch.qk_layernorm:  # one [d] norm shared by the heads (Qwen3)
         out.append(Param(f"{prefix}self_attention.q_layernorm.weight", d))
         out.append(Param(f"{prefix}self_attention.k_layernorm.weight", d))
+    if arch.post_norms:  # models.gemma_layers: the attention's and the MLP's output norms
+        out.append(Param(f"{prefix}self_attention.post_norm.weight", h))
     out.append(Param(f"{prefix}pre_mlp_layernorm.weight", h))
     if norm_bias:
         out.append(Param(f"{prefix}pre_mlp_layernorm.bias", h))
@@ -190,6 +192,8 @@ def _layer_params(
     out.append(Param(f"{prefix}mlp.linear_fc2.weight", h * f // tp))
     if bias:
         out.append(Param(f"{prefix}mlp.linear_fc2.bias", h))
+    if arch.post_norms:
+        out.append(Param(f"{prefix}mlp.post_norm.weight", h))
     return out
 
 
