@@ -33,10 +33,10 @@ context parallelism; `sdpa` has its own (keys and values all-gathered over the C
 
 Sliding-window attention (`model.sliding_window`, megatron-core's `window_size`): `sdpa` runs
 it everywhere (band masks, packed rows and context parallelism included); TE takes `window_size`
-in its own attention, but its context parallelism with our `cp_comm_type="p2p"` has no sliding
-window (TE v2.9-v2.12 run windows under CP only with "a2a"/"all_gather"), so windows + CP is
-`sdpa` under `auto` and an error for an explicit `te`; megatron's `local` attention builds its
-window mask on CUDA only and ignores a padding mask with it: refused.
+in its own attention (not run on a GPU by our tests yet). Whether TE's context parallelism with
+our `cp_comm_type="p2p"` honours a window is not established here, so windows + CP is `sdpa`
+under `auto` and an error for an explicit `te`. megatron's `local` attention builds its window
+mask on CUDA only and ignores a padding mask with it: refused.
 
 How `auto` decides: TE when it is usable and one of its fused kernels surely exists for the
 configuration (bf16/fp16, head dim a multiple of 8 up to 128); otherwise `sdpa` — in fp32 TE
@@ -282,8 +282,8 @@ def choose_attention_backend(
         te = _TECapability(
             False,
             False,
-            f"Transformer Engine {accelerator.transformer_engine}: its context parallelism "
-            '(cp_comm_type "p2p") has no sliding-window attention',
+            f"Transformer Engine {accelerator.transformer_engine}: sliding windows under its "
+            'context parallelism (cp_comm_type "p2p") are not established',
         )
     if request in ("sdpa", "local"):
         if cp > 1 and request == "local":
