@@ -34,8 +34,10 @@ What it keeps from megatron's contract:
 * sliding windows (megatron-core's `window_size` = (W − 1, 0) and `window_attn_skip_freq`, read
   per layer as TE reads them): a query sees itself and the W − 1 keys before it, as
   `transformers`' sliding-window masks. A row (padded batch, packed row, CP chunk) no longer
-  than W needs nothing beyond causality and keeps the fused causal call; a longer one gets a
-  band mask (`window_mask`) for that call only — packed rows stay one call per row.
+  than W needs nothing beyond causality and keeps the fused causal call; a longer one is
+  attended in query blocks of W over their windows' keys with one shared band mask
+  (`_windowed`: O(s·W) work and memory, not s²; a CP chunk: one band-masked call over the keys
+  its window reaches).
 """
 
 from __future__ import annotations
@@ -158,11 +160,16 @@ class SDPAttention(MegatronModule):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         attn_mask = None
         is_causal = False
-        if self.window is not None and sk > self.window:
-            if attention_mask is None and mask_type != AttnMaskType.causal:
-                raise ValueError("a sliding window needs causal self-attention")
-            band = window_mask(sq, sk, self.window, query.device)
-            attention_mask = band if attention_mask is None else attention_mask | band
+        banded = self.window is not None and sk > self.window
+        if banded and attention_mask is None:
+            if mask_type != AttnMaskType.causal or sq != sk:
+                raise ValueError("a sliding window needs causal self-attention with sq == sk")
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            k, v, native_gqa = self._grouped_kv(q, k, v, True)
+            context = self._in_dropout_stream(lambda p: self._windowed(q, k, v, p, native_gqa))
+            return context.permute(2, 0, 1, 3).reshape(sq, batch, -1)
+        if banded:  # an explicit mask: the band on top of it, in one call
+            attention_mask = attention_mask | window_mask(sq, sk, self.window, query.device)
         if attention_mask is not None:
             attn_mask = additive_mask(attention_mask, query.dtype)
         elif mask_type == AttnMaskType.causal and sq > 1:
@@ -211,8 +218,7 @@ class SDPAttention(MegatronModule):
             n = qi.shape[2]
             if self.window is None or n <= self.window:
                 return self._sdpa(qi, ki, vi, None, dropout_p, n > 1, native_gqa)
-            mask = additive_mask(window_mask(n, n, self.window, qi.device), qi.dtype)
-            return self._sdpa(qi, ki, vi, mask, dropout_p, False, native_gqa)
+            return self._windowed(qi, ki, vi, dropout_p, native_gqa)
 
         def rows(dropout_p: float) -> list[torch.Tensor]:
             return [
@@ -224,6 +230,26 @@ class SDPAttention(MegatronModule):
         # [1, n, l_i, d] per row -> [1, n, t, d] -> [t, n·d]
         context = torch.cat(self._in_dropout_stream(rows), dim=2)[0]
         return context.transpose(0, 1).reshape(query.shape[0], -1)
+
+    def _windowed(self, q, k, v, dropout_p: float, native_gqa: bool) -> torch.Tensor:
+        """Causal attention within `self.window` (W) of rows [b, n, s, d] longer than W, in query
+        blocks of W: a block's queries see the keys from its first position − W + 1 on, the band
+        masked; the first block is plainly causal. Work and masks are O(s·W), not s², and the
+        full blocks share one [W, 2W − 1] mask (autograd saves it once)."""
+        s, w = q.shape[2], self.window
+        masks: dict[tuple[int, int], torch.Tensor] = {}
+        out = []
+        for start in range(0, s, w):
+            stop, first = min(start + w, s), max(0, start - w + 1)
+            qb, kb, vb = q[:, :, start:stop], k[:, :, first:stop], v[:, :, first:stop]
+            c, sk = stop - start, stop - first
+            if sk == c:
+                out.append(self._sdpa(qb, kb, vb, None, dropout_p, c > 1, native_gqa))
+                continue
+            if (c, sk) not in masks:  # queries are the block's last c of its sk key positions
+                masks[c, sk] = additive_mask(window_mask(c, sk, w, q.device), q.dtype)
+            out.append(self._sdpa(qb, kb, vb, masks[c, sk], dropout_p, False, native_gqa))
+        return torch.cat(out, dim=2)
 
     def _grouped_kv(self, q, k, v, attn_mask) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Key and value for SDPA ([b, groups or heads, s, d]) and whether SDPA broadcasts the
