@@ -56,7 +56,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from megatron_kto.models.attention_masks import additive_mask, window_mask
+from megatron_kto.models.attention_masks import additive_mask, window_band, window_mask
 from megatron_kto.models.cp_attention import context_parallel_attention
 
 
@@ -234,21 +234,19 @@ class SDPAttention(MegatronModule):
     def _windowed(self, q, k, v, dropout_p: float, native_gqa: bool) -> torch.Tensor:
         """Causal attention within `self.window` (W) of rows [b, n, s, d] longer than W, in query
         blocks of W: a block's queries see the keys from its first position − W + 1 on, the band
-        masked; the first block is plainly causal. Work and masks are O(s·W), not s², and the
-        full blocks share one [W, 2W − 1] mask (autograd saves it once)."""
+        masked; the first block is plainly causal. Work is O(s·W), not s², and every block of
+        every layer takes (a corner of) one cached [W, 2W − 1] mask (`window_band`)."""
         s, w = q.shape[2], self.window
-        masks: dict[tuple[int, int], torch.Tensor] = {}
+        band = window_band(w, q.dtype, q.device)
         out = []
         for start in range(0, s, w):
             stop, first = min(start + w, s), max(0, start - w + 1)
             qb, kb, vb = q[:, :, start:stop], k[:, :, first:stop], v[:, :, first:stop]
             c, sk = stop - start, stop - first
-            if sk == c:
+            if sk == c:  # the first block: its window reaches back to the row's start
                 out.append(self._sdpa(qb, kb, vb, None, dropout_p, c > 1, native_gqa))
-                continue
-            if (c, sk) not in masks:  # queries are the block's last c of its sk key positions
-                masks[c, sk] = additive_mask(window_mask(c, sk, w, q.device), q.dtype)
-            out.append(self._sdpa(qb, kb, vb, masks[c, sk], dropout_p, False, native_gqa))
+            else:  # sk = c + w − 1: the block's queries are the last c of its keys
+                out.append(self._sdpa(qb, kb, vb, band[:c, :sk], dropout_p, False, native_gqa))
         return torch.cat(out, dim=2)
 
     def _grouped_kv(self, q, k, v, attn_mask) -> tuple[torch.Tensor, torch.Tensor, bool]:

@@ -3,6 +3,8 @@ SDPA's additive form (`models.attention`, `models.cp_attention`)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -24,3 +26,13 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
         mask, torch.finfo(dtype).min
     )
+
+
+@functools.lru_cache(maxsize=8)
+def window_band(window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive [W, 2W − 1] band mask of a full query block of `SDPAttention._windowed`
+    (W queries, the last W of 2W − 1 key positions); a shorter last block of c queries takes its
+    top-left [c, c + W − 1] corner. Built once per (window, dtype, device) and shared by every
+    layer and micro-batch, so autograd keeps one copy (W·(2W − 1) elements) however many layers
+    save it."""
+    return additive_mask(window_mask(window, 2 * window - 1, window, device), dtype)
