@@ -38,7 +38,8 @@ def test_shipped_configs_validate_on_one_and_two_ranks(name, algorithm):
 
 
 @pytest.mark.parametrize(
-    "preset", ["tiny", "llama3_8b", "llama3_2_1b", "mistral_7b", "qwen2_0_5b", "qwen2_7b"]
+    "preset",
+    ["tiny", "llama3_8b", "llama3_2_1b", "mistral_7b", "qwen2_0_5b", "qwen2_7b", "gemma3_1b"],
 )
 def test_model_presets_compose_to_architectures(preset):
     arch = architecture_of(_compose("gpt_kto", [f"model={preset}"]).model)
@@ -56,6 +57,10 @@ def test_presets_carry_the_family_options():
     assert qwen.add_qkv_bias and qwen.share_embeddings_and_output_weights
     mistral = architecture_of(_compose("gpt_kto", ["model=mistral_7b"]).model)
     assert mistral.num_query_groups == 8 and not mistral.add_qkv_bias
+    assert mistral.sliding_window == 4096 and mistral.window_layers is None
+    gemma = architecture_of(_compose("gpt_kto", ["model=gemma3_1b"]).model)
+    assert gemma.window_layers[:6] == [1, 1, 1, 1, 1, 0] and len(gemma.window_layers) == 26
+    assert gemma.post_norms and gemma.zero_centered_norms and gemma.activation == "geglu"
 
 
 @pytest.mark.parametrize(

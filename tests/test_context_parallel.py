@@ -8,6 +8,11 @@ reference pass (forward-only), the policy's KL pass (z₀), the training pass (f
 megatron's gradient reduction over the data- and context-parallel ranks). Rows are 3..16 tokens,
 mostly not multiples of 2·CP (× TP under SP), so every row is padded before the split.
 
+The CP=2 × PP=2 pair's model is a Gemma 3 (`gemma3_arch`: sliding windows of 5 tokens in layers
+1 and 3 of 4, so each pipeline stage holds a windowed and a full layer, with the local RoPE base,
+post-norms, (1 + w) norms, GeGLU, scaled embeddings), so windows and the per-layer RoPE under the
+2·CP split are checked there.
+
 Per-row reference log-probs (gathered over DP), every metric (z₀ and the loss included) and
 every gradient this rank holds must agree to 1e-5 (gradients relative to each tensor's largest
 entry). The CP=1 runs are the independent reference: they never split a row (`SDPAttention`'s
@@ -50,7 +55,7 @@ RUNS = ("kto_padded", "kto_packed", "dpo_padded", "dpo_packed")
 def _chunks(rt, tp: int, pp: int, cp: int, sp: bool):
     """Policy (DDP-wrapped) and reference chunks, the same weights for every CP size."""
     from megatron.core import tensor_parallel
-    from test_parallel_common import tiny_arch
+    from test_parallel_common import gemma3_arch, tiny_arch
 
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
@@ -61,7 +66,8 @@ def _chunks(rt, tp: int, pp: int, cp: int, sp: bool):
         sequence_parallel=sp,
         attention_backend="sdpa",
     )
-    arch = tiny_arch(vocab_size=VOCAB)
+    # The PP=2 pair (both of its layouts) runs a Gemma 3 (module docstring).
+    arch = (gemma3_arch if pp == 2 else tiny_arch)(vocab_size=VOCAB)
     policy = build_gpt_chunks(arch, layout, rt.device)
     reference = build_gpt_chunks(arch, layout, rt.device)
     g = torch.Generator().manual_seed(100 + rt.pipeline_parallel_rank)

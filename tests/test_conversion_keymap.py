@@ -240,7 +240,8 @@ def _moe_config(model_type: str, **extra) -> dict:
 @pytest.mark.parametrize(
     "config,field",
     [
-        (_config("gemma3"), "qwen3_moe, mixtral"),  # the message names the supported types
+        (_config("phi3"), "qwen3_moe, mixtral, qwen2_moe, gemma3_text"),  # names the supported
+        (_config("gemma3"), "text_config: missing"),
         (_moe_config("qwen2_moe"), "shared_expert_intermediate_size"),
         (_moe_config("qwen3_moe", decoder_sparse_step=0), "decoder_sparse_step"),
         (_moe_config("qwen3_moe", mlp_only_layers=[0, 1]), "no layer has experts"),
@@ -250,7 +251,8 @@ def _moe_config(model_type: str, **extra) -> dict:
         (_config("qwen3", attention_bias=True), "attention_bias"),
     ],
     ids=[
-        "gemma3",
+        "unsupported-type",
+        "gemma3-without-text-config",
         "qwen2_moe-no-shared",
         "sparse-step-0",
         "all-dense",

@@ -1,14 +1,22 @@
 """Hugging Face <-> megatron_kto conversion, checked against `transformers` itself.
 
 Tiny random `transformers` models — Llama with GQA and Llama-3 RoPE scaling, Mistral (one KV
-head), Qwen2 with qkv biases and tied embeddings; vocabulary 100, so the megatron embedding is
-padded — are saved with `save_pretrained`, imported and exported. Shown here:
+head, a sliding window of 8 in every layer), Qwen2 with qkv biases, tied embeddings and a
+window of 6 in its second layer only (`layer_types`); rows of 24 tokens, longer than the
+windows; Gemma 3 (`gemma3_text`: 4 layers alternating sliding window 6 / full attention, a
+local and a global RoPE base with linear scaling on the global layers, head dim 32 != hidden /
+heads, query_pre_attn_scalar 24, (1 + w) pre-, post- and Q/K norms, GeGLU, scaled tied
+embeddings); vocabulary 100, so the megatron embedding is padded — are saved with `save_pretrained`, imported and exported. Shown here:
 
 * the converted model's full logits (TP=1; TP=2 gathered; PP=2 from the last stage) and its
   per-token log-probs through megatron-core's schedule equal `transformers`' to 1e-4;
 * HF -> megatron -> HF is bit-exact, also through a sharded (index) export, and the export loads
   in `transformers` with identical logits; tokenizer files travel both ways;
 * bf16 import and export store exactly the bf16-rounded weights;
+* a multimodal `gemma3` checkpoint (`Gemma3ForConditionalGeneration`, a tiny vision tower) is
+  read as its language model (imported, or loaded straight from the directory): its logits equal
+  `transformers`' on text, and it exports as a
+  `gemma3_text` directory without the vision tower that loads with the same logits;
 * the CLI turns bad input into one `error:` line and exit code 2.
 
 Process spawns are grouped: one single-process conversion worker and one 2-rank worker that
@@ -31,14 +39,15 @@ REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "convert_checkpoint.py"
 VOCAB, SEQ, BATCH = 100, 24, 4
 TOLERANCE = 1e-4
-MODELS = ("llama3", "mistral", "qwen2")
+MODELS = ("llama3", "mistral", "qwen2", "gemma3")
+MULTIMODAL = "gemma3_multimodal"
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
 #: Mistral is exported in shards of at most this many bytes: an index and several files.
 SHARD_BYTES = 100_000
 
 
 def _hf_configs() -> dict[str, object]:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(
         hidden_size=64,
@@ -63,8 +72,30 @@ def _hf_configs() -> dict[str, object]:
             # above the scaling's original_max_position_embeddings, as in real Llama-3.1 configs
             **{**common, "max_position_embeddings": 16384},
         ),
-        "mistral": MistralConfig(num_key_value_heads=1, sliding_window=None, **common),
-        "qwen2": Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common),
+        "mistral": MistralConfig(num_key_value_heads=1, sliding_window=8, **common),
+        "qwen2": Qwen2Config(
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=6,
+            layer_types=["full_attention", "sliding_attention"],
+            **common,
+        ),
+        "gemma3": Gemma3TextConfig(
+            num_key_value_heads=2,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+            pad_token_id=0,
+            bos_token_id=2,
+            eos_token_id=1,
+            **{**common, "num_hidden_layers": 4},
+        ),
     }
 
 
@@ -146,11 +177,64 @@ def _convert_worker(rank: int, world_size: int, root: str) -> dict:
         teardown()
         shard = SHARD_BYTES if name == "mistral" else 5 * 1024**3
         export_hf(base / "mcore", base / "export", max_shard_bytes=shard)
+    mm = Path(root) / MULTIMODAL
+    import_hf(mm / "hf", mm / "mcore")
+    arch = read_architecture(mm / "mcore")
+    rt = init_runtime(1, 1, seed=9)
+    out[MULTIMODAL] = _forward(arch, build_and_restore(mm / "mcore", arch, rt))
+    # ... and straight from the directory (each rank reads its slices; no conversion step)
+    direct = read_architecture(mm / "hf")
+    out[MULTIMODAL, "direct"] = _forward(direct, build_and_restore(mm / "hf", direct, rt))
+    teardown()
+    export_hf(mm / "mcore", mm / "export")
     qwen = Path(root) / "qwen2"
     import_hf(qwen / "hf", qwen / "mcore_bf16", dtype="bfloat16")
     export_hf(qwen / "mcore_bf16", qwen / "export_from_bf16", dtype="float32")
     export_hf(qwen / "mcore", qwen / "export_bf16", dtype="bfloat16")
     return out
+
+
+def build_and_restore(ckpt: Path, arch, rt):
+    from megatron_kto.checkpointing.pretrained import restore_pretrained
+    from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
+
+    chunks = build_gpt_chunks(arch, ParallelLayout(), rt.device)
+    restore_pretrained(ckpt, chunks)
+    return chunks
+
+
+def _multimodal_config():
+    """A tiny Gemma 3 with a vision tower; image token ids above the test batch's tokens."""
+    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+
+    text = Gemma3TextConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=128,
+        max_position_embeddings=64,
+        sliding_window=5,
+        layer_types=["full_attention", "sliding_attention"],
+    )
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    return Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        boi_token_index=125,
+        eoi_token_index=126,
+        image_token_index=127,
+    )
 
 
 def _layout_worker(rank: int, world_size: int, root: str) -> dict:
@@ -194,9 +278,20 @@ def converted(tmp_path_factory):
         model.save_pretrained(root / name / "hf")
         (root / name / "hf" / "tokenizer_config.json").write_text(json.dumps({"name": name}))
         reference[name] = _hf_logits(root / name / "hf")
+    from transformers import Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    multimodal = Gemma3ForConditionalGeneration(_multimodal_config()).float().eval()
+    with torch.no_grad():
+        for pname, p in multimodal.named_parameters():
+            if "norm" in pname:
+                p.add_(0.1 * torch.randn_like(p))
+        reference[MULTIMODAL] = multimodal(input_ids=_batch()[0]).logits.float()
+    multimodal.save_pretrained(root / MULTIMODAL / "hf")
     tp1 = run_multirank(_convert_worker, 1, str(root), timeout=300)[0]
     layouts = run_multirank(_layout_worker, 2, str(root), timeout=300)
-    results = {("tp1", name): tp1[name] for name in MODELS}
+    results = {("tp1", name): tp1[name] for name in (*MODELS, MULTIMODAL)}
+    results["direct", MULTIMODAL] = tp1[MULTIMODAL, "direct"]
     for rank_out in layouts:
         for key, value in rank_out.items():
             if value is not None:  # one last-stage rank's result suffices (TP ranks agree)
@@ -240,6 +335,23 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(converted, name):
     tokenizer = json.loads((root / name / "export" / "tokenizer_config.json").read_text())
     assert tokenizer == {"name": name}  # copied in by the import, out by the export
     assert torch.equal(_hf_logits(root / name / "export"), reference[name])
+
+
+def test_multimodal_gemma3_is_read_and_exported_as_its_language_model(converted):
+    root, reference, results = converted
+    logits, logprobs = results["tp1", MULTIMODAL]
+    want = reference[MULTIMODAL]
+    logit_diff = (logits[..., :128] - want).abs().max().item()
+    logp_diff = (logprobs - _reference_logprobs(want)).abs().max().item()
+    print(f"{MULTIMODAL}: max|Δ logits| {logit_diff:.2e}, max|Δ logp| {logp_diff:.2e}")
+    assert logit_diff <= TOLERANCE and logp_diff <= TOLERANCE
+    direct_logits, _ = results["direct", MULTIMODAL]
+    assert torch.equal(direct_logits, logits)  # the direct load reads the same weights
+    export = root / MULTIMODAL / "export"
+    config = json.loads((export / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text" and "vision_config" not in config
+    assert not any("vision" in name for name in _safetensors(export))
+    assert torch.equal(_hf_logits(export), want)
 
 
 def test_bf16_import_and_export_store_rounded_weights(converted):

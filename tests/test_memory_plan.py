@@ -1,11 +1,11 @@
 """The memory plan against real tensors and a measured step (`tools/bench_memory_plan.py`).
 
-Four gloo ranks (one spawn per layout) build five layouts with the trainer's own builders
-(`run._build_policy`, `run._build_optimization`): TP×DP, PP×DP unpacked with block
-recomputation, DP=4 distributed optimizer in bf16 with uniform recomputation, TP×PP with
-selective recomputation and a `separate` reference, PP×VPP×DP, and a LoRA run (TP×DP, distributed
-optimizer, reference = adapters off: only the adapters have gradient buffers and optimizer
-state, sharded and padded by DP). On every rank:
+Four gloo ranks (one spawn per layout) build seven layouts with the trainer's own builders
+(`run._build_policy`, `run._build_optimization`): TP×DP, a Gemma 3 at TP×DP (post-norms,
+(1 + w) norms, windows), PP×DP unpacked with block recomputation, DP=4 distributed optimizer in
+bf16 with uniform recomputation, TP×PP with selective recomputation and a `separate` reference,
+PP×VPP×DP, and a LoRA run (TP×DP, distributed optimizer, reference = adapters off: only the
+adapters have gradient buffers and optimizer state, sharded and padded by DP). On every rank:
 
 * each chunk's parameters (names and sizes, in order) are the plan's;
 * weights, gradients, optimizer state and the reference's weights are the plan's to the byte
@@ -35,6 +35,7 @@ pytestmark = pytest.mark.multirank
 
 LAYOUTS = [
     "tp2_dp2",
+    "tp2_dp2_gemma3",
     "pp2_dp2_unpacked_block_recompute",
     "dp4_distopt_bf16_uniform_recompute",
     "tp2_pp2_selective_separate",

@@ -10,6 +10,9 @@ packed end to end — on this rank's DP share of one global batch with long-tail
 * the training pass in micro-batches (forward + backward; megatron's DP all-reduce and
   tied-embedding sync in `finalize_model_grads`).
 
+The TP=2 (+SP) × PP=2 layout runs a Gemma 3 model (`gemma3_arch`: sliding windows shorter than
+most rows, a local RoPE base, post-norms, (1 + w) norms, GeGLU, scaled embeddings).
+
 Reference log-probs, every metric (z₀ included) and every gradient this rank holds must agree
 to 1e-5 (gradients: relative to each tensor's largest entry). Under sequence parallelism each
 packed micro-batch is padded to a multiple of TP; under PP every packed micro-batch of a pass to
@@ -21,7 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 from multirank import run_multirank
-from test_parallel_common import Layout, kto_train_step, tiny_arch
+from test_parallel_common import Layout, gemma3_arch, kto_train_step, tiny_arch
 
 from megatron_kto.data.collate import dpo_custom_collate, kto_custom_collate
 from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks, unwrap
@@ -49,6 +52,10 @@ LAYOUTS = [
     (Layout("tp2_sp_pp2", tp=2, pp=2), True, False),
     (Layout("pp2_vpp2_dp2", tp=1, pp=2, vpp=2), False, False),
 ]
+
+
+#: The layout whose model is a Gemma 3 (module docstring).
+GEMMA_LAYOUT = "tp2_sp_pp2"
 
 
 def _examples(seed: int) -> list[dict]:
@@ -95,7 +102,8 @@ def _chunks(rt, layout: Layout, sp: bool):
         virtual_pipeline_model_parallel_size=layout.vpp,
         sequence_parallel=sp,
     )
-    arch = tiny_arch(vocab_size=VOCAB)
+    make = gemma3_arch if layout.name == GEMMA_LAYOUT else tiny_arch
+    arch = make(vocab_size=VOCAB)
     policy = build_gpt_chunks(arch, parallel, rt.device)
     reference = build_gpt_chunks(arch, parallel, rt.device)
     # The same noise on every TP and DP rank of a pipeline stage: replicated weights (norms, and

@@ -44,6 +44,28 @@ def tiny_arch(**overrides: Any) -> GPTArchitecture:
     return GPTArchitecture(**fields)
 
 
+def gemma3_arch(**overrides: Any) -> GPTArchitecture:
+    """`tiny_arch` with Gemma 3's layers: sliding window 5 in layers 1 and 3 (of 4), a local RoPE
+    base there and linear scaling on the full layers, (1 + w) pre-, post- and Q/K norms, GeGLU,
+    scaled embeddings and scores, head dim 32 (not hidden / heads)."""
+    fields: dict[str, Any] = dict(
+        activation="geglu",
+        zero_centered_norms=True,
+        post_norms=True,
+        qk_layernorm=True,
+        embedding_multiplier=8.0,
+        softmax_scale=0.2,
+        kv_channels=32,
+        rotary_base=1_000_000,
+        rotary_base_local=10_000,
+        rotary_interpolation_factor=8.0,
+        sliding_window=5,
+        window_layers=[1, 0, 1, 0],
+    )
+    fields.update(overrides)
+    return tiny_arch(**fields)
+
+
 @dataclass(frozen=True)
 class Layout:
     """A named parallel layout on a world of 4 (DP is whatever TP x PP leaves)."""

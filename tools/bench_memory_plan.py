@@ -66,6 +66,19 @@ MOE = [
     "model.moe_shared_expert_gate=true",
 ]
 
+#: A Gemma 3 (`models.gemma_layers`): windows, local RoPE base, (1 + w) pre-, post- and Q/K norms.
+GEMMA3 = [
+    "model.activation=geglu",
+    "model.post_norms=true",
+    "model.zero_centered_norms=true",
+    "model.qk_layernorm=true",
+    "model.sliding_window=16",
+    "model.window_layers=[1,0,1,0]",
+    "model.rotary_base_local=10000",
+    "model.embedding_multiplier=16.0",
+    "model.softmax_scale=0.1",
+]
+
 #: The distributed optimizer in bf16 (overlap off: see NO_OVERLAP_REASON).
 DISTOPT_BF16 = [
     "model.optim.name=distributed_fused_adam",
@@ -111,6 +124,7 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     ),
     "tp2": (2, ["model.tensor_model_parallel_size=2"]),
     "tp2_dp2": (4, ["model.tensor_model_parallel_size=2"]),
+    "tp2_dp2_gemma3": (4, ["model.tensor_model_parallel_size=2", *GEMMA3]),
     "pp2_dp2_unpacked_block_recompute": (
         4,
         [

@@ -202,16 +202,20 @@ def choose_attention(settings: dict[str, Any]):
         SettingNames,
         choose_attention_backend,
         head_dim_of,
+        local_layers_only_of,
     )
     from megatron_kto.runtime.gpu_settings import Accelerator
 
     try:
+        arch = read_architecture(Path(settings["policy"]))
         return choose_attention_backend(
             settings["attention_backend"],
             precision=settings["precision"],
             packed=PACKED_PASSES,
             accelerator=Accelerator.detect(),
-            head_dim=head_dim_of(read_architecture(Path(settings["policy"]))),
+            head_dim=head_dim_of(arch),
+            sliding_window=bool(arch.sliding_window),
+            local_layers_only=local_layers_only_of(arch),
             context_parallel_size=settings["context_parallel_size"],
             names=SettingNames("--attention-backend", "--precision", packing=None),
         )

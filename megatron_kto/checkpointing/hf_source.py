@@ -94,9 +94,9 @@ def load_hf_model(hf_dir: str | Path, chunks: list[torch.nn.Module]) -> LoadStat
     """
     hf_dir = Path(hf_dir)
     try:
-        config, arch = read_hf_architecture(hf_dir, warn=lambda line: None)  # warned at resolve
+        config, arch = read_hf_architecture(hf_dir)
         family = get_family(config.get("model_type"))
-        weights = HFWeights(hf_dir)
+        weights = HFWeights(hf_dir, family.weight_prefixes)
         return _load(weights, arch, family, chunks)
     except ConversionError as e:
         raise CheckpointError(str(e)) from None

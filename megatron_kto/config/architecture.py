@@ -40,7 +40,7 @@ class GPTArchitecture:
     layernorm_epsilon: float = 1e-5
     """Norm epsilon."""
     activation: str = "swiglu"
-    """MLP activation: 'swiglu', 'gelu' or 'relu'."""
+    """MLP activation: 'swiglu', 'geglu' (gated tanh-approximated GeLU, Gemma), 'gelu' or 'relu'."""
     position_embedding_type: str = "rope"
     """'rope' or 'learned_absolute'."""
     rotary_base: int = 10000
@@ -65,6 +65,28 @@ class GPTArchitecture:
     """Dropout after attention/MLP."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
+    rotary_base_local: float | None = None
+    """RoPE theta of the sliding-window layers (Gemma 3's local layers); None means
+    `rotary_base` in every layer."""
+    rotary_interpolation_factor: float | None = None
+    """Linear RoPE scaling of the full-attention layers (positions divided by it; HF rope_type
+    'linear'); None means none."""
+    zero_centered_norms: bool = False
+    """Every RMSNorm scales by (1 + weight), computed in fp32 (Gemma)."""
+    post_norms: bool = False
+    """An RMSNorm on the attention output and on the MLP output before each residual add
+    (Gemma's post_attention / post_feedforward norms)."""
+    embedding_multiplier: float | None = None
+    """Input embeddings are multiplied by this, rounded to the model's dtype (Gemma:
+    sqrt(hidden_size)); None means 1."""
+    softmax_scale: float | None = None
+    """Attention score scale; None means 1/sqrt(head dim) (Gemma: query_pre_attn_scalar^-0.5)."""
+    sliding_window: int | None = None
+    """Sliding-window attention: a query sees itself and the `sliding_window - 1` positions
+    before it (HF `sliding_window`); None means full causal attention in every layer."""
+    window_layers: list[int] | None = None
+    """Which layers use `sliding_window`: one 1 (sliding) or 0 (full attention) per layer
+    (megatron-core's `window_attn_skip_freq` list; HF `layer_types`); None means every layer."""
 
     num_moe_experts: int | None = None
     """Routed experts per MoE layer; None means a dense MLP in every layer."""
@@ -89,6 +111,8 @@ class GPTArchitecture:
     def __post_init__(self) -> None:
         if self.moe_layer_freq is not None:  # plain ints (a config gives a ListConfig)
             self.moe_layer_freq = [int(v) for v in self.moe_layer_freq]
+        if self.window_layers is not None:
+            self.window_layers = [int(v) for v in self.window_layers]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form, for checkpoints and JSON."""
@@ -108,6 +132,19 @@ class GPTArchitecture:
         if not self.num_moe_experts:
             return False
         return self.moe_layer_freq is None or bool(self.moe_layer_freq[layer])
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (0-based, global), None for full attention."""
+        if not self.sliding_window:
+            return None
+        if self.window_layers is None or self.window_layers[layer]:
+            return self.sliding_window
+        return None
+
+    @property
+    def gated_mlp(self) -> bool:
+        """The MLP's first linear layer holds a gate and an up projection (SwiGLU, GeGLU)."""
+        return self.activation in ("swiglu", "geglu")
 
     def has_dense_layers(self) -> bool:
         """An MoE model with some dense-MLP layers (`moe_layer_freq` with a 0)."""

@@ -57,7 +57,11 @@ def attention_choice(cfg: Any, accelerator: Any = None) -> Any:
         ConfigError: the configured backend cannot run here, or nothing can (one line naming
             the key and what to set instead).
     """
-    from megatron_kto.runtime.attention_backend import choose_attention_backend, head_dim_of
+    from megatron_kto.runtime.attention_backend import (
+        choose_attention_backend,
+        head_dim_of,
+        local_layers_only_of,
+    )
     from megatron_kto.runtime.gpu_settings import Accelerator
 
     m = cfg.model
@@ -68,6 +72,8 @@ def attention_choice(cfg: Any, accelerator: Any = None) -> Any:
             packed=m.data.pack_sequences,
             accelerator=accelerator or Accelerator.detect(),
             head_dim=head_dim_of(m),
+            sliding_window=bool(m.sliding_window),
+            local_layers_only=local_layers_only_of(m),
             sequence_parallel=m.sequence_parallel,
             context_parallel_size=m.context_parallel_size,
         )

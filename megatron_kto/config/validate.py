@@ -62,10 +62,21 @@ def _check_architecture(m: Any) -> None:
     for key in ("hidden_dropout", "attention_dropout"):
         need(0.0 <= getattr(m, key) < 1.0, f"model.{key}", "must be in [0, 1)")
     _choice(m.normalization, "model.normalization", ("RMSNorm", "LayerNorm"))
-    _choice(m.activation, "model.activation", ("swiglu", "gelu", "relu"))
+    _choice(m.activation, "model.activation", ("swiglu", "geglu", "gelu", "relu"))
     _choice(
         m.position_embedding_type, "model.position_embedding_type", ("rope", "learned_absolute")
     )
+    if m.sliding_window is not None:
+        need(m.sliding_window >= 1, "model.sliding_window", "must be >= 1 (or null)")
+    if m.window_layers is not None:
+        pattern = list(m.window_layers)
+        need(bool(m.sliding_window), "model.window_layers", "needs model.sliding_window")
+        need(
+            len(pattern) == m.num_layers and set(pattern) <= {0, 1},
+            "model.window_layers",
+            f"{pattern}: expected one 1 (sliding window) or 0 (full attention) per layer "
+            f"({m.num_layers} layers)",
+        )
     if m.moe_layer_freq is not None:
         pattern = list(m.moe_layer_freq)
         need(bool(m.num_moe_experts), "model.moe_layer_freq", "needs model.num_moe_experts")

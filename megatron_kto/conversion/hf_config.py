@@ -7,11 +7,12 @@ registry (`conversion/registry.py`); the fields the families share are in `conve
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.errors import ConversionError
-from megatron_kto.conversion.families import dense_hf_config
+from megatron_kto.conversion.families import dense_hf_config, hf_window_config, hf_windows
 from megatron_kto.conversion.registry import expressing_types, family_of_config, get_family
 
 
@@ -21,7 +22,9 @@ def architecture_from_hf(config: dict[str, Any], where: str = "config.json") -> 
     Raises:
         ConversionError: unsupported model type or option, naming `where` and the field.
     """
-    return family_of_config(config, where).architecture_from_hf(config, where)
+    family = family_of_config(config, where)
+    arch = family.architecture_from_hf(config, where)
+    return dataclasses.replace(arch, **hf_windows(config, where, family.windows))
 
 
 def hf_config_from_architecture(
@@ -37,12 +40,12 @@ def hf_config_from_architecture(
         ConversionError: `model_type` unsupported or `arch` not expressible in it.
     """
     family = get_family(model_type, what="model type")
-    reason = family.cannot_express(arch)
+    reason = family.refuses(arch)
     if reason:
         options = " or ".join(expressing_types(arch)) or "no supported type"
         raise ConversionError(f"{reason}: it exports as {options}, not {model_type}")
     config = dense_hf_config(arch, model_type, family.hf_architecture, base, dtype)
-    return family.hf_config(arch, config)
+    return hf_window_config(arch, family.hf_config(arch, config), family.windows)
 
 
 __all__ = ["ConversionError", "architecture_from_hf", "hf_config_from_architecture"]

@@ -10,15 +10,11 @@ the vocabulary padding the converter writes.
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.hf_config import ConversionError, architecture_from_hf
-
-logger = logging.getLogger(__name__)
 
 CONFIG = "config.json"
 #: The weight files read (as `safetensors_io` names them): one file, or shards and their index.
@@ -90,14 +86,11 @@ def model_architecture(config: dict[str, Any], where: str) -> GPTArchitecture:
     return arch
 
 
-def read_hf_architecture(
-    hf_dir: str | Path, warn: Callable[[str], None] | None = None
-) -> tuple[dict[str, Any], GPTArchitecture]:
+def read_hf_architecture(hf_dir: str | Path) -> tuple[dict[str, Any], GPTArchitecture]:
     """(config.json, the megatron architecture with its padded vocabulary) of a directory.
 
     Args:
         hf_dir: the Hugging Face model directory.
-        warn: receives a line about settings that are not applied (default: logged).
 
     Raises:
         ConversionError: no or unreadable config.json, an unsupported model type (naming the
@@ -106,12 +99,4 @@ def read_hf_architecture(
     hf_dir = Path(hf_dir)
     where = hf_dir / CONFIG
     config = read_json(where, "a Hugging Face model directory needs config.json")
-    arch = model_architecture(config, str(where))
-    window = config.get("sliding_window")
-    if window and config.get("use_sliding_window", True) and window < arch.encoder_seq_length:
-        message = (
-            f"{hf_dir}: sliding_window={window} is not applied (full causal attention); "
-            f"results match for sequences up to {window} tokens"
-        )
-        (warn or logger.warning)(message)
-    return config, arch
+    return config, model_architecture(config, str(where))

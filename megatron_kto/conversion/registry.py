@@ -14,6 +14,7 @@ from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.errors import ConversionError
 from megatron_kto.conversion.families import (
     Family,
+    gemma3,
     llama,
     mixtral,
     qwen2,
@@ -23,7 +24,7 @@ from megatron_kto.conversion.families import (
 )
 
 #: Family modules, each defining `FAMILIES: tuple[Family, ...]`, in registration order.
-_MODULES = (llama, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe)
+_MODULES = (llama, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3)
 _FAMILIES: dict[str, Family] = {
     family.model_type: family for module in _MODULES for family in module.FAMILIES
 }
@@ -61,7 +62,7 @@ def family_of_config(config: dict[str, Any], where: str) -> Family:
 
 def expressing_types(arch: GPTArchitecture) -> list[str]:
     """The model types an architecture exports as, in registration order."""
-    return [t for t, family in families().items() if family.cannot_express(arch) is None]
+    return [t for t, family in families().items() if family.refuses(arch) is None]
 
 
 def default_model_type(arch: GPTArchitecture) -> str:

@@ -25,9 +25,14 @@ INDEX = "model.safetensors.index.json"
 
 
 class HFWeights:
-    """Read-only access to the tensors of a Hugging Face model directory."""
+    """Read-only access to the tensors of a Hugging Face model directory.
 
-    def __init__(self, model_dir: str | Path):
+    With `prefixes` (stored prefix -> name prefix, a family's `weight_prefixes`) it is a view:
+    tensors are named as the family's tables name them, and stored tensors under none of the
+    prefixes (a multimodal checkpoint's vision tower) are not part of it.
+    """
+
+    def __init__(self, model_dir: str | Path, prefixes: tuple[tuple[str, str], ...] = ()):
         """
         Raises:
             ConversionError: no safetensors weights, or an unreadable index/file.
@@ -50,6 +55,16 @@ class HFWeights:
             if isinstance(e, ConversionError):
                 raise
             raise ConversionError(f"{current}: unreadable weights: {_one_line(e)}") from e
+        #: name -> the name stored in the file (differs only in a view).
+        self._stored = {name: name for name in self._file_of}
+        if prefixes:
+            self._stored = {
+                new + name[len(old) :]: name
+                for name in self._file_of
+                for old, new in prefixes
+                if name.startswith(old)
+            }
+            self._file_of = {name: self._file_of[stored] for name, stored in self._stored.items()}
 
     def names(self) -> set[str]:
         """All tensor names."""
@@ -71,7 +86,7 @@ class HFWeights:
         # of an import if handles were kept. Re-reading the header each time costs microseconds.
         try:
             with safe_open(path, framework="pt") as handle:
-                return handle.get_tensor(name)
+                return handle.get_tensor(self._stored[name])
         except (SafetensorError, OSError, ValueError) as e:
             raise ConversionError(f"{path}: cannot read tensor {name}: {_one_line(e)}") from e
 
@@ -98,9 +113,12 @@ class HFWeights:
                 with safe_open(path, framework="pt") as handle:
                     present = set(handle.keys())
                     for name in in_file:
-                        if name not in present:
-                            raise ConversionError(f"{path}: tensor {name} is missing from the file")
-                        out[name] = tuple(handle.get_slice(name).get_shape())
+                        stored = self._stored[name]
+                        if stored not in present:
+                            raise ConversionError(
+                                f"{path}: tensor {stored} is missing from the file"
+                            )
+                        out[name] = tuple(handle.get_slice(stored).get_shape())
             except (SafetensorError, OSError, ValueError) as e:
                 if isinstance(e, ConversionError):
                     raise
@@ -122,7 +140,7 @@ class HFWeights:
         path = self._file_of[name]
         try:
             with safe_open(path, framework="pt") as handle:
-                lazy = handle.get_slice(name)
+                lazy = handle.get_slice(self._stored[name])
                 index = [slice(None)] * len(lazy.get_shape())
                 index[axis] = slice(start, stop)
                 return lazy[tuple(index)]

@@ -136,7 +136,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -
         raise ConversionError("the converter runs as one process: start it without torchrun")
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     config, arch = read_hf_architecture(hf_dir)  # the vocabulary padded as hf_dir pads it
-    weights = HFWeights(hf_dir)
+    weights = HFWeights(hf_dir, get_family(config["model_type"]).weight_prefixes)
     # Input is validated above; megatron-core is imported only now, so bad input fails fast.
     from megatron_kto.checkpointing.model_io import save_model
 

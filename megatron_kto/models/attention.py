@@ -30,7 +30,14 @@ What it keeps from megatron's contract:
   back to reading `cu_seqlens`;
 * context parallelism (`config.context_parallel_size` > 1): this rank holds two chunks of every
   row (`models.context_parallel`); `models.cp_attention` all-gathers keys and values over the
-  CP group and masks causally by each token's position in its row.
+  CP group and masks causally by each token's position in its row;
+* sliding windows (megatron-core's `window_size` = (W − 1, 0) and `window_attn_skip_freq`, read
+  per layer as TE reads them): a query sees itself and the W − 1 keys before it, as
+  `transformers`' sliding-window masks. A row (padded batch, packed row, CP chunk) no longer
+  than W needs nothing beyond causality and keeps the fused causal call; a longer one is
+  attended in query blocks of W over their windows' keys with one shared band mask
+  (`_windowed`: O(s·W) work and memory, not s²; a CP chunk: one band-masked call over the keys
+  its window reaches).
 """
 
 from __future__ import annotations
@@ -45,9 +52,11 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from megatron_kto.models.attention_masks import additive_mask, window_band, window_mask
 from megatron_kto.models.cp_attention import context_parallel_attention
 
 
@@ -80,7 +89,8 @@ class SDPAttention(MegatronModule):
         super().__init__(config=config)
         unsupported = {
             "softmax_type != 'vanilla'": config.softmax_type != "vanilla",
-            "window_size (sliding-window attention)": config.window_size is not None,
+            "window_size other than (left, 0) (a non-causal window)": config.window_size is not None
+            and (config.window_size[1] != 0 or config.window_size[0] < 0),
         }
         bad = [name for name, on in unsupported.items() if on]
         if bad:
@@ -106,6 +116,12 @@ class SDPAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        # `layer_number` is the global 1-based layer (pipeline offset included), as TE reads it.
+        windowed = is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, self.layer_number
+        )
+        self.window: int | None = config.window_size[0] + 1 if windowed else None
+        """Keys a query sees (itself included) in this layer; None: full causal attention."""
 
     def forward(
         self,
@@ -144,14 +160,18 @@ class SDPAttention(MegatronModule):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         attn_mask = None
         is_causal = False
+        banded = self.window is not None and sk > self.window
+        if banded and attention_mask is None:
+            if mask_type != AttnMaskType.causal or sq != sk:
+                raise ValueError("a sliding window needs causal self-attention with sq == sk")
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            k, v, native_gqa = self._grouped_kv(q, k, v, True)
+            context = self._in_dropout_stream(lambda p: self._windowed(q, k, v, p, native_gqa))
+            return context.permute(2, 0, 1, 3).reshape(sq, batch, -1)
+        if banded:  # an explicit mask: the band on top of it, in one call
+            attention_mask = attention_mask | window_mask(sq, sk, self.window, query.device)
         if attention_mask is not None:
-            # Additive, finite mask instead of SDPA's boolean one: a query row whose keys are all
-            # masked (e.g. a padding row under a padding mask) would be NaN with -inf fills and
-            # poison the backward; with the dtype's minimum it is uniform, as megatron's
-            # masked_fill(-10000) softmax gives, and its output is discarded anyway.
-            attn_mask = torch.zeros(
-                attention_mask.shape, dtype=query.dtype, device=query.device
-            ).masked_fill(attention_mask, torch.finfo(query.dtype).min)
+            attn_mask = additive_mask(attention_mask, query.dtype)
         elif mask_type == AttnMaskType.causal and sq > 1:
             # Right padding needs no mask: real tokens precede padding, so causal attention
             # never lets a real token see one (and padded positions carry no loss).
@@ -190,11 +210,19 @@ class SDPAttention(MegatronModule):
             raise ValueError(f"packed rows of {sum(seqlens)} tokens, but {query.shape[0]} given")
         # [t, n, d] -> [1, n, t, d] (a view), split into rows along t.
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-        k, v, native_gqa = self._grouped_kv(q, k, v, None)
+        banded = self.window is not None and max(seqlens) > self.window
+        # (A windowed row longer than the window is a masked call: choose the KV layout for it.)
+        k, v, native_gqa = self._grouped_kv(q, k, v, True if banded else None)
+
+        def row(qi, ki, vi, dropout_p: float) -> torch.Tensor:
+            n = qi.shape[2]
+            if self.window is None or n <= self.window:
+                return self._sdpa(qi, ki, vi, None, dropout_p, n > 1, native_gqa)
+            return self._windowed(qi, ki, vi, dropout_p, native_gqa)
 
         def rows(dropout_p: float) -> list[torch.Tensor]:
             return [
-                self._sdpa(qi, ki, vi, None, dropout_p, qi.shape[2] > 1, native_gqa)
+                row(qi, ki, vi, dropout_p)
                 for qi, ki, vi in zip(*(t.split(list(seqlens), dim=2) for t in (q, k, v)))
                 if qi.shape[2] > 0
             ]
@@ -202,6 +230,24 @@ class SDPAttention(MegatronModule):
         # [1, n, l_i, d] per row -> [1, n, t, d] -> [t, n·d]
         context = torch.cat(self._in_dropout_stream(rows), dim=2)[0]
         return context.transpose(0, 1).reshape(query.shape[0], -1)
+
+    def _windowed(self, q, k, v, dropout_p: float, native_gqa: bool) -> torch.Tensor:
+        """Causal attention within `self.window` (W) of rows [b, n, s, d] longer than W, in query
+        blocks of W: a block's queries see the keys from its first position − W + 1 on, the band
+        masked; the first block is plainly causal. Work is O(s·W), not s², and every block of
+        every layer takes (a corner of) one cached [W, 2W − 1] mask (`window_band`)."""
+        s, w = q.shape[2], self.window
+        band = window_band(w, q.dtype, q.device)
+        out = []
+        for start in range(0, s, w):
+            stop, first = min(start + w, s), max(0, start - w + 1)
+            qb, kb, vb = q[:, :, start:stop], k[:, :, first:stop], v[:, :, first:stop]
+            c, sk = stop - start, stop - first
+            if sk == c:  # the first block: its window reaches back to the row's start
+                out.append(self._sdpa(qb, kb, vb, None, dropout_p, c > 1, native_gqa))
+            else:  # sk = c + w − 1: the block's queries are the last c of its keys
+                out.append(self._sdpa(qb, kb, vb, band[:c, :sk], dropout_p, False, native_gqa))
+        return torch.cat(out, dim=2)
 
     def _grouped_kv(self, q, k, v, attn_mask) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Key and value for SDPA ([b, groups or heads, s, d]) and whether SDPA broadcasts the

@@ -8,6 +8,7 @@ Q/K norms) and mixture-of-experts layers (`layer_options.py`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -20,19 +21,27 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kto.config.architecture import GPTArchitecture
+from megatron_kto.models.gemma_layers import LayerExtras
 from megatron_kto.models.layer_options import moe_transformer_config
 from megatron_kto.models.layer_specs import decoder_block_spec
 from megatron_kto.runtime.attention_backend import (
     AttentionChoice,
     choose_attention_backend,
     head_dim_of,
+    local_layers_only_of,
 )
 from megatron_kto.runtime.gpu_settings import Accelerator, fusion_settings
 from megatron_kto.runtime.precision import precision_dtype
 
 logger = logging.getLogger(__name__)
 
-_ACTIVATIONS = {"swiglu": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GeLU with the tanh approximation (`transformers`' gelu_pytorch_tanh; Gemma's GeGLU gate)."""
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"swiglu": F.silu, "geglu": gelu_tanh, "gelu": F.gelu, "relu": F.relu}
 
 
 @dataclass
@@ -101,7 +110,15 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         add_bias_linear=arch.add_bias_linear,
         add_qkv_bias=arch.add_qkv_bias,
         qk_layernorm=arch.qk_layernorm,
-        gated_linear_unit=arch.activation == "swiglu",
+        # Sliding windows as megatron-core states them (TE and our SDPA read the same two
+        # fields): (left, right) keys around each query, and a 1/0 per layer (1 = windowed).
+        window_size=(arch.sliding_window - 1, 0) if arch.sliding_window else None,
+        window_attn_skip_freq=(
+            list(arch.window_layers) if arch.sliding_window and arch.window_layers else None
+        ),
+        gated_linear_unit=arch.gated_mlp,
+        layernorm_zero_centered_gamma=arch.zero_centered_norms,
+        softmax_scale=arch.softmax_scale,
         activation_func=_ACTIVATIONS[arch.activation],
         init_method_std=arch.init_method_std,
         tensor_model_parallel_size=layout.tensor_model_parallel_size,
@@ -165,6 +182,8 @@ def attention_choice(arch: GPTArchitecture, layout: ParallelLayout) -> Attention
             packed=layout.pack_sequences,
             accelerator=accelerator,
             head_dim=head_dim_of(arch),
+            sliding_window=bool(arch.sliding_window),
+            local_layers_only=local_layers_only_of(arch),
             sequence_parallel=layout.sequence_parallel,
             context_parallel_size=layout.context_parallel_size,
         )
@@ -195,37 +214,72 @@ def build_gpt_chunks(
     config = make_transformer_config(arch, layout)
     backend = attention_choice(arch, layout).backend
     vocab = arch.padded_vocab(layout.tensor_model_parallel_size)
+    extras = LayerExtras.of(arch)
     vpp = layout.virtual_pipeline_model_parallel_size
     chunks: list[torch.nn.Module] = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=decoder_block_spec(
-                config, arch.normalization, backend, vp_stage=stage
-            ),
-            vocab_size=vocab,
-            max_sequence_length=arch.encoder_seq_length,
-            pre_process=parallel_state.is_pipeline_first_stage(
-                ignore_virtual=False, vp_stage=stage
-            ),
-            post_process=parallel_state.is_pipeline_last_stage(
-                ignore_virtual=False, vp_stage=stage
-            ),
-            parallel_output=True,
-            share_embeddings_and_output_weights=arch.share_embeddings_and_output_weights,
-            position_embedding_type=arch.position_embedding_type,
-            rotary_percent=arch.rotary_percent,
-            rotary_base=arch.rotary_base,
-            rope_scaling=arch.rope_scaling,
-            rope_scaling_factor=arch.rope_scaling_factor,
-            vp_stage=stage,
-        )
+        with _quiet_about_our_mlp():
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=decoder_block_spec(
+                    config, arch.normalization, backend, vp_stage=stage, extras=extras
+                ),
+                vocab_size=vocab,
+                max_sequence_length=arch.encoder_seq_length,
+                pre_process=parallel_state.is_pipeline_first_stage(
+                    ignore_virtual=False, vp_stage=stage
+                ),
+                post_process=parallel_state.is_pipeline_last_stage(
+                    ignore_virtual=False, vp_stage=stage
+                ),
+                parallel_output=True,
+                share_embeddings_and_output_weights=arch.share_embeddings_and_output_weights,
+                position_embedding_type=arch.position_embedding_type,
+                rotary_percent=arch.rotary_percent,
+                rotary_base=arch.rotary_base,
+                rope_scaling=arch.rope_scaling,
+                rope_scaling_factor=arch.rope_scaling_factor,
+                seq_len_interpolation_factor=arch.rotary_interpolation_factor,
+                vp_stage=stage,
+            )
+        if arch.embedding_multiplier is not None and model.pre_process:
+            model.embedding.register_forward_hook(_scale_output(arch.embedding_multiplier))
         model.to(device)
         if config.bf16 or config.fp16:
             model = Float16Module(config, model)
         chunks.append(model)
     return chunks
+
+
+class _OurMLPFilter(logging.Filter):
+    """Drops megatron's "Unknown MLP type" warning: `TransformerLayer` says it (once per layer)
+    for any MLP class other than its own, here `gemma_layers.PostNormMLP`, whose default
+    construction (megatron's TP group) is the one we want."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unknown MLP type" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_about_our_mlp():
+    layer_logger = logging.getLogger("megatron.core.transformer.transformer_layer")
+    quiet = _OurMLPFilter()
+    layer_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        layer_logger.removeFilter(quiet)
+
+
+def _scale_output(multiplier: float):
+    """A forward hook multiplying a module's output by `multiplier` rounded to the output's dtype
+    (as `transformers`' Gemma scales its embeddings: the factor cast to the weights' dtype)."""
+
+    def hook(module: torch.nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        return output * torch.tensor(multiplier, dtype=output.dtype, device=output.device)
+
+    return hook
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:

@@ -13,7 +13,9 @@ in row order, and attends with its own queries only:
 * the gather is megatron-core's sequence all-gather (`gather_from_sequence_parallel_region`
   over the CP group): its backward reduce-scatters the key/value gradients, so each rank gets
   the sum over all ranks' queries of the gradient of its own keys and values;
-* work is balanced: rank r's two chunks see (r+1) + (2·CP−r) = 2·CP+1 chunks of keys.
+* work is balanced: rank r's two chunks see (r+1) + (2·CP−r) = 2·CP+1 chunks of keys;
+* a sliding window (`SDPAttention.window`) keeps only the keys a chunk's queries can see (from
+  its first query's position − window + 1 on) and masks the band within them.
 
 Memory: the gathered keys and values are whole rows (2 × groups/TP × d per token — with GQA a
 small fraction of the hidden size); the scores, the large part, stay per local query. Packed
@@ -32,6 +34,7 @@ from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch.nn.attention.bias import causal_lower_right
 
+from megatron_kto.models.attention_masks import additive_mask, window_mask
 from megatron_kto.models.context_parallel import padded_split_index
 
 
@@ -108,7 +111,11 @@ def context_parallel_attention(
                 visible = (chunk + 1) * c
                 kc = k[:, :, whole_start : whole_start + visible]
                 vc = v[:, :, whole_start : whole_start + visible]
-                outputs.append(prefix_causal_attention(sdpa, qc, kc, vc, dropout_p, native_gqa))
+                outputs.append(
+                    prefix_causal_attention(
+                        sdpa, qc, kc, vc, dropout_p, native_gqa, window=sdpa.window
+                    )
+                )
             local_start += 2 * c
             whole_start += n
         return outputs
@@ -127,6 +134,7 @@ def prefix_causal_attention(
     dropout_p: float,
     native_gqa: bool,
     lower_right_mask: bool | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the last `c` positions of a sequence (`query` [b, n, c, d]) over all of it
     (`key`/`value` [b, g, s, d], s >= c), causally: query i sees keys 0 .. s − c + i.
@@ -140,8 +148,19 @@ def prefix_causal_attention(
       split saves). Instead the queries are left-padded with zeros to length s and run with
       SDPA's plain causal flag (the fused CPU kernel, no mask); the padded rows' outputs are
       dropped. It costs up to s/c times the attention work of this chunk, on the CPU only.
+
+    With a sliding `window`, query i sees keys s − c + i − window + 1 .. s − c + i: the keys
+    before the first query's window are dropped, and a band mask is used when the window still
+    cuts the rest (`attention.window_mask`).
     """
     c, s = query.shape[2], key.shape[2]
+    if window is not None:
+        first = max(0, s - c - window + 1)
+        key, value = key[:, :, first:], value[:, :, first:]
+        s -= first
+        if window < s:
+            mask = additive_mask(window_mask(c, s, window, query.device), query.dtype)
+            return sdpa._sdpa(query, key, value, mask, dropout_p, False, native_gqa)
     if s == c:
         return sdpa._sdpa(query, key, value, None, dropout_p, True, native_gqa)
     if lower_right_mask is None:

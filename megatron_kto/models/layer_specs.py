@@ -34,17 +34,21 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_kto.models.attention import SDPAttention
+from megatron_kto.models.gemma_layers import GemmaSelfAttention, LayerExtras, PostNormMLP
 from megatron_kto.models.layer_options import extend_local_layer
 from megatron_kto.models.norms import LocalNorm
 from megatron_kto.models.packed_rope import PackedRoPESelfAttention
 
 
-def local_layer_spec(normalization: str, attention: str) -> ModuleSpec:
+def local_layer_spec(
+    normalization: str, attention: str, extras: LayerExtras = LayerExtras()
+) -> ModuleSpec:
     """megatron-core's local transformer-layer spec with our norms and the chosen core attention.
 
     Args:
         normalization: 'RMSNorm' or 'LayerNorm'.
         attention: 'sdpa' (`SDPAttention`) or 'local' (megatron's `DotProductAttention`).
+        extras: post-norms and a local RoPE base (`models.gemma_layers`), when the model has them.
     """
     spec = get_gpt_layer_local_spec(normalization=normalization)
     layer = spec.submodules
@@ -54,19 +58,33 @@ def local_layer_spec(normalization: str, attention: str) -> ModuleSpec:
         attn_submodules = dataclasses.replace(attn_submodules, core_attention=SDPAttention)
     # dataclasses.replace keeps everything else, including the sharded_state_dict_keys_map that
     # names the norms as TE's fused layer-norm weights in checkpoints.
+    self_attention = dataclasses.replace(
+        self_attention, module=PackedRoPESelfAttention, submodules=attn_submodules
+    )
+    mlp = layer.mlp
+    if extras:
+        params = {"post_norm": extras.post_norms, "local_rotary": extras.local_rotary}
+        self_attention = dataclasses.replace(
+            self_attention, module=GemmaSelfAttention, params={**self_attention.params, **params}
+        )
+        if extras.post_norms:
+            mlp = dataclasses.replace(mlp, module=PostNormMLP)
     layer = dataclasses.replace(
         layer,
         input_layernorm=LocalNorm,
         pre_mlp_layernorm=LocalNorm,
-        self_attention=dataclasses.replace(
-            self_attention, module=PackedRoPESelfAttention, submodules=attn_submodules
-        ),
+        self_attention=self_attention,
+        mlp=mlp,
     )
     return dataclasses.replace(spec, submodules=layer)
 
 
 def decoder_block_spec(
-    config: TransformerConfig, normalization: str, backend: str, vp_stage: int | None
+    config: TransformerConfig,
+    normalization: str,
+    backend: str,
+    vp_stage: int | None,
+    extras: LayerExtras = LayerExtras(),
 ) -> ModuleSpec | TransformerBlockSubmodules:
     """The decoder spec `GPTModel` is built with, for this pipeline (and virtual) stage.
 
@@ -75,6 +93,8 @@ def decoder_block_spec(
         normalization: 'RMSNorm' or 'LayerNorm'.
         backend: a resolved backend ('te', 'sdpa' or 'local').
         vp_stage: virtual pipeline stage of the chunk, None without interleaving.
+        extras: post-norms / local RoPE base (local specs only: `attention_backend` keeps such
+            models off TE).
 
     Returns:
         TE: megatron's TE layer spec (its block adds TE's final norm); for an MoE model with
@@ -87,6 +107,11 @@ def decoder_block_spec(
     pattern = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else None
     mixed = bool(config.num_moe_experts) and pattern is not None and 0 in pattern
     if backend == "te":
+        if extras:
+            raise ValueError(
+                "model.attention_backend: 'te' has no post-norms or per-layer RoPE base "
+                "(Gemma 3); set model.attention_backend=sdpa (or auto)"
+            )
         experts = config.num_moe_experts
         layer = get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=bool(experts), qk_layernorm=config.qk_layernorm
@@ -98,7 +123,7 @@ def decoder_block_spec(
         dense = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
         layers = _stage_layers(config, vp_stage, layer, dense, pattern)
         return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TENorm)
-    local = local_layer_spec(normalization, backend)
+    local = local_layer_spec(normalization, backend, extras)
     layer = extend_local_layer(local, config)
     if not mixed:  # every layer has one spec: only the count per stage matters
         count = get_num_layers_to_build(config, vp_stage=vp_stage)

@@ -11,6 +11,10 @@ attribute is true — Apex's and TE's norms set that attribute, and so does this
 The computation is `torch.nn.functional.rms_norm` / `layer_norm`, the same kernels
 `torch.nn.RMSNorm` / `torch.nn.LayerNorm` call, so results are bit-identical to the modules
 megatron's local spec would have built, and the state-dict keys (`weight`, `bias`) are the same.
+
+Zero-centered RMSNorm (`config.layernorm_zero_centered_gamma`, Gemma's `(1 + w)` norms): the
+weight starts at 0 and scales by `1 + w`; as `transformers`' Gemma norms, it normalises and scales
+in fp32 and casts back to the input's dtype.
 """
 
 from __future__ import annotations
@@ -38,20 +42,23 @@ class LocalNorm(torch.nn.Module):
             hidden_size: size of the normalised (last) dimension.
             eps: added to the variance.
             persist_layer_norm: Apex kernel option; must be False here.
-            zero_centered_gamma: must be False (neither config option is used by our models).
+            zero_centered_gamma: scale by `1 + weight` (RMSNorm only); so does
+                `config.layernorm_zero_centered_gamma`.
             normalization: overrides `config.normalization` (megatron's builders may pass it).
         """
         super().__init__()
         kind = normalization or config.normalization
         if kind not in ("RMSNorm", "LayerNorm"):
             raise ValueError(f"model.normalization must be 'RMSNorm' or 'LayerNorm', got {kind!r}")
-        if zero_centered_gamma or config.layernorm_zero_centered_gamma:
-            raise ValueError("zero-centered gamma is not supported by LocalNorm")
+        self.zero_centered = zero_centered_gamma or config.layernorm_zero_centered_gamma
+        if self.zero_centered and kind != "RMSNorm":
+            raise ValueError("zero-centered gamma is supported by LocalNorm for RMSNorm only")
         self.kind = kind
         self.eps = eps
         self.normalized_shape = (hidden_size,)
         factory = {"device": None, "dtype": config.params_dtype}
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, **factory))
+        init = torch.zeros if self.zero_centered else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, **factory))
         if kind == "LayerNorm":
             self.bias = torch.nn.Parameter(torch.zeros(hidden_size, **factory))
         else:
@@ -62,6 +69,9 @@ class LocalNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dimension of `x` (any leading shape)."""
+        if self.zero_centered:
+            normed = F.rms_norm(x.float(), self.normalized_shape, None, self.eps)
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
         if self.kind == "RMSNorm":
             return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)

@@ -84,9 +84,10 @@ class LinearTargets:
 
 
 def linear_projections(arch: Any) -> dict[str, tuple[str, ...]]:
-    """`LINEARS` for this architecture: without SwiGLU, `linear_fc1` is `up_proj` alone."""
+    """`LINEARS` for this architecture: without a gated MLP (SwiGLU, GeGLU), `linear_fc1` is
+    `up_proj` alone."""
     out = dict(LINEARS)
-    if arch.activation != "swiglu":
+    if arch.activation not in ("swiglu", "geglu"):
         out["mlp.linear_fc1"] = ("up_proj",)
     return out
 

@@ -18,6 +18,7 @@ These are the tensors autograd saves in megatron-core's local layer spec with ou
 | packed: the rows' outputs concatenated | t · n·d/T · e |
 | SwiGLU MLP: fc1 output, silu output, its product, and one more [t, f/T] | t · 5·f/T · e (GeLU: 2·f/T) |
 | dropout masks (hidden_dropout > 0) | 2 · t/sp · h |
+| Gemma: (1 + w) pre-norms (fp32 input copy + normalised), their Q/K norms, two post-norms | t/sp·2·h·(8 − e) + t·(n + g)·d/T·(8 − e) + 2·t/sp·(8·h + 4) (`gemma_norm_bytes`) |
 
 **MoE layers** (`moe_mlp_bytes`; megatron-core's all-to-all dispatcher and `SequentialMLP`
 experts, found the same way), with t_l = t/sp local tokens, k experts per token, E experts,
@@ -190,12 +191,32 @@ def layer_bytes(
     if moe:
         total += moe_mlp_bytes(arch, dims, x)
     else:
-        mlp = 5 if arch.activation == "swiglu" else 2
+        mlp = 5 if arch.activation in ("swiglu", "geglu") else 2
         if adapted is not None and "linear_fc2" not in adapted:
             mlp -= 1  # fc2's input, saved only by an fc2 adapter
         total += t * mlp * f // T * e
     if arch.hidden_dropout > 0:
         total += 2 * t // sp * h
+    return total + gemma_norm_bytes(arch, dims, x)
+
+
+def gemma_norm_bytes(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs) -> int:
+    """What Gemma's norms (`models.gemma_layers`, `models.norms`) save beyond the table's two
+    norms, per layer and micro-batch: a (1 + w) norm of N elements keeps an fp32 copy of its input
+    instead of the e-byte input and the fp32 normalised tensor ((8 − e)·N more: pre-norms and
+    Q/K norms); each post-norm keeps its input and 1/rms (fp32 input + normalised, 8·N, when
+    zero-centered)."""
+    h, _, n, g, d = _dims(arch)
+    e, T, t = ACT_BYTES[dims.precision], dims.tp, x.tokens
+    sp = T if dims.sequence_parallel else 1
+    total = 0
+    if arch.zero_centered_norms:
+        total += t // sp * 2 * h * (8 - e)
+        if arch.qk_layernorm:
+            total += t * (n + g) * d // T * (8 - e)
+    if arch.post_norms:
+        per = 8 if arch.zero_centered_norms else e
+        total += 2 * t // sp * (h * per + 4)
     return total
 
 
@@ -276,6 +297,8 @@ def head_bytes(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs) -
     sp = T if dims.sequence_parallel else 1
     vocab = arch.padded_vocab(T) // T
     norm = x.tokens // sp * (2 * h * e + 4)
+    if arch.zero_centered_norms:  # the fp32 input copy and normalised tensor (`gemma_norm_bytes`)
+        norm += x.tokens // sp * h * (8 - e)
     if x.chunk_size == 0:
         return norm + x.tokens * vocab * (e + 8), vocab * h * e
     chunk = min(x.chunk_size, x.scored)
@@ -325,7 +348,7 @@ def activation_bytes(
             head_transient -= arch.padded_vocab(T) // T * h * e
     mlp_weight = 0
     if False in kinds:
-        mlp_weight = (2 if arch.activation == "swiglu" else 1) * f * h // T
+        mlp_weight = (2 if arch.activation in ("swiglu", "geglu") else 1) * f * h // T
     if True in kinds:
         moe_f = arch.moe_ffn_hidden_size or f
         shared = arch.moe_shared_expert_intermediate_size or 0

@@ -136,7 +136,7 @@ def _moe_params(arch: GPTArchitecture, dims: ParallelDims, prefix: str) -> list[
     gate [1, h] (replicated) and its TP-split MLP."""
     if arch.add_bias_linear:
         raise ValueError("memory planning of mixture-of-experts layers with linear biases")
-    h, swiglu = arch.hidden_size, arch.activation == "swiglu"
+    h, swiglu = arch.hidden_size, arch.activation in ("swiglu", "geglu")
     experts = arch.num_moe_experts or 0
     if experts % dims.ep:
         raise ValueError(f"expert parallelism {dims.ep} does not divide the {experts} experts")
@@ -162,7 +162,7 @@ def _layer_params(
     groups = arch.num_query_groups or heads
     d = arch.kv_channels or arch.hidden_size // heads
     h, f = arch.hidden_size, arch.ffn_hidden_size
-    fc1_rows = (2 if arch.activation == "swiglu" else 1) * f // tp
+    fc1_rows = (2 if arch.activation in ("swiglu", "geglu") else 1) * f // tp
     norm_bias = arch.normalization == "LayerNorm"
     bias = arch.add_bias_linear
     out: list[Param] = [Param(f"{prefix}input_layernorm.weight", h)]
@@ -179,6 +179,8 @@ def _layer_params(
     if arch.qk_layernorm:  # one [d] norm shared by the heads (Qwen3)
         out.append(Param(f"{prefix}self_attention.q_layernorm.weight", d))
         out.append(Param(f"{prefix}self_attention.k_layernorm.weight", d))
+    if arch.post_norms:  # models.gemma_layers: the attention's and the MLP's output norms
+        out.append(Param(f"{prefix}self_attention.post_norm.weight", h))
     out.append(Param(f"{prefix}pre_mlp_layernorm.weight", h))
     if norm_bias:
         out.append(Param(f"{prefix}pre_mlp_layernorm.bias", h))
@@ -190,6 +192,8 @@ def _layer_params(
     out.append(Param(f"{prefix}mlp.linear_fc2.weight", h * f // tp))
     if bias:
         out.append(Param(f"{prefix}mlp.linear_fc2.bias", h))
+    if arch.post_norms:
+        out.append(Param(f"{prefix}mlp.post_norm.weight", h))
     return out
 
 

@@ -31,6 +31,13 @@ run any precision and head dim on CPU and CUDA; `local` cannot keep packed rows 
 context parallelism; `sdpa` has its own (keys and values all-gathered over the CP group,
 `models/cp_attention.py`), for padded and packed micro-batches.
 
+Sliding-window attention (`model.sliding_window`, megatron-core's `window_size`): `sdpa` runs
+it everywhere (band masks, packed rows and context parallelism included); TE takes `window_size`
+in its own attention (not run on a GPU by our tests yet). Whether TE's context parallelism with
+our `cp_comm_type="p2p"` honours a window is not established here, so windows + CP is `sdpa`
+under `auto` and an error for an explicit `te`. megatron's `local` attention builds its window
+mask on CUDA only and ignores a padding mask with it: refused.
+
 How `auto` decides: TE when it is usable and one of its fused kernels surely exists for the
 configuration (bf16/fp16, head dim a multiple of 8 up to 128); otherwise `sdpa` — in fp32 TE
 would only have its unfused attention, which materialises the [b, h, s, s] scores, where torch's
@@ -60,6 +67,7 @@ __all__ = [
     "SettingNames",
     "choose_attention_backend",
     "head_dim_of",
+    "local_layers_only_of",
 ]
 
 #: `model.attention_backend` values.
@@ -101,6 +109,14 @@ class AttentionChoice:
 def head_dim_of(model: Any) -> int:
     """Per-head dimension of anything with the GPTArchitecture fields."""
     return model.kv_channels or model.hidden_size // model.num_attention_heads
+
+
+def local_layers_only_of(model: Any) -> bool:
+    """Whether anything with the GPTArchitecture fields has layers only the local spec builds
+    (post-norms, or a RoPE base of its own in sliding-window layers: `models.gemma_layers`)."""
+    return bool(model.post_norms) or (
+        model.rotary_base_local is not None and bool(model.sliding_window)
+    )
 
 
 def _te_version(accelerator: Accelerator) -> Version | None:
@@ -204,6 +220,8 @@ def choose_attention_backend(
     head_dim: int,
     context_parallel_size: int = 1,
     sequence_parallel: bool = False,
+    sliding_window: bool = False,
+    local_layers_only: bool = False,
     names: SettingNames = CONFIG_NAMES,
 ) -> AttentionChoice:
     """The attention backend for a configuration on a machine.
@@ -217,6 +235,9 @@ def choose_attention_backend(
         context_parallel_size: CP degree (`model.context_parallel_size`).
         sequence_parallel: megatron sequence parallelism; no backend restricts it (the module
             docstring says why), taken so that callers state the whole layout.
+        sliding_window: some layers attend within a sliding window (`model.sliding_window`).
+        local_layers_only: the model's layers exist in the local spec only (Gemma 3's post-norms
+            and per-layer RoPE base, `models.gemma_layers`): never TE.
         names: how messages spell the settings (config keys by default).
 
     Returns:
@@ -244,6 +265,26 @@ def choose_attention_backend(
             f"{names.set(key, 'local')} (megatron's unfused attention) cannot take them: "
             f"{fix} another backend"
         )
+    if request == "local" and sliding_window:
+        raise ValueError(
+            f"{key}: 'local' (megatron's unfused attention) cannot run sliding-window attention "
+            f"(model.sliding_window) here; set {names.set(key, 'sdpa')} (or auto)"
+        )
+    if local_layers_only:
+        if request == "te":
+            raise ValueError(
+                f"{key}: 'te' has no post-norms or per-layer RoPE base (Gemma 3); set "
+                f"{names.set(key, 'sdpa')} (or auto)"
+            )
+        if request == "auto":
+            return AttentionChoice("sdpa", "the model's layers are built on the local spec only")
+    if te is not None and sliding_window and cp > 1:
+        te = _TECapability(
+            False,
+            False,
+            f"Transformer Engine {accelerator.transformer_engine}: sliding windows under its "
+            'context parallelism (cp_comm_type "p2p") are not established',
+        )
     if request in ("sdpa", "local"):
         if cp > 1 and request == "local":
             raise ValueError(
@@ -257,6 +298,11 @@ def choose_attention_backend(
             raise ValueError(
                 f"{key}: 'te' needs Transformer Engine and a CUDA device "
                 f"({_te_missing(accelerator)}); set {names.set(key, 'auto')} or sdpa"
+            )
+        if not te.runs and sliding_window and cp > 1:
+            raise ValueError(
+                f"{key}: 'te' cannot run {what} + sliding-window attention ({te.why_not}); set "
+                f"{names.set(key, 'sdpa')} (or auto), or context parallel size 1"
             )
         if not te.runs:
             raise ValueError(

@@ -34,7 +34,90 @@ class Family:
     layer_mappings: Callable[[GPTArchitecture, dict[str, str]], tuple[Mapping, ...]]
     """The per-layer tensor table of an architecture, given the built model's norm names."""
     cannot_express: Callable[[GPTArchitecture], str | None]
-    """Why an architecture does not export as this type (one phrase), or None when it does."""
+    """Why an architecture does not export as this type (one phrase), or None when it does
+    (windows aside: `refuses` adds them)."""
+    windows: str = "none"
+    """How its config.json states sliding windows (`WINDOW_STYLES`)."""
+    weight_prefixes: tuple[tuple[str, str], ...] = ()
+    """(stored prefix, table prefix) pairs: its checkpoints store the tables' tensors under other
+    names (a multimodal model's language model); tensors under none of them are not read."""
+
+    def refuses(self, arch: GPTArchitecture) -> str | None:
+        """Why `arch` does not export as this type (one phrase), or None when it does."""
+        return self.cannot_express(arch) or window_mismatch(arch, self.windows)
+
+
+#: How a family's config.json states sliding windows, as its `transformers` model reads them:
+#: "none" — no windows (full causal attention whatever the file says); "uniform" — the
+#: `sliding_window` (unless `use_sliding_window` is false) in every layer (Mistral, Mixtral,
+#: Qwen3-MoE); "per_layer" — in the layers `layer_types` marks "sliding_attention", or from
+#: `max_window_layers` on where `layer_types` is absent (Qwen2, Qwen3, Qwen2-MoE); "own" — the
+#: family reads and writes its windows itself (Gemma 3).
+WINDOW_STYLES = ("none", "uniform", "per_layer", "own")
+_LAYER_KINDS = {"sliding_attention": 1, "full_attention": 0}
+
+
+def window_mismatch(arch: GPTArchitecture, style: str) -> str | None:
+    """Why `arch`'s windows cannot be stated in a config.json of `style` (one phrase), or None."""
+    if not arch.sliding_window or style in ("per_layer", "own"):
+        return None
+    if style == "none":
+        return "the model has sliding-window attention"
+    if arch.window_layers is not None and not all(arch.window_layers):
+        return "the model has full-attention layers between sliding-window layers"
+    return None
+
+
+def hf_windows(config: dict[str, Any], where: str, style: str) -> dict[str, Any]:
+    """The `GPTArchitecture` window fields (`sliding_window`, `window_layers`) of a config.json.
+
+    Raises:
+        ConversionError: a window that is not a positive integer, or `layer_types` that are not
+            one "sliding_attention" / "full_attention" per layer, naming `where` and the key.
+    """
+    if style == "own":
+        return {}
+    window = config.get("sliding_window")
+    if style == "none" or not window or not config.get("use_sliding_window", True):
+        return {"sliding_window": None, "window_layers": None}
+    if not isinstance(window, int) or window < 1:
+        raise ConversionError(f"{where}: sliding_window {window!r}: expected a positive integer")
+    layers = config["num_hidden_layers"]
+    pattern = None
+    if style == "per_layer":
+        kinds = config.get("layer_types")
+        if kinds is None and "max_window_layers" in config:
+            pattern = [int(i >= config["max_window_layers"]) for i in range(layers)]
+        elif kinds is not None:
+            if len(kinds) != layers or not set(kinds) <= set(_LAYER_KINDS):
+                raise ConversionError(
+                    f"{where}: layer_types: expected one of {sorted(_LAYER_KINDS)} per layer "
+                    f"({layers} layers), got {kinds}"
+                )
+            pattern = [_LAYER_KINDS[k] for k in kinds]
+    if pattern is not None and not any(pattern):
+        return {"sliding_window": None, "window_layers": None}
+    if pattern is not None and all(pattern):
+        pattern = None
+    return {"sliding_window": window, "window_layers": pattern}
+
+
+def hf_window_config(arch: GPTArchitecture, config: dict[str, Any], style: str) -> dict[str, Any]:
+    """Writes `arch`'s windows into a config.json of `style` (`sliding_window`, and for
+    "per_layer" `use_sliding_window` and `layer_types`)."""
+    if style in ("none", "own"):
+        return config
+    config["sliding_window"] = arch.sliding_window
+    if style == "per_layer":
+        config["use_sliding_window"] = bool(arch.sliding_window)
+        if arch.sliding_window or "layer_types" in config:
+            config["layer_types"] = [
+                "sliding_attention" if arch.layer_window(i) else "full_attention"
+                for i in range(arch.num_layers)
+            ]
+    else:
+        config.pop("layer_types", None)
+    return config
 
 
 #: The Llama-3 RoPE scaling megatron-core 0.16 implements (`RotaryEmbedding._apply_scaling`).
@@ -54,12 +137,26 @@ _FEATURES = {
         lambda a: bool(a.moe_shared_expert_intermediate_size) and a.moe_shared_expert_gate,
     ),
     "dense_layers": ("dense layers between MoE layers", lambda a: a.has_dense_layers()),
+    "gemma": (
+        "Gemma's layers (post-norms, (1 + w) norms, GeGLU, scaled embeddings or scores, "
+        "a local RoPE base)",
+        lambda a: (
+            a.post_norms
+            or a.zero_centered_norms
+            or a.activation == "geglu"
+            or a.embedding_multiplier is not None
+            or a.softmax_scale is not None
+            or a.rotary_base_local is not None
+            or a.rotary_interpolation_factor is not None
+        ),
+    ),
 }
 
 
 def mismatch(arch: GPTArchitecture, **has: bool) -> str | None:
     """Why `arch` differs from a family that has exactly the features `has` (qkv_bias, qk_norm,
-    moe, shared_expert, dense_layers — absent means False): one phrase, or None when it matches."""
+    moe, shared_expert, dense_layers, gemma — absent means False): one phrase, or None when it
+    matches."""
     if arch.moe_shared_expert_intermediate_size and not arch.moe_shared_expert_gate:
         return "the model has an ungated shared expert"
     for key in _FEATURES:
@@ -147,14 +244,14 @@ def dense_hf_config(
     dtype: str,
 ) -> dict[str, Any]:
     """The shared fields of a Llama-style config.json for `arch`, over the non-shape fields of
-    `base`.
+    `base` (a family with another activation, Gemma's GeGLU, rewrites `hidden_act`).
 
     Raises:
-        ConversionError: `arch` is not RMSNorm + SwiGLU without linear biases.
+        ConversionError: `arch` is not RMSNorm + a gated MLP without linear biases.
     """
-    if arch.normalization != "RMSNorm" or arch.activation != "swiglu" or arch.add_bias_linear:
+    if arch.normalization != "RMSNorm" or not arch.gated_mlp or arch.add_bias_linear:
         raise ConversionError(
-            "only RMSNorm + SwiGLU models without linear biases export to Hugging Face"
+            "only RMSNorm + SwiGLU/GeGLU models without linear biases export to Hugging Face"
         )
     config = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "rope_scaling")}
     heads = arch.num_attention_heads

@@ -1,5 +1,5 @@
 """Llama / Llama-3.x and Mistral: dense SwiGLU decoders, GQA, no biases, optional Llama-3 RoPE
-scaling. Mistral's sliding window is not applied (`convert.import_hf` warns)."""
+scaling. Mistral's sliding window (`sliding_window`, every layer) is applied; Llama has none."""
 
 from __future__ import annotations
 
@@ -50,5 +50,6 @@ FAMILIES = (
         hf_config=lambda arch, config: config,
         layer_mappings=layer_mappings,
         cannot_express=_dense,
+        windows="uniform",
     ),
 )

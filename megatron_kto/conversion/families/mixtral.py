@@ -60,5 +60,6 @@ FAMILIES = (
         hf_config=_config,
         layer_mappings=layer_mappings,
         cannot_express=_cannot_express,
+        windows="uniform",
     ),
 )

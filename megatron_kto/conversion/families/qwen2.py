@@ -22,5 +22,6 @@ FAMILIES = (
         hf_config=lambda arch, config: config,
         layer_mappings=layer_mappings,
         cannot_express=lambda arch: mismatch(arch, qkv_bias=True, qk_norm=False, moe=False),
+        windows="per_layer",
     ),
 )

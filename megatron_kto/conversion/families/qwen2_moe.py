@@ -84,5 +84,6 @@ FAMILIES = (
             shared_expert=True,
             dense_layers=arch.has_dense_layers(),
         ),
+        windows="per_layer",
     ),
 )

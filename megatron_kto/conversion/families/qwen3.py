@@ -37,5 +37,6 @@ FAMILIES = (
         hf_config=qwen3_config,
         layer_mappings=layer_mappings,
         cannot_express=lambda arch: mismatch(arch, qkv_bias=False, qk_norm=True, moe=False),
+        windows="per_layer",
     ),
 )

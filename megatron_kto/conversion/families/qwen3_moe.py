@@ -77,5 +77,6 @@ FAMILIES = (
         cannot_express=lambda arch: mismatch(
             arch, qkv_bias=False, qk_norm=True, moe=True, dense_layers=arch.has_dense_layers()
         ),
+        windows="uniform",
     ),
 )
