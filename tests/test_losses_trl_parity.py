@@ -337,6 +337,11 @@ def test_dpo_sft_term_matches_trl_with_equal_lengths() -> None:
         (["robust"], [1.0], 0.0, False),
         (["robust"], [1.0], 0.3, False),
         (["sppo_hard"], [1.0], 0.0, False),
+        (["bco_pair"], [1.0], 0.0, False),
+        (["aot"], [1.0], 0.0, False),
+        (["aot"], [1.0], 0.2, False),
+        (["aot_unpaired"], [1.0], 0.0, False),
+        (["aot_unpaired"], [1.0], 0.2, False),
         (["apo_zero"], [1.0], 0.0, False),
         (["apo_down"], [1.0], 0.0, False),
         (["discopop"], [1.0], 0.0, False),
@@ -346,6 +351,7 @@ def test_dpo_sft_term_matches_trl_with_equal_lengths() -> None:
         (["sigmoid", "sigmoid_norm", "apo_zero"], [0.5, 2.0, 1.0], 0.0, False),
         (["robust", "nca_pair", "discopop"], [0.8, 0.2, 1.5], 0.1, False),
         (["sigmoid", "sft", "sppo_hard"], [1.0, 0.3, 0.05], 0.0, True),
+        (["aot", "aot_unpaired", "bco_pair"], [1.0, 0.5, 0.25], 0.1, False),
     ],
 )
 @pytest.mark.parametrize("seed", [0, 1])
