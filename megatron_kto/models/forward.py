@@ -210,3 +210,15 @@ def data_parallel_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     if parallel_state.get_data_parallel_world_size() > 1:
         torch.distributed.all_reduce(tensor, group=parallel_state.get_data_parallel_group())
     return tensor
+
+
+def data_parallel_all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """[DP, *shape]: every data-parallel rank's `tensor` (the same fixed shape on each), in rank
+    order — one all-reduce of zero-filled slots (exact: each slot has one non-zero summand)."""
+    world = parallel_state.get_data_parallel_world_size()
+    if world == 1:
+        return tensor.unsqueeze(0)
+    slots = torch.zeros((world, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    slots[parallel_state.get_data_parallel_rank()] = tensor
+    torch.distributed.all_reduce(slots, group=parallel_state.get_data_parallel_group())
+    return slots
