@@ -8,7 +8,9 @@ take the first 24 pairs of the bundled DPO example in data order (TRL: a `Sequen
 (β 0.9/0.999, ε 1e-5 — see `test_e2e_lora.py` for why ε above round-off), gradient clip 1.0.
 
 Loss settings (one shared setup, each run once): `robust` (ε 0.1), `apo_zero`, `discopop`, a
-weighted three-loss list, and an f-divergence (`alpha_divergence`, α 0.3); and the losses that
+weighted three-loss list, an f-divergence (`alpha_divergence`, α 0.3), LD-DPO (`ld_alpha` 0.3,
+which weights the log-probs of tokens beyond the pair's shorter completion, policy and reference);
+and the losses that
 reduce over the batch, `aot` + `aot_unpaired` + `bco_pair` (ε 0.1) as one weighted list, run by
 us at DP=2 in micro-batches of 2 (each rank 4 pairs) against TRL on one process with all 8 pairs
 a step: the sorts are over the global batch, so the two must agree. Every step's loss,
@@ -67,6 +69,7 @@ CASES: dict[str, dict] = {
         "f_divergence_type": "alpha_divergence",
         "f_alpha_divergence_coef": 0.3,
     },
+    "ld_alpha": {"loss_type": ["sigmoid"], "ld_alpha": 0.3},
     "sorting_dp2": {
         "loss_type": ["aot", "aot_unpaired", "bco_pair"],
         "loss_weights": [1.0, 0.5, 0.25],

@@ -23,6 +23,7 @@ from megatron.core import parallel_state
 
 from megatron_kto.losses.batch_sort import SortPartners, sort_partners
 from megatron_kto.losses.dpo import dpo_total_loss
+from megatron_kto.losses.length_desensitized import ld_token_weights
 from megatron_kto.losses.dpo_types import (
     loss_type_names,
     needs_reference,
@@ -36,6 +37,7 @@ from megatron_kto.losses.metrics import (
     reference_free_metric_sums,
 )
 from megatron_kto.models.forward import (
+    LABEL_WEIGHTS,
     LOGIT_SUM,
     LOGP_SUM,
     NUM_TOKENS,
@@ -44,6 +46,7 @@ from megatron_kto.models.forward import (
     forward_sequence_stats,
     stats_forward_step,
 )
+from megatron_kto.models.logprobs import IGNORE_INDEX
 from megatron_kto.models.output_head import DEFAULT_LOGPROB_CHUNK_SIZE
 from megatron_kto.models.packing import (
     DEFAULT_PACK_SEQUENCES,
@@ -105,6 +108,9 @@ class DPOSettings:
     """γ, SimPO's target margin."""
     cpo_alpha: float = 1.0
     """α, the chosen NLL's weight in CPO and SimPO."""
+    ld_alpha: float | None = None
+    """LD-DPO: the weight of the tokens beyond the pair's shorter completion in every log-prob
+    (policy and reference; `losses.length_desensitized`); None: plain sums."""
     router_aux_loss_coeff: float = 0.0
     """MoE only: weight of the router load-balancing loss over each training micro-batch (its
     chosen and rejected rows, one forward as TRL's concatenated pass); 0 = off."""
@@ -136,6 +142,17 @@ class MegatronGPTDPOModel:
         coeff = settings.router_aux_loss_coeff
         self.router_stats = RouterStatistics(chunks, coeff) if coeff else None
 
+    def label_weights(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """LD-DPO's per-position weights of the chosen and rejected rows ([B, T] each), or None
+        without `ld_alpha`."""
+        if self.settings.ld_alpha is None:
+            return None
+        return ld_token_weights(
+            batch["chosen_labels"] != IGNORE_INDEX,
+            batch["rejected_labels"] != IGNORE_INDEX,
+            self.settings.ld_alpha,
+        )
+
     def forward_logprobs(
         self, batch: Batch, chunks: list[torch.nn.Module], micro_batch_size: int | None = None
     ) -> torch.Tensor:
@@ -151,6 +168,7 @@ class MegatronGPTDPOModel:
         lengths = None
         if s.pack_sequences:
             lengths = row_lengths(batch, "chosen_labels") + row_lengths(batch, "rejected_labels")
+        weights = self.label_weights(batch)
         stats = forward_sequence_stats(
             chunks,
             tokens,
@@ -163,6 +181,7 @@ class MegatronGPTDPOModel:
             s.pack_sequences,
             lengths,
             spans,
+            torch.cat(weights) if weights is not None else None,
         )
         return _logps(stats, s.average_log_probs)
 
@@ -246,6 +265,7 @@ class MegatronGPTDPOModel:
         pack = self.settings.pack_sequences
         chosen_lengths = row_lengths(batch, "chosen_labels") if pack else None
         rejected_lengths = row_lengths(batch, "rejected_labels") if pack else None
+        weights = self.label_weights(batch)
         micro = []
         for i in range(0, pairs, mbs):
             sl = slice(i, i + mbs)
@@ -259,6 +279,8 @@ class MegatronGPTDPOModel:
                     NUM_SCORED: sum(chosen_scored[sl]) + sum(rejected_scored[sl]),
                 }
             )
+            if weights is not None:
+                micro[-1][LABEL_WEIGHTS] = torch.cat([weights[0][sl], weights[1][sl]])
             if partners is not None:
                 mine = partners.rows(sl)
                 micro[-1].update({k: getattr(mine, k) for k in _PARTNERS})

@@ -41,6 +41,9 @@ from megatron_kto.models.schedule import (
 
 #: Columns of the per-row statistics returned by `forward_sequence_stats`.
 LOGP_SUM, NUM_TOKENS, LOGIT_SUM = 0, 1, 2
+#: Optional micro-batch key: [rows, T] float weights of each position's log-prob in `LOGP_SUM`
+#: (LD-DPO, `losses.length_desensitized`); packed and split with the labels. Absent: all 1.
+LABEL_WEIGHTS = "label_weights"
 
 
 def sequence_stats(
@@ -48,8 +51,12 @@ def sequence_stats(
     labels: torch.Tensor,
     vocab_size: int,
     packed: PackedRows | None = None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-row [logp_sum, num_tokens, logit_sum] from this TP rank's logits ([N, 3] float32).
+
+    `weights` ([N, T] like `labels`, or None for 1) multiply each position's log-prob in
+    `logp_sum` (LD-DPO).
 
     `vocab_size` is the real vocabulary: padded logit columns are not tokens. `logit_sum` is read
     before `token_logprobs`, which may normalise fp32 logits in place. A packed micro-batch
@@ -57,11 +64,14 @@ def sequence_stats(
     """
     if packed is None:
         logit_sum = mean_logit_sums(logits, labels, vocab_size)
-        logp_sum, count = masked_sum(token_logprobs(logits, labels, vocab_size), labels)
+        logp = token_logprobs(logits, labels, vocab_size)
+        logp_sum, count = masked_sum(logp if weights is None else logp * weights, labels)
         return torch.stack([logp_sum, count.to(logp_sum.dtype), logit_sum], dim=-1)
     mask = (labels != IGNORE_INDEX).reshape(-1)
     logit_mean = mean_logits(logits, vocab_size).reshape(-1) * mask
     logp = token_logprobs(logits, labels, vocab_size).reshape(-1)
+    if weights is not None:
+        logp = logp * weights.reshape(-1)
     per_position = torch.stack([logp, mask.to(logp.dtype), logit_mean], dim=-1)
     positions = torch.arange(per_position.shape[0], device=per_position.device)
     return segment_sums(per_position, positions, *labels.shape, packed)
@@ -122,10 +132,15 @@ def stats_forward_step(
                     chunk_size,
                     batch.get(NUM_SCORED),
                     batch.get(PACKED),
+                    batch.get(LABEL_WEIGHTS),
                 )
             else:
                 stats = sequence_stats(
-                    output_tensor, batch["labels"], vocab_size, batch.get(PACKED)
+                    output_tensor,
+                    batch["labels"],
+                    vocab_size,
+                    batch.get(PACKED),
+                    batch.get(LABEL_WEIGHTS),
                 )
             # Under context parallelism each rank holds its chunks' part of every row.
             return loss_fn(batch, reduce_row_stats(stats))
@@ -160,6 +175,7 @@ def forward_sequence_stats(
     pack: bool = DEFAULT_PACK_SEQUENCES,
     lengths: list[int] | None = None,
     spans: list[Spans] | None = None,
+    label_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Forward-only pass over N rows through the pipeline schedule, without an autograd graph.
 
@@ -178,11 +194,14 @@ def forward_sequence_stats(
         spans: scored runs per row as host ints (`schedule.scored_spans`), for each context-
             parallel rank's count of scored positions; None: under context parallelism they are
             computed from `labels` (one device-to-host copy on an accelerator).
+        label_weights: [N, T] weights of each position's log-prob (`LABEL_WEIGHTS`), or None.
 
     Returns:
         [N, 3] float32 (`LOGP_SUM`, `NUM_TOKENS`, `LOGIT_SUM` columns) on every pipeline stage.
     """
     batch = {"tokens": tokens, "labels": labels, "position_ids": position_ids}
+    if label_weights is not None:
+        batch[LABEL_WEIGHTS] = label_weights
     if chunk_size and scored is None:
         scored = (labels != IGNORE_INDEX).sum(dim=-1).tolist()
     if pack and lengths is None:

@@ -63,7 +63,7 @@ SCORED_SPANS = "scored_spans"
 #: right, or as a packed micro-batch's padding segment): attention is causal, so real positions
 #: never see padding, and its labels are ignored, so it carries no loss. Padding positions are 0
 #: (any valid id works; an arange could run past a learned position table).
-PAD_VALUES = {"tokens": 0, "labels": IGNORE_INDEX, "position_ids": 0}
+PAD_VALUES = {"tokens": 0, "labels": IGNORE_INDEX, "position_ids": 0, "label_weights": 0}
 
 
 @dataclass
