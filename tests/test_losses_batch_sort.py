@@ -75,11 +75,13 @@ def test_micro_batches_with_global_partners_equal_the_whole_batch(loss_type) -> 
     the summed loss and the gradients are the whole batch's (sorting per micro-batch is not)."""
     g = torch.Generator().manual_seed(0)
     b, beta, eps = 8, 0.3, 0.1
-    pc0, pr0 = -10 * torch.rand(b, generator=g, dtype=torch.float64), -10 * torch.rand(
-        b, generator=g, dtype=torch.float64
+    pc0, pr0 = (
+        -10 * torch.rand(b, generator=g, dtype=torch.float64),
+        -10 * torch.rand(b, generator=g, dtype=torch.float64),
     )
-    rc, rr = pc0 + torch.randn(b, generator=g, dtype=torch.float64), pr0 + torch.randn(
-        b, generator=g, dtype=torch.float64
+    rc, rr = (
+        pc0 + torch.randn(b, generator=g, dtype=torch.float64),
+        pr0 + torch.randn(b, generator=g, dtype=torch.float64),
     )
 
     def run(slices, partners):

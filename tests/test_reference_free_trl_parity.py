@@ -167,8 +167,10 @@ def test_orpo_first_step_equals_trl_but_for_the_prompt_nll(runs):
     for m in ("log_odds_chosen", *REWARDS):
         assert ours[m] == pytest.approx(theirs[m], rel=0, abs=REWARD_ATOL), m
     odds_term = ours["loss"] - ours["nll_loss"], theirs["loss"] - theirs["nll_loss"]
-    print(f"\norpo step 1: odds-ratio term ours {odds_term[0]} trl {odds_term[1]}; nll ours "
-          f"{ours['nll_loss']} trl {theirs['nll_loss']}")
+    print(
+        f"\norpo step 1: odds-ratio term ours {odds_term[0]} trl {odds_term[1]}; nll ours "
+        f"{ours['nll_loss']} trl {theirs['nll_loss']}"
+    )
     assert odds_term[0] == pytest.approx(odds_term[1], rel=1e-4)
     # TRL's NLL also averages over the prompt tokens: not the same number.
     assert ours["nll_loss"] != pytest.approx(theirs["nll_loss"], rel=1e-3)

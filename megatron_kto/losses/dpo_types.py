@@ -203,7 +203,9 @@ def _aot_unpaired(p: DPOPairs) -> Tensor:
     eps, beta = p.label_smoothing, p.beta
     own_chosen = _smoothed_sigmoid(beta * (p.chosen_logratios - p.partners.unpaired_rejected), eps)
     # r_i's own term sits at another pair's rank: its value is counted there, its gradient here.
-    rejected_term = _smoothed_sigmoid(beta * (p.partners.unpaired_chosen - p.rejected_logratios), eps)
+    rejected_term = _smoothed_sigmoid(
+        beta * (p.partners.unpaired_chosen - p.rejected_logratios), eps
+    )
     return own_chosen + (rejected_term - rejected_term.detach())
 
 

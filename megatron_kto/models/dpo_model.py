@@ -23,13 +23,13 @@ from megatron.core import parallel_state
 
 from megatron_kto.losses.batch_sort import SortPartners, sort_partners
 from megatron_kto.losses.dpo import dpo_total_loss
-from megatron_kto.losses.length_desensitized import ld_token_weights
 from megatron_kto.losses.dpo_types import (
     loss_type_names,
     needs_reference,
     orpo_log_odds,
     sorts_batch,
 )
+from megatron_kto.losses.length_desensitized import ld_token_weights
 from megatron_kto.losses.metrics import (
     DPO_METRICS,
     dpo_metric_set,
