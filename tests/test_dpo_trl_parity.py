@@ -8,12 +8,12 @@ take the first 24 pairs of the bundled DPO example in data order (TRL: a `Sequen
 (β 0.9/0.999, ε 1e-5 — see `test_e2e_lora.py` for why ε above round-off), gradient clip 1.0.
 
 Loss settings (one shared setup, each run once): `robust` (ε 0.1), `apo_zero`, `discopop`, a
-weighted three-loss list, an f-divergence (`alpha_divergence`, α 0.3), LD-DPO (`ld_alpha` 0.3,
-which weights the log-probs of tokens beyond the pair's shorter completion, policy and reference);
-and the losses that
-reduce over the batch, `aot` + `aot_unpaired` + `bco_pair` (ε 0.1) as one weighted list, run by
-us at DP=2 in micro-batches of 2 (each rank 4 pairs) against TRL on one process with all 8 pairs
-a step: the sorts are over the global batch, so the two must agree. Every step's loss,
+weighted three-loss list, an f-divergence (`alpha_divergence`, α 0.3); and, in one shared run,
+the losses that reduce over the batch, `aot` + `aot_unpaired` + `bco_pair` (ε 0.1) as one weighted
+list with LD-DPO (`ld_alpha` 0.3: the log-probs of tokens beyond the pair's shorter completion
+count 0.3 times, policy and reference), run by us at DP=2 in micro-batches of 2 (each rank 4
+pairs) against TRL on one process with all 8 pairs a step: the sorts are over the global batch,
+so the two must agree. Every step's loss,
 log-probs, logits and reward accuracy must agree to 1e-5 relative, the gradient norm to 3e-5,
 the rewards (differences of fp32 log-prob sums, often near 0) to 5e-6 absolute, the final
 weights to fp32 round-off (2e-6), and the weights must have moved well beyond it.
@@ -69,11 +69,11 @@ CASES: dict[str, dict] = {
         "f_divergence_type": "alpha_divergence",
         "f_alpha_divergence_coef": 0.3,
     },
-    "ld_alpha": {"loss_type": ["sigmoid"], "ld_alpha": 0.3},
     "sorting_dp2": {
         "loss_type": ["aot", "aot_unpaired", "bco_pair"],
         "loss_weights": [1.0, 0.5, 0.25],
         "label_smoothing": 0.1,
+        "ld_alpha": 0.3,
     },
 }
 #: name -> (data-parallel ranks, micro-batch size) of our run, where not (1, MICRO).
