@@ -24,6 +24,7 @@ from megatron_kto.models.output_head import (
 )
 from megatron_kto.models.packing import (
     DEFAULT_PACK_SEQUENCES,
+    LABEL_WEIGHTS,
     NUM_SCORED,
     PACKED,
     PackedRows,
@@ -41,9 +42,6 @@ from megatron_kto.models.schedule import (
 
 #: Columns of the per-row statistics returned by `forward_sequence_stats`.
 LOGP_SUM, NUM_TOKENS, LOGIT_SUM = 0, 1, 2
-#: Optional micro-batch key: [rows, T] float weights of each position's log-prob in `LOGP_SUM`
-#: (LD-DPO, `losses.length_desensitized`); packed and split with the labels. Absent: all 1.
-LABEL_WEIGHTS = "label_weights"
 
 
 def sequence_stats(
