@@ -161,7 +161,18 @@ def runs(tmp_path_factory):
 
 
 def _rel(a: float, b: float) -> float:
-    return abs(a - b) / abs(b) if a != b else 0.0
+    if a == b:
+        return 0.0
+    return abs(a - b) / abs(b) if b else float("inf")
+
+
+def _compared(metrics: tuple[str, ...], theirs: dict) -> tuple[str, ...]:
+    """`metrics` less the reward accuracy where TRL's rewards are all exactly 0 (step 1: policy =
+    reference), which makes it count round-off signs: our reference pass packs its rows apart
+    from the training pass's (DP=2 here), so a pair's reward can be ±1e-7 instead of 0. The
+    rewards themselves are compared in absolute terms (`REWARD_ATOL`) at every step."""
+    undefined = theirs["rewards/chosen"] == 0 and theirs["rewards/rejected"] == 0
+    return tuple(m for m in metrics if not (undefined and m == "rewards/accuracies"))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -170,7 +181,7 @@ def test_steps_and_weights_equal_trl(runs, name):
     ours, our_state, theirs, their_state = results[name]
     assert len(ours) == len(theirs) == STEPS
     pairs = list(zip(ours, theirs, strict=True))
-    rel = max(_rel(o[m], t[m]) for o, t in pairs for m in RELATIVE)
+    rel = max(_rel(o[m], t[m]) for o, t in pairs for m in _compared(RELATIVE, t))
     grad = max(_rel(o["grad_norm"], t["grad_norm"]) for o, t in pairs)
     rewards = max(abs(o[m] - t[m]) for o, t in pairs for m in REWARDS)
     weights = max((our_state[k] - their_state[k]).abs().max().item() for k in their_state)
@@ -182,7 +193,7 @@ def test_steps_and_weights_equal_trl(runs, name):
         f"{moved:.1e}"
     )
     for o, t in pairs:
-        for m in RELATIVE:
+        for m in _compared(RELATIVE, t):
             assert o[m] == pytest.approx(t[m], rel=RTOL, abs=0), (name, o["step"], m)
         for m in REWARDS:
             assert o[m] == pytest.approx(t[m], rel=0, abs=REWARD_ATOL), (name, o["step"], m)
