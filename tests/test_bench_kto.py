@@ -71,6 +71,17 @@ def test_bench_runs_and_reports_positive_figures(tmp_path):
 
 
 @pytest.mark.e2e
+def test_objective_mode_runs_a_dpo_family_loss(tmp_path):
+    """`--objective simpo`: the DPO entry with that loss type, our side only, its own header."""
+    out = tmp_path / "bench.json"
+    proc = _bench(out, "--objective=simpo")
+    assert "DPO-family step benchmark" in proc.stdout and "loss_type simpo" in proc.stdout
+    report = json.loads(out.read_text())
+    assert "trl" not in report and report["ours"]["spec"]["dpo"]["loss_type"] == "simpo"
+    assert _positive(report["ours"]["samples_per_sec"]["median"])
+
+
+@pytest.mark.e2e
 @pytest.mark.skipif(not HAS_TRL or importlib.util.find_spec("peft") is None, reason="trl+peft")
 def test_lora_mode_trains_the_same_adapters_on_both_sides(tmp_path):
     """`--lora`: TRL's KTOTrainer + peft trains adapters of the same rank on the same Hugging

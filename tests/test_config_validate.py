@@ -158,8 +158,8 @@ def test_dpo_label_smoothing_range():
 @pytest.mark.parametrize(
     "overrides,key",
     [
-        (["model.dpo.loss_type=bco_pair"], "loss_type"),
-        (["model.dpo.loss_type=[sigmoid,aot]"], "loss_type"),
+        (["model.dpo.loss_type=bco"], "loss_type"),
+        (["model.dpo.loss_type=[sigmoid,aot_paired]"], "loss_type"),
         (["model.dpo.loss_type=[sigmoid,sft]", "model.dpo.loss_weights=[1.0]"], "loss_weights"),
         (["model.dpo.loss_type=exo_pair"], "label_smoothing"),
         (["model.dpo.loss_type=apo_zero", "model.dpo.label_smoothing=0.1"], "label_smoothing"),

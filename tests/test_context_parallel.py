@@ -3,7 +3,9 @@ schedules, DDP and our SDPA context-parallel attention.
 
 For each pair of layouts — CP=2 × DP=2 against DP=4; CP=2 × TP=2 (+SP) against TP=2 × DP=2;
 CP=2 × PP=2 against PP=2 × DP=2 — the same weights take one KTO step (padded and packed
-micro-batches) and one DPO step (padded and packed) through `MegatronGPTKTOModel` / `MegatronGPTDPOModel`:
+micro-batches) and one DPO step (padded and packed; packed again with `aot` / `aot_unpaired`,
+whose sort over the global batch runs a policy pre-pass, and LD-DPO's `ld_alpha` weights)
+through `MegatronGPTKTOModel` / `MegatronGPTDPOModel`:
 reference pass (forward-only), the policy's KL pass (z₀), the training pass (forward + backward,
 megatron's gradient reduction over the data- and context-parallel ranks). Rows are 3..16 tokens,
 mostly not multiples of 2·CP (× TP under SP), so every row is padded before the split.
@@ -20,6 +22,8 @@ plain causal path, RoPE from `cu_seqlens`, no CP reduction).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -49,7 +53,7 @@ PAIRS = {
     "cp2_tp2_sp": ((2, 1, 2, True), (2, 1, 1, True)),
     "cp2_pp2": ((1, 2, 2, False), (1, 2, 1, False)),
 }
-RUNS = ("kto_padded", "kto_packed", "dpo_padded", "dpo_packed")
+RUNS = ("kto_padded", "kto_packed", "dpo_padded", "dpo_packed", "dpo_sorted_ld_packed")
 
 
 def _chunks(rt, tp: int, pp: int, cp: int, sp: bool):
@@ -116,6 +120,12 @@ def _run(rt, shape, run: str) -> dict:
             sft_loss_weight=0.1, micro_batch_size=1, forward_micro_batch_size=2,
             vocab_size=VOCAB, logprob_chunk_size=5, pack_sequences=pack,
         )  # fmt: skip
+        if "sorted_ld" in run:  # the global-batch sort's pre-pass and LD-DPO's weights
+            settings = dataclasses.replace(
+                settings, loss_type=("sigmoid", "aot", "aot_unpaired"),
+                loss_weights=(1.0, 0.5, 0.5), label_smoothing=0.1, sft_loss_weight=0.0,
+                ld_alpha=0.4,
+            )  # fmt: skip
         model = MegatronGPTDPOModel(chunks, _Reference(reference), settings)
         ex = _examples(seed=2)
         pairs = [

@@ -8,7 +8,12 @@ take the first 24 pairs of the bundled DPO example in data order (TRL: a `Sequen
 (β 0.9/0.999, ε 1e-5 — see `test_e2e_lora.py` for why ε above round-off), gradient clip 1.0.
 
 Loss settings (one shared setup, each run once): `robust` (ε 0.1), `apo_zero`, `discopop`, a
-weighted three-loss list, and an f-divergence (`alpha_divergence`, α 0.3). Every step's loss,
+weighted three-loss list, an f-divergence (`alpha_divergence`, α 0.3); and, in one shared run,
+the losses that reduce over the batch, `aot` + `aot_unpaired` + `bco_pair` (ε 0.1) as one weighted
+list with LD-DPO (`ld_alpha` 0.3: the log-probs of tokens beyond the pair's shorter completion
+count 0.3 times, policy and reference), run by us at DP=2 in micro-batches of 2 (each rank 4
+pairs) against TRL on one process with all 8 pairs a step: the sorts are over the global batch,
+so the two must agree. Every step's loss,
 log-probs, logits and reward accuracy must agree to 1e-5 relative, the gradient norm to 3e-5,
 the rewards (differences of fp32 log-prob sums, often near 0) to 5e-6 absolute, the final
 weights to fp32 round-off (2e-6), and the weights must have moved well beyond it.
@@ -64,7 +69,15 @@ CASES: dict[str, dict] = {
         "f_divergence_type": "alpha_divergence",
         "f_alpha_divergence_coef": 0.3,
     },
+    "sorting_dp2": {
+        "loss_type": ["aot", "aot_unpaired", "bco_pair"],
+        "loss_weights": [1.0, 0.5, 0.25],
+        "label_smoothing": 0.1,
+        "ld_alpha": 0.3,
+    },
 }
+#: name -> (data-parallel ranks, micro-batch size) of our run, where not (1, MICRO).
+LAYOUT: dict[str, tuple[int, int]] = {"sorting_dp2": (2, 2)}
 
 
 def _override(key: str, value) -> str:
@@ -103,6 +116,7 @@ def _ours(root: Path, name: str):
     from transformers import AutoModelForCausalLM
 
     log_dir = root / f"ours_{name}"
+    nproc, micro = LAYOUT.get(name, (1, MICRO))
     run_script(
         DPO_SCRIPT,
         [
@@ -119,11 +133,12 @@ def _ours(root: Path, name: str):
             f"trainer.dpo.max_steps={STEPS}",
             f"trainer.dpo.gradient_clip_val={CLIP}",
             f"model.global_batch_size={BATCH}",
-            f"model.micro_batch_size={MICRO}",
+            f"model.micro_batch_size={micro}",
             f"model.dpo.ref_policy_kl_penalty={BETA}",
             *trl_optimizer_overrides(LR, EPS),
             *(_override(k, v) for k, v in CASES[name].items()),
         ],
+        nproc=nproc,
         timeout=600,
     )
     model = AutoModelForCausalLM.from_pretrained(log_dir / "hf", dtype=torch.float32)
@@ -146,7 +161,18 @@ def runs(tmp_path_factory):
 
 
 def _rel(a: float, b: float) -> float:
-    return abs(a - b) / abs(b) if a != b else 0.0
+    if a == b:
+        return 0.0
+    return abs(a - b) / abs(b) if b else float("inf")
+
+
+def _compared(metrics: tuple[str, ...], theirs: dict) -> tuple[str, ...]:
+    """`metrics` less the reward accuracy where TRL's rewards are all exactly 0 (step 1: policy =
+    reference), which makes it count round-off signs: our reference pass packs its rows apart
+    from the training pass's (DP=2 here), so a pair's reward can be ±1e-7 instead of 0. The
+    rewards themselves are compared in absolute terms (`REWARD_ATOL`) at every step."""
+    undefined = theirs["rewards/chosen"] == 0 and theirs["rewards/rejected"] == 0
+    return tuple(m for m in metrics if not (undefined and m == "rewards/accuracies"))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -155,7 +181,7 @@ def test_steps_and_weights_equal_trl(runs, name):
     ours, our_state, theirs, their_state = results[name]
     assert len(ours) == len(theirs) == STEPS
     pairs = list(zip(ours, theirs, strict=True))
-    rel = max(_rel(o[m], t[m]) for o, t in pairs for m in RELATIVE)
+    rel = max(_rel(o[m], t[m]) for o, t in pairs for m in _compared(RELATIVE, t))
     grad = max(_rel(o["grad_norm"], t["grad_norm"]) for o, t in pairs)
     rewards = max(abs(o[m] - t[m]) for o, t in pairs for m in REWARDS)
     weights = max((our_state[k] - their_state[k]).abs().max().item() for k in their_state)
@@ -167,7 +193,7 @@ def test_steps_and_weights_equal_trl(runs, name):
         f"{moved:.1e}"
     )
     for o, t in pairs:
-        for m in RELATIVE:
+        for m in _compared(RELATIVE, t):
             assert o[m] == pytest.approx(t[m], rel=RTOL, abs=0), (name, o["step"], m)
         for m in REWARDS:
             assert o[m] == pytest.approx(t[m], rel=0, abs=REWARD_ATOL), (name, o["step"], m)

@@ -6,16 +6,18 @@ for log-probs: a run that finishes (training and validation) ran no reference pa
 the start-up and memory-plan lines say no reference model is used; TRL's metric names (SimPO:
 CPOTrainer's, with ``nll_loss``; ORPO: ``log_odds_ratio`` / ``log_odds_chosen``); TP=2 equals
 TP=1 step by step; a run resumed at step 2 continues as the straight run; LoRA runs with no
-adapters-off pass.
+adapters-off pass; `tools/eval_kto_rewards.py` on the SimPO run reads no reference and reports
+the policy's own rewards, equal to the run's validation row on the same pairs.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
 import pytest
-from e2e_cli import QUIET, REPO, read_metrics, run_script
+from e2e_cli import EVAL_TOOL, QUIET, REPO, read_metrics, run_script
 
 pytestmark = pytest.mark.e2e
 
@@ -56,7 +58,17 @@ def runs(tmp_path_factory):
         DPO_SCRIPT,
         [*_args(root / "orpo_lora", "orpo"), *LORA, "model.dpo.reference_policy=separate"],
     )
-    metrics = {n: read_metrics(root / n) + read_metrics(root / n, "val") for n in out}
+    # The pairs of the run's one validation batch (validation is read in order).
+    val = REPO / "examples" / "data" / "tiny_dpo" / "validation.jsonl"
+    (root / "val8.jsonl").write_text("".join(val.read_text().splitlines(True)[:8]))
+    out["eval"] = run_script(
+        EVAL_TOOL,
+        ["--policy", str(root / "simpo"), "--algorithm", "dpo", "--data", str(root / "val8.jsonl"),
+         "--json", str(root / "eval.json")],
+    )  # fmt: skip
+    out["eval_json"] = json.loads((root / "eval.json").read_text())
+    metrics = {n: read_metrics(root / n) + read_metrics(root / n, "val") for n in out
+               if n not in ("eval", "eval_json")}  # fmt: skip
     yield out, metrics
     shutil.rmtree(root, ignore_errors=True)
 
@@ -99,3 +111,18 @@ def test_tp2_and_resume_match_the_straight_run(runs):
             for k in keys:
                 if k in b:
                     assert a[k] == pytest.approx(b[k], rel=RTOL, abs=1e-6), (a["step"], k)
+
+
+def test_eval_tool_reports_the_policys_own_rewards(runs):
+    """SimPO's rewards are β × the per-token mean log-prob; the tool runs no reference pass, says
+    so, reports no sign accuracy, and its class means are the run's `val` rewards/chosen and
+    rewards/rejected on the same 8 pairs."""
+    out, metrics = runs
+    report, printed = out["eval_json"], out["eval"].stdout
+    assert "reference: none (reference-free" in printed and report["settings"]["reference"] is None
+    assert report["accuracy"] is None and report["settings"]["average_log_probs"] is True
+    val = [r for r in metrics["simpo"] if r["split"] == "val"][-1]
+    assert report["mean_reward_desirable"] == pytest.approx(val["rewards/chosen"], rel=1e-5)
+    assert report["mean_reward_undesirable"] == pytest.approx(val["rewards/rejected"], rel=1e-5)
+    assert report["margin"] == pytest.approx(val["rewards/margins"], rel=1e-4, abs=1e-7)
+    assert 0.0 <= report["auc"] <= 1.0

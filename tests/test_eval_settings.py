@@ -107,3 +107,41 @@ def test_run_hf_output_takes_the_runs_settings_and_its_own_tokenizer(tmp_path, m
     (hf / "hf_export.json").unlink()
     with pytest.raises(tool.UsageError, match="--beta: required"):
         _settings(hf, "--reference", str(checkpoint), "--data", str(DATA))
+
+
+def _dpo_policy(tmp_path: Path, loss_type: str) -> Path:
+    policy = _policy(tmp_path, "32")
+    text = (policy / "config.yaml").read_text()
+    (policy / "config.yaml").write_text(
+        text.replace(
+            "model:\n",
+            f"model:\n  dpo:\n    ref_policy_kl_penalty: 0.2\n    loss_type: {loss_type}\n",
+        )  # fmt: skip
+    )
+    return policy
+
+
+@pytest.mark.parametrize(
+    "loss_type,flags,reference,average",
+    [
+        ("simpo", [], None, True),  # reference-free, per-token rewards (TRL's CPOTrainer)
+        ("cpo", [], None, False),
+        ("sigmoid", [], "policy", False),  # reference-based: the run's restore_from_path
+        ("sigmoid", ["--reference", "none"], None, False),  # asked for
+    ],
+)
+def test_reference_free_objectives_read_no_reference(
+    tmp_path, loss_type, flags, reference, average
+):
+    policy = _dpo_policy(tmp_path, loss_type)
+    got = _settings(policy, "--algorithm", "dpo", *flags)
+    assert got["reference"] == (None if reference is None else str(policy))
+    assert got["average_log_probs"] is average and got["beta"] == 0.2
+
+
+def test_a_reference_for_a_reference_free_run_is_refused(tmp_path):
+    policy = _dpo_policy(tmp_path, "orpo")
+    with pytest.raises(
+        tool.UsageError, match=r"^--reference: the run's model.dpo.loss_type \['orpo'\]"
+    ):
+        _settings(policy, "--algorithm", "dpo", "--reference", str(policy))

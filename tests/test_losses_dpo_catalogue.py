@@ -148,8 +148,8 @@ def test_single_type_equals_unmixed_and_weights_scale() -> None:
 
 def test_catalogue_errors_are_one_line_and_explicit() -> None:
     x = torch.zeros(2)
-    with pytest.raises(ValueError, match="unknown DPO loss_type 'bco_pair'; supported: ") as e:
-        dpo_loss(x, x, x, x, beta=0.1, loss_type=["sigmoid", "bco_pair"])
+    with pytest.raises(ValueError, match="unknown DPO loss_type 'bco'; supported: ") as e:
+        dpo_loss(x, x, x, x, beta=0.1, loss_type=["sigmoid", "bco"])
     assert "\n" not in str(e.value) and all(name in str(e.value) for name in DPO_LOSS_TYPES)
     with pytest.raises(ValueError, match="exo_pair"):
         dpo_loss(x, x, x, x, beta=0.1, loss_type="exo_pair")

@@ -219,6 +219,11 @@ def test_orpo_matches_trl_and_its_metrics():
         (["model.dpo.loss_type=cpo", "model.dpo.cpo_alpha=-1"], "cpo_alpha must be >= 0"),
         (["model.dpo.loss_type=orpo", "model.dpo.label_smoothing=0.1"], "not read by"),
         (["model.dpo.loss_type=simpo", "model.dpo.reference_policy=seperate"], "must be one of"),
+        (["model.dpo.ld_alpha=1.5"], "ld_alpha: must be in [0, 1]"),
+        (["model.dpo.loss_type=simpo", "model.dpo.ld_alpha=0.5"], "LD-DPO weights DPO's"),
+        (["model.dpo.loss_type=[sigmoid,sft]", "model.dpo.ld_alpha=0.5"], "not with an SFT"),
+        (["model.dpo.ld_alpha=0.5", "model.dpo.sft_loss_weight=0.1"], "not with an SFT"),
+        (["model.dpo.loss_type=aot", "model.dpo.f_divergence_type=forward_kl"], "not to aot"),
     ],
 )
 def test_config_refusals_are_one_line(overrides, fragment):

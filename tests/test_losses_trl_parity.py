@@ -231,6 +231,7 @@ def _run_trl_dpo(
     discopop_tau=0.05,
     f_divergence_type="reverse_kl",
     f_alpha_divergence_coef=0.5,
+    ld_alpha=None,
 ):
     two_b = case["n"].shape[0]
     leaf = case["per_token"].clone().requires_grad_(True)
@@ -249,7 +250,7 @@ def _run_trl_dpo(
         loss_weights=loss_weights,
         label_smoothing=label_smoothing,
         args=types.SimpleNamespace(discopop_tau=discopop_tau),
-        ld_alpha=None,
+        ld_alpha=ld_alpha,
         f_divergence_type=f_divergence_type,
         f_alpha_divergence_coef=f_alpha_divergence_coef,
         use_weighting=False,
@@ -337,6 +338,11 @@ def test_dpo_sft_term_matches_trl_with_equal_lengths() -> None:
         (["robust"], [1.0], 0.0, False),
         (["robust"], [1.0], 0.3, False),
         (["sppo_hard"], [1.0], 0.0, False),
+        (["bco_pair"], [1.0], 0.0, False),
+        (["aot"], [1.0], 0.0, False),
+        (["aot"], [1.0], 0.2, False),
+        (["aot_unpaired"], [1.0], 0.0, False),
+        (["aot_unpaired"], [1.0], 0.2, False),
         (["apo_zero"], [1.0], 0.0, False),
         (["apo_down"], [1.0], 0.0, False),
         (["discopop"], [1.0], 0.0, False),
@@ -346,6 +352,7 @@ def test_dpo_sft_term_matches_trl_with_equal_lengths() -> None:
         (["sigmoid", "sigmoid_norm", "apo_zero"], [0.5, 2.0, 1.0], 0.0, False),
         (["robust", "nca_pair", "discopop"], [0.8, 0.2, 1.5], 0.1, False),
         (["sigmoid", "sft", "sppo_hard"], [1.0, 0.3, 0.05], 0.0, True),
+        (["aot", "aot_unpaired", "bco_pair"], [1.0, 0.5, 0.25], 0.1, False),
     ],
 )
 @pytest.mark.parametrize("seed", [0, 1])
@@ -442,3 +449,33 @@ def test_dpo_f_divergence_matches_trl(kind, alpha, loss_types, loss_weights, eps
         (out.rejected_rewards, "rewards/rejected"),
     ):
         assert ours.mean().item() == pytest.approx(trl_metrics[name], rel=1e-6), name
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.4, 1.0])
+@pytest.mark.parametrize("loss_types", [["sigmoid"], ["aot", "bco_pair"]])
+def test_ld_alpha_matches_trl(alpha: float, loss_types: list[str]) -> None:
+    """LD-DPO: TRL's ``ld_alpha`` weights the policy's tokens beyond the pair's shorter
+    completion (its reference pass weights the reference's the same way; here the reference
+    log-probs are given, as TRL's precomputed ones). Our ``ld_token_weights`` on the same masks,
+    multiplied into the per-token log-probs: loss and gradient equal TRL's. The reference side
+    runs through the same forward pass in training (tests/test_dpo_trl_parity.py)."""
+    beta = 0.1
+    case = _dpo_case(3, 5, equal_lengths=False)
+    trl_loss, trl_grad, _ = _run_trl_dpo(case, loss_types, [1.0] * len(loss_types), beta,
+                                         ld_alpha=alpha)  # fmt: skip
+    from megatron_kto.losses.length_desensitized import ld_token_weights
+
+    mask_c, mask_r = case["mask"].chunk(2)
+    w_c, w_r = ld_token_weights(mask_c.bool(), mask_r.bool(), alpha)
+    leaf = case["per_token"].clone().requires_grad_(True)
+    logps = (leaf * case["mask"] * torch.cat([w_c, w_r]).double()).sum(-1)
+    n_tokens = case["mask"].sum(-1)
+    ref = case["ref"]
+    pc, pr = logps.chunk(2)
+    rc, rr = ref.chunk(2)
+    nt_c, nt_r = n_tokens.chunk(2)
+    out = dpo_total_loss(pc, pr, rc, rr, beta=beta, loss_type=loss_types,
+                         chosen_num_tokens=nt_c, rejected_num_tokens=nt_r)  # fmt: skip
+    out.loss.backward()
+    torch.testing.assert_close(out.loss.detach(), trl_loss.to(torch.float64), rtol=1e-6, atol=0)
+    torch.testing.assert_close(leaf.grad, trl_grad, rtol=1e-6, atol=1e-12)

@@ -454,3 +454,76 @@ def test_forward_pass_without_host_lengths_packs_the_same(runtime):
     scale = padded[:, LOGP_SUM].abs().max()
     assert (packed[:, LOGP_SUM] - padded[:, LOGP_SUM]).abs().max() <= TOL * scale
     assert torch.equal(packed[:, 1], padded[:, 1])
+
+
+def _pairs_batch(runtime, seed: int):
+    examples = _examples(8, seed=seed)
+    pairs = [
+        {"prompt_ids": a["prompt_ids"], "chosen_ids": a["completion_ids"],
+         "rejected_ids": b["completion_ids"]}
+        for a, b in zip(examples[::2], examples[1::2], strict=True)
+    ]  # fmt: skip
+    return to_device(dpo_custom_collate(pairs, pad_id=0), runtime.device)
+
+
+def _dpo_settings(**kw) -> DPOSettings:
+    base = dict(
+        beta=0.3, loss_type="sigmoid", label_smoothing=0.0, average_log_probs=False,
+        sft_loss_weight=0.0, micro_batch_size=2, forward_micro_batch_size=4, vocab_size=VOCAB,
+    )  # fmt: skip
+    return DPOSettings(**{**base, **kw})
+
+
+@pytest.mark.parametrize("pack,chunk", [(False, 0), (True, 4)])
+def test_ld_alpha_log_probs_mix_the_shared_and_full_sums(runtime, pack, chunk):
+    """LD-DPO's log-prob of a completion, α·(full sum) + (1 − α)·(sum over its first m = min(n_c,
+    n_r) completion tokens): checked against two plain passes, one over the full completions and
+    one whose labels stop after the m-th completion token — padded with full logits and packed
+    with chunked log-probs."""
+    batch = _pairs_batch(runtime, seed=7)
+    chunks, _ = _models(runtime)
+    s = dict(logprob_chunk_size=chunk, pack_sequences=pack)
+    plain = MegatronGPTDPOModel(chunks, None, _dpo_settings(**s))
+    weighted = MegatronGPTDPOModel(chunks, None, _dpo_settings(ld_alpha=0.25, **s))
+    full = plain.forward_logprobs(batch, chunks)
+    # Only the tensors: the host facts recorded for the full labels do not fit the cut ones.
+    shared = {k: v for k, v in batch.items() if torch.is_tensor(v)}
+    n_c = (batch["chosen_labels"] != -100).sum(1)
+    n_r = (batch["rejected_labels"] != -100).sum(1)
+    m = torch.minimum(n_c, n_r)
+    assert (n_c != n_r).any()  # some pair has a tail
+    for key in ("chosen_labels", "rejected_labels"):
+        labels = batch[key].clone()
+        ordinal = (labels != -100).cumsum(1)
+        labels[ordinal > m[:, None]] = -100
+        shared[key] = labels
+    head = plain.forward_logprobs(shared, chunks)
+    want = 0.25 * full + 0.75 * head
+    torch.testing.assert_close(weighted.forward_logprobs(batch, chunks), want, rtol=1e-6, atol=1e-5)
+
+
+def test_ld_alpha_and_global_sort_step_packed_equals_padded(runtime):
+    """A step with LD-DPO weights and the global-batch sort of ``aot`` / ``aot_unpaired`` (pre-
+    pass, partners per micro-batch): packed with chunked log-probs equal to padded with full
+    logits — loss, metrics and gradients."""
+    batch = _pairs_batch(runtime, seed=5)
+    out = {}
+    for pack, chunk in ((False, 0), (True, 4)):
+        chunks, ref = _models(runtime)
+        settings = _dpo_settings(
+            loss_type=("aot", "aot_unpaired"), loss_weights=(1.0, 0.5), label_smoothing=0.1,
+            ld_alpha=0.5, logprob_chunk_size=chunk, pack_sequences=pack,
+        )  # fmt: skip
+        model = MegatronGPTDPOModel(chunks, _Reference(ref), settings)
+        assert model.sorts_batch
+        b = dict(batch)
+        b[REF_CHOSEN], b[REF_REJECTED] = model.get_ref_policy_logprobs(b).chunk(2)
+        for c in chunks:
+            c.zero_grad_buffer()
+        _, metrics = model.get_loss_and_metrics(b, forward_only=False)
+        out[pack] = (metrics, _grads(chunks))
+    (m_a, g_a), (m_b, g_b) = out[False], out[True]
+    for name, want in m_a.items():
+        assert abs(m_b[name] - want) <= TOL * max(1.0, abs(want)), name
+    for name, want in g_a.items():
+        assert (g_b[name] - want).abs().max() <= TOL * want.abs().max(), name

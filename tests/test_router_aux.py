@@ -66,7 +66,7 @@ def test_training_rows_run_the_whole_sequence():
     """`append_final_tokens`: each row's input becomes its whole sequence (TRL's input ids), at
     positions 0..len-1, nothing more scored; packing keeps exactly those tokens."""
     from megatron_kto.data.collate import kto_custom_collate
-    from megatron_kto.models.packing import PACKED, pack_micro_batch
+    from megatron_kto.models.packing import LABEL_WEIGHTS, PACKED, pack_micro_batch
     from megatron_kto.models.router_stats import append_final_tokens, token_mask
 
     examples = [
@@ -95,3 +95,8 @@ def test_training_rows_run_the_whole_sequence():
     assert packed["tokens"][0].tolist() == [t for s in sequences for t in s]
     assert token_mask(packed).sum().item() == sum(map(len, sequences))
     assert packed[PACKED].seqlens == tuple(len(s) for s in sequences)
+    # LD-DPO's per-position weights follow the labels: one unscored (0) column more, packed along.
+    weighted = append_final_tokens({**micro, LABEL_WEIGHTS: (micro["labels"] != -100) * 0.5})
+    assert torch.equal(weighted[LABEL_WEIGHTS], (out["labels"] != -100) * 0.5)
+    packed = pack_micro_batch(weighted, weighted["row_lengths"])
+    assert torch.equal(packed[LABEL_WEIGHTS], (packed["labels"] != -100) * 0.5)

@@ -39,11 +39,20 @@ def paired_dataset(train_jsonl: Path):
 
 
 def in_order_trainer(kind: str = "kto"):
-    """`KTOTrainer` (or `DPOTrainer`, `kind="dpo"`) that takes its rows in dataset order."""
+    """`KTOTrainer` (or `DPOTrainer`, `kind="dpo"`; the experimental `CPOTrainer`, "cpo", or
+    `ORPOTrainer`, "orpo") that takes its rows in dataset order."""
     from torch.utils.data import SequentialSampler
     from trl import DPOTrainer, KTOTrainer
 
-    class InOrder(DPOTrainer if kind == "dpo" else KTOTrainer):
+    if kind in ("cpo", "orpo"):
+        from trl.experimental.cpo import CPOTrainer
+        from trl.experimental.orpo import ORPOTrainer
+
+        base = CPOTrainer if kind == "cpo" else ORPOTrainer
+    else:
+        base = DPOTrainer if kind == "dpo" else KTOTrainer
+
+    class InOrder(base):
         def _get_train_sampler(self, train_dataset=None):
             return SequentialSampler(train_dataset or self.train_dataset)
 
@@ -75,6 +84,27 @@ def dpo_args(
     from trl import DPOConfig
 
     return DPOConfig(**_common_args(output_dir, batch, steps, lr, eps, clip, beta), **loss)
+
+
+def reference_free_args(
+    output_dir: Path,
+    kind: str,
+    *,
+    batch: int,
+    steps: int,
+    lr: float,
+    eps: float,
+    clip: float,
+    beta: float,
+    **loss: object,
+):
+    """`CPOConfig` (`kind="cpo"`) or `ORPOConfig` ("orpo") of a fp32 run as `kto_args`; `loss`:
+    `loss_type`, `cpo_alpha`, `simpo_gamma`, ... as TRL names them."""
+    from trl.experimental.cpo import CPOConfig
+    from trl.experimental.orpo import ORPOConfig
+
+    config = CPOConfig if kind == "cpo" else ORPOConfig
+    return config(**_common_args(output_dir, batch, steps, lr, eps, clip, beta), **loss)
 
 
 def _common_args(output_dir, batch, steps, lr, eps, clip, beta) -> dict:

@@ -71,7 +71,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_presets import BENCH_DEFAULTS, preset_overrides
+from bench_presets import BENCH_DEFAULTS, bench_defaults, preset_overrides  # noqa: F401
 from bench_report import FIGURES, combine_runs, render_header, render_notes, render_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,6 +161,28 @@ def trl_spec(cfg: Any) -> dict[str, Any]:
     }
 
 
+def shape_spec(cfg: Any) -> dict[str, Any]:
+    """What an `--objective` (DPO) run reports of its setup: the shape, batch and precision
+    (there is no TRL side to mirror)."""
+    from megatron_kto.data.pipeline import resolve_path
+    from megatron_kto.data.tokenizers import load_tokenizer
+
+    m = cfg.model
+    tokenizer = load_tokenizer(
+        m.tokenizer.library, str(resolve_path(m.tokenizer.model)), m.tokenizer.chat_template
+    )
+    arch = _resolved_architecture(cfg, tokenizer.vocab_size)
+    return {
+        "architecture": arch.to_dict(),
+        "padded_vocab": arch.padded_vocab(m.tensor_model_parallel_size),
+        "max_length": m.data.max_length or arch.encoder_seq_length,
+        "global_batch_size": m.global_batch_size,
+        "micro_batch_size": m.micro_batch_size,
+        "precision": str(cfg.trainer.precision),
+        "dpo": {"loss_type": m.dpo.loss_type, "beta": m.dpo.ref_policy_kl_penalty},
+    }
+
+
 def lora_spec(model_cfg: Any, arch: Any) -> dict[str, Any] | None:
     """The run's LoRA adapters as `peft.LoraConfig` arguments (None without LoRA), and the
     number of adapter parameters they add to the unsharded model: the TRL side wraps its model
@@ -239,17 +261,19 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any] | None:
     from megatron_kto.runtime.precision import precision_dtype
 
     log_dir = args.log_dir or _default_log_dir()
+    algorithm = "dpo" if args.objective else "kto"
     overrides = [
-        *BENCH_DEFAULTS,
-        *preset_overrides(args.preset),
+        *bench_defaults(algorithm),
+        *preset_overrides(args.preset, algorithm),
         *lora_overrides(args.lora, args.lora_targets),
         f"exp_manager.explicit_log_dir={log_dir}",
+        *([f"model.dpo.loss_type={args.objective}"] if args.objective else []),
         *args.overrides,
-        f"trainer.kto.max_steps={args.warmup + args.steps}",
+        f"trainer.{algorithm}.max_steps={args.warmup + args.steps}",
         "trainer.log_every_n_steps=1",
     ]
-    cfg = _compose(args.config_name, overrides)
-    spec = trl_spec(cfg)
+    cfg = _compose("gpt_dpo" if args.objective else args.config_name, overrides)
+    spec = trl_spec(cfg) if algorithm == "kto" else shape_spec(cfg)
     # Decided here rather than inside the run so that both sides use one and the same peak.
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else "cpu"
@@ -264,7 +288,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any] | None:
     )  # fmt: skip
     cfg.trainer.peak_flops_per_device = peak.flops
     cpu_marks = _mark_cpu_time_per_step()
-    run_alignment(cfg, "kto")
+    run_alignment(cfg, algorithm)
     if int(os.environ.get("RANK", "0")) != 0:
         return None
     rows = [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").open()]
@@ -388,6 +412,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-dir", default=None, help="keep our run's directory here (default: a temporary one)"
     )
+    parser.add_argument(
+        "--objective",
+        help="a DPO-family model.dpo.loss_type (sigmoid, simpo, orpo, ...): train it on the "
+        "preset's rows as pairs (8 pairs a step, 2 a micro-batch) from the DPO entry; our side "
+        "only",
+    )
     parser.add_argument("--verbose", action="store_true", help="show the workers' output")
     parser.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -473,7 +503,10 @@ def main(argv: list[str] | None = None) -> int:
             _publish(report, args.json)
         return 0
 
-    want_trl = args.trl if args.trl is not None else _trl_available()
+    if args.objective and args.trl:
+        print("error: --trl mirrors KTO runs only; leave it out with --objective", file=sys.stderr)
+        return 2
+    want_trl = not args.objective and (args.trl if args.trl is not None else _trl_available())
     runs: dict[str, list[dict[str, Any]]] = {"ours": [], "trl": []}
     for _ in range(args.repeat):  # alternate the sides so both meet the same load drift
         extra = []

@@ -7,6 +7,7 @@ Standard library only, like `bench_kto.py`'s module level (see its note on max-R
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tempfile
@@ -68,10 +69,48 @@ def longtail_data() -> Path:
     return path
 
 
-def preset_overrides(preset: str) -> list[str]:
-    """Hydra overrides of a `--preset` (before the user's own)."""
+def longtail_pairs() -> Path:
+    """The long-tailed set as DPO pairs (for `tools/bench_kto.py --objective`): each desirable
+    row's prompt and completion as chosen, the next undesirable row's completion as rejected,
+    so the chosen and rejected lengths keep the set's long tail. Written once beside it."""
+    source = longtail_data()
+    path = source.with_name(source.stem.replace("kto_", "dpo_") + ".jsonl")
+    if not path.exists():
+        rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+        rejected = iter([r["completion"] for r in rows if not r["label"]])
+        pairs = []
+        for row in (r for r in rows if r["label"]):
+            other = next(rejected, None)
+            if other is None:
+                break
+            pairs.append({"prompt": row["prompt"], "chosen": row["completion"], "rejected": other})
+        path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    return path
+
+
+#: `--objective` runs (DPO-family loss types): the KTO preset's rows per step and per
+#: micro-batch as pairs (16 rows = 8 pairs a step, 4 rows = 2 pairs a micro-batch).
+DPO_BATCH = ["model.global_batch_size=8", "model.micro_batch_size=2"]
+
+
+def bench_defaults(algorithm: str) -> list[str]:
+    """`BENCH_DEFAULTS` for `algorithm`'s loop keys (`trainer.kto` or `trainer.dpo`)."""
+    return [d.replace("trainer.kto.", f"trainer.{algorithm}.") for d in BENCH_DEFAULTS]
+
+
+def preset_overrides(preset: str, algorithm: str = "kto") -> list[str]:
+    """Hydra overrides of a `--preset` (before the user's own); `algorithm` "dpo" gives the
+    bundled DPO example's settings and the set's pairs (`longtail_pairs`)."""
     if preset == "example":
         return []
+    if algorithm == "dpo":
+        return [
+            "example=tiny_dpo",
+            *LONGTAIL_MODEL,
+            *(LONGTAIL_MOE if preset == "longtail_moe" else []),
+            *DPO_BATCH,
+            f"model.data.data_prefix.train=[{longtail_pairs()}]",
+        ]
     # The bundled example's settings (fp32, tokenizer, batch sizes, lr) under the larger shape:
     # a run that names its own data no longer gets them implicitly (megatron_kto/entry.py).
     return [

@@ -130,17 +130,28 @@ def render_header(report: dict[str, Any]) -> str:
     ours = report["ours"]
     spec, arch = ours["spec"], ours["spec"]["architecture"]
     env = report["environment"]
+    if "dpo" in spec:  # an --objective run (shape_spec)
+        data = (
+            f"  data ({report.get('preset', 'example')} preset, as pairs): global batch "
+            f"{spec['global_batch_size']} pairs (micro-batch {spec['micro_batch_size']}), "
+            f"max_length {spec['max_length']}, loss_type {spec['dpo']['loss_type']}, beta "
+            f"{spec['dpo']['beta']}"
+        )
+    else:
+        data = (
+            f"  data ({report.get('preset', 'example')} preset): {', '.join(spec['train_files'])}; "
+            f"global batch {spec['global_batch_size']} "
+            f"(ours: micro-batch {spec['micro_batch_size']}, reference {spec['reference_policy']}), "
+            f"max_length {spec['max_length']}, beta {spec['kto']['beta']}, lr {spec['optim']['lr']}"
+        )
     return "\n".join(
         [
-            "KTO step benchmark",
+            "DPO-family step benchmark" if "dpo" in spec else "KTO step benchmark",
             f"  model: {arch['num_layers']} layers, hidden {arch['hidden_size']}, ffn "
             f"{arch['ffn_hidden_size']}, heads {arch['num_attention_heads']}/"
             f"{arch['num_query_groups'] or arch['num_attention_heads']} (q/kv), vocab "
             f"{spec['padded_vocab']}, precision {spec['precision']}{_experts(arch)}",
-            f"  data ({report.get('preset', 'example')} preset): {', '.join(spec['train_files'])}; "
-            f"global batch {spec['global_batch_size']} "
-            f"(ours: micro-batch {spec['micro_batch_size']}, reference {spec['reference_policy']}), "
-            f"max_length {spec['max_length']}, beta {spec['kto']['beta']}, lr {spec['optim']['lr']}",
+            data,
             *_lora_line(spec, report.get("trl")),
             f"  steps: {report['warmup']} warm-up + {report['steps']} timed, "
             f"{report['repeat']} run(s) per side; world size "

@@ -8,6 +8,12 @@ The implicit reward of an example is β·(log π(y|x) − log π_ref(y|x)), summ
 tokens. Prints the ROC AUC (0.5 = chance), the accuracy of "reward > 0 means desirable", and
 the mean reward of each class.
 
+A reference-free objective (`--algorithm dpo` on a run whose `model.dpo.loss_type` is cpo,
+simpo or orpo, or `--reference none`) has no reference: the reward is the policy's own β·log π
+(per-token mean for simpo / orpo, or with the run's `preference_average_log_probs`, as its
+`rewards/*` metrics), and the report is its AUC and the margin between the classes' mean
+rewards (no sign accuracy: log π is never above 0). No reference weights are read.
+
 Settings not given on the command line come from the policy checkpoint's saved run config
 (`config.yaml` in a training checkpoint): the reference is the run's
 `pretrained_checkpoint.restore_from_path`, the data its validation files, β, tokenizer and
@@ -39,6 +45,11 @@ from megatron_kto.checkpointing import files  # noqa: E402
 from megatron_kto.checkpointing.errors import CheckpointError  # noqa: E402
 from megatron_kto.config.validate import ConfigError  # noqa: E402
 from megatron_kto.data.errors import DataFormatError  # noqa: E402
+from megatron_kto.losses.dpo_types import (  # noqa: E402
+    averages_log_probs,
+    loss_type_names,
+    needs_reference,
+)
 from megatron_kto.runtime.attention_backend import ATTENTION_BACKENDS  # noqa: E402
 
 
@@ -53,7 +64,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         required=True,
         help="trained checkpoint, run directory or Hugging Face directory (a run's hf/ too)",
     )
-    p.add_argument("--reference", help="reference weights (default: the run's restore_from_path)")
+    p.add_argument(
+        "--reference",
+        help="reference weights (default: the run's restore_from_path; none for a "
+        "reference-free objective: rewards are β·log π of the policy alone)",
+    )
     p.add_argument("--data", nargs="+", help="labelled data files (default: the run's validation)")
     p.add_argument("--algorithm", choices=("kto", "dpo"), default="kto", help="whose β to read")
     p.add_argument("--beta", type=float, help="β (default: the run's ref_policy_kl_penalty)")
@@ -148,10 +163,22 @@ def resolve_settings(args: argparse.Namespace, policy_dir: Path) -> dict[str, An
     beta = args.beta if args.beta is not None else run_value(f"model.{algo}.ref_policy_kl_penalty")
     own = args.tokenizer is None and _own_tokenizer(policy_dir)
     tokenizer = args.tokenizer or (policy_dir if own else run_value("model.tokenizer.model"))
+    loss_types = loss_type_names(run_value("model.dpo.loss_type", "sigmoid"))
+    run_free = algo == "dpo" and not needs_reference(loss_types)
+    if run_free and args.reference not in (None, "none"):
+        raise UsageError(
+            f"--reference: the run's model.dpo.loss_type {list(loss_types)} reads no reference "
+            "(its rewards are β·log π of the policy); leave --reference out"
+        )
+    reference_free = run_free or args.reference == "none"
     reference = args.reference or run_value("pretrained_checkpoint.restore_from_path")
+    average = bool(run_value(f"model.{algo}.preference_average_log_probs", False))
     settings = {
         "policy": str(policy_dir),
-        "reference": str(need(reference, "--reference", "pretrained_checkpoint.restore_from_path")),
+        "reference": None
+        if reference_free
+        else str(need(reference, "--reference", "pretrained_checkpoint.restore_from_path")),
+        "average_log_probs": average or (algo == "dpo" and averages_log_probs(loss_types)),
         "data": [
             str(resolve_path(f).resolve())
             for f in need(data, "--data", "model.data.data_prefix.validation")
@@ -247,7 +274,10 @@ def check_layout(args: argparse.Namespace, settings: dict[str, Any]) -> None:
             f"--tensor-model-parallel-size: {world} processes are not divisible by TP ({tp}) x "
             f"PP ({pp})" + (f" x CP ({cp})" if cp > 1 else "")
         )
-    for ckpt in (Path(settings["policy"]), resolve_pretrained_dir(settings["reference"])):
+    reference = settings["reference"]
+    models = [Path(settings["policy"])]
+    models += [resolve_pretrained_dir(reference)] if reference is not None else []
+    for ckpt in models:
         check(
             read_architecture(ckpt),
             tp,
@@ -311,15 +341,18 @@ def evaluate(args: argparse.Namespace) -> int:
             use_cache=not args.no_cache,
             precision=settings["precision"],
             attention_backend=settings["attention_backend"],
+            average_log_probs=settings["average_log_probs"],
         )
         if result.labels.all() or not result.labels.any():
             raise UsageError(
                 f"{', '.join(settings['data'])}: needs desirable and undesirable examples, got "
                 f"{int(result.labels.sum())} desirable of {result.labels.size}"
             )
-        report = summarize(result.rewards, result.labels)
+        free = settings["reference"] is None
+        report = summarize(result.rewards, result.labels, sign_accuracy=not free)
         if runtime.is_rank0:
-            print(f"policy: {policy_dir}\nreference: {settings['reference']}")
+            reference = settings["reference"] or "none (reference-free: rewards are β·log π)"
+            print(f"policy: {policy_dir}\nreference: {reference}")
             print(f"data: {', '.join(settings['data'])} (beta {settings['beta']})")
             print(f"precision {settings['precision']}, attention {attention.describe()}")
             print(report.format(), flush=True)
@@ -335,7 +368,7 @@ def evaluate(args: argparse.Namespace) -> int:
                             "label": bool(result.labels[i]),
                             "reward": float(result.rewards[i]),
                             "policy_logps": float(result.policy_logps[i]),
-                            "reference_logps": float(result.reference_logps[i]),
+                            "reference_logps": None if free else float(result.reference_logps[i]),
                             "num_tokens": int(result.num_tokens[i]),
                         }
                         f.write(json.dumps(row) + "\n")

@@ -233,12 +233,15 @@ class DPOTrainer:
         """(real tokens in this rank's batch, model FLOPs of its step for MFU; 0 without
         `model_flops`).
 
-        DPO: reference forward over chosen+rejected (1x; none for a reference-free objective)
-        and policy forward+backward (3x).
+        DPO: reference forward over chosen+rejected (1x; none for a reference-free objective),
+        a policy forward over them for a loss that sorts the global batch (1x; aot) and policy
+        forward+backward (3x).
         """
         lengths = torch.cat([batch["chosen_lengths"], batch["rejected_lengths"]])
         flops = self.model_flops.rows(lengths) if self.model_flops else 0.0
-        forward_only, forward_backward = dpo_pass_tokens(flops, self._needs_reference)
+        forward_only, forward_backward = dpo_pass_tokens(
+            flops, self._needs_reference, getattr(self.model, "sorts_batch", False)
+        )
         return float(lengths.sum()), forward_only + FWD_BWD_MULTIPLIER * forward_backward
 
     # --- loop ----------------------------------------------------------------------------------

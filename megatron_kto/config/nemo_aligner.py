@@ -75,13 +75,33 @@ def _unset_or_equal_to(path: str) -> Callable[[Any, DictConfig, str], bool]:
     return accept
 
 
+#: NeMo-Aligner's RPO losses read a reward per completion from the data (g = gt_reward_scale ×
+#: (chosen reward − rejected reward), Δ the log-ratio margin): rpo_sq (βΔ − g)², rpo_fwd_kl
+#: KL(σ(±βΔ) ‖ σ(±g)), rpo_bwd_kl KL(σ(±g) ‖ σ(±βΔ)). Our data carries no rewards; with the same
+#: g for every pair the two KL forms are exo_pair and conservative sigmoid with ε = σ(−g) (the
+#: latter up to a constant), which is what the refusal names.
+_RPO_NEAREST = {
+    "rpo_fwd_kl": "model.dpo.loss_type=exo_pair with model.dpo.label_smoothing=σ(−g) (the same "
+    "loss when every pair has the same reward gap g)",
+    "rpo_bwd_kl": "model.dpo.loss_type=sigmoid with model.dpo.label_smoothing=σ(−g) (the same "
+    "gradient when every pair has the same reward gap g)",
+    "rpo_sq": "model.dpo.loss_type=ipo (a squared margin with a fixed target)",
+}
+
+
 def _dpo_preference_loss(value: Any) -> str:
     known = {"dpo": "sigmoid", "ipo": "ipo"}
-    if value not in known:
+    if value in _RPO_NEAREST:
         raise ConfigError(
             f"model.dpo.preference_loss: {value!r} is not supported (NeMo-Aligner's RPO losses "
-            "are not implemented); use dpo or ipo (our model.dpo.loss_type also offers hinge, "
-            "robust, apo_zero and the rest of losses.DPO_LOSS_TYPES)"
+            "read a reward per completion from the data, which this trainer does not read); "
+            f"nearest: {_RPO_NEAREST[value]}"
+        )
+    if value not in known:
+        raise ConfigError(
+            f"model.dpo.preference_loss: {value!r} is not supported; use dpo or ipo (our "
+            "model.dpo.loss_type also offers hinge, robust, apo_zero and the rest of "
+            "losses.DPO_LOSS_TYPES)"
         )
     return known[value]
 

@@ -353,11 +353,31 @@ def _check_objective(m: Any, algorithm: str) -> None:
         check_f_divergence(names, d.f_divergence_type, d.f_alpha_divergence_coef)
     except DPOLossConfigError as e:
         raise ConfigError(f"model.dpo.{e.field}: {e}") from None
+    if d.ld_alpha is not None:
+        _check_ld_alpha(d, names)
     need(
         d.reference_policy != NO_REFERENCE or not needs_reference(names),
         "model.dpo.reference_policy",
         f"'{NO_REFERENCE}' only with a reference-free loss_type (cpo, simpo, orpo), got "
         f"loss_type {list(names)}",
+    )
+
+
+def _check_ld_alpha(d: Any, names: tuple[str, ...]) -> None:
+    """LD-DPO is DPOTrainer's (reference-based); its `sft` reads unweighted log-probs, which a
+    run with the weights in its forward pass does not have."""
+    need(0.0 <= d.ld_alpha <= 1.0, "model.dpo.ld_alpha", f"must be in [0, 1], got {d.ld_alpha}")
+    need(
+        needs_reference(names),
+        "model.dpo.ld_alpha",
+        f"LD-DPO weights DPO's reference-based log-ratios; not with loss_type {list(names)} "
+        "(TRL's CPO/ORPO trainers have no ld_alpha); unset it",
+    )
+    need(
+        "sft" not in names and d.sft_loss_weight == 0,
+        "model.dpo.ld_alpha",
+        "not with an SFT term (loss_type sft or model.dpo.sft_loss_weight): it reads the "
+        "unweighted log-probs; drop one of them",
     )
 
 

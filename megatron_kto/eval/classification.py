@@ -59,8 +59,9 @@ class RewardReport:
     num_undesirable: int
     auc: float
     """ROC AUC of the reward for desirable vs undesirable."""
-    accuracy: float
-    """Share of examples with (reward > 0) == desirable."""
+    accuracy: float | None
+    """Share of examples with (reward > 0) == desirable; None for a reference-free objective's
+    rewards (β·log π, never above 0)."""
     mean_reward_desirable: float
     mean_reward_undesirable: float
     margin: float
@@ -77,19 +78,22 @@ class RewardReport:
                 f"examples: {self.num_examples} ({self.num_desirable} desirable, "
                 f"{self.num_undesirable} undesirable)",
                 f"AUC: {self.auc:.4f}",
-                f"accuracy (reward > 0 <=> desirable): {self.accuracy:.4f}",
+                f"accuracy (reward > 0 <=> desirable): {self.accuracy:.4f}"
+                if self.accuracy is not None
+                else "accuracy: n/a (reference-free rewards β·log π are never above 0)",
                 f"mean reward: desirable {self.mean_reward_desirable:+.4f}, "
                 f"undesirable {self.mean_reward_undesirable:+.4f}, margin {self.margin:+.4f}",
             ]
         )
 
 
-def summarize(rewards: np.ndarray, labels: np.ndarray) -> RewardReport:
+def summarize(rewards: np.ndarray, labels: np.ndarray, sign_accuracy: bool = True) -> RewardReport:
     """AUC, sign accuracy and per-class mean rewards.
 
     Args:
         rewards: [N] implicit rewards.
         labels: [N] True for desirable.
+        sign_accuracy: report the sign accuracy (False for reference-free rewards).
 
     Raises:
         ValueError: if either class is empty.
@@ -103,7 +107,7 @@ def summarize(rewards: np.ndarray, labels: np.ndarray) -> RewardReport:
         num_desirable=int(desirable.size),
         num_undesirable=int(undesirable.size),
         auc=auc,
-        accuracy=float(((rewards > 0) == labels).mean()),
+        accuracy=float(((rewards > 0) == labels).mean()) if sign_accuracy else None,
         mean_reward_desirable=float(desirable.mean()),
         mean_reward_undesirable=float(undesirable.mean()),
         margin=float(desirable.mean() - undesirable.mean()),

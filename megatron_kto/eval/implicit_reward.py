@@ -2,6 +2,9 @@
 
 For an example (x, y), ℓ(y|x) is the summed log-probability of the completion tokens (prompt
 and padding masked, exactly as in training), and the implicit reward is β·(ℓ_policy − ℓ_ref).
+A reference-free objective (CPO, SimPO, ORPO) has no reference: its reward is the policy's own
+β·ℓ_policy (per-token mean ℓ for SimPO and ORPO, as TRL's trainers log it), and no reference
+pass is run.
 A policy that learned the preference gives desirable examples higher rewards than undesirable
 ones; `classification.summarize` measures how well (AUC, accuracy, mean reward per class).
 
@@ -54,8 +57,8 @@ class ImplicitRewards:
     """β·(policy_logps − reference_logps)."""
     policy_logps: np.ndarray
     """Summed completion log-probs under the policy."""
-    reference_logps: np.ndarray
-    """Summed completion log-probs under the reference."""
+    reference_logps: np.ndarray | None
+    """Summed completion log-probs under the reference (None: reference-free)."""
     num_tokens: np.ndarray
     """Completion tokens scored."""
     labels: np.ndarray
@@ -145,7 +148,7 @@ def _architecture(policy_dir: Path, reference_dir: Path, vocab_size: int) -> GPT
 
 def implicit_rewards(
     policy: str | Path,
-    reference: str | Path,
+    reference: str | Path | None,
     data_files: Sequence[str | Path],
     tokenizer: Tokenizer,
     runtime: Runtime,
@@ -157,6 +160,7 @@ def implicit_rewards(
     use_cache: bool = True,
     precision: str = "32",
     attention_backend: str = "auto",
+    average_log_probs: bool = False,
 ) -> ImplicitRewards:
     """Implicit rewards of every example of `data_files` (collective over the job).
 
@@ -164,7 +168,8 @@ def implicit_rewards(
         policy: trained checkpoint: a `step_<N>` dir, a checkpoints root or run dir (its newest
             complete checkpoint), or a model_io checkpoint.
         reference: the reference weights, same forms (typically the run's
-            `pretrained_checkpoint.restore_from_path`).
+            `pretrained_checkpoint.restore_from_path`); None for a reference-free objective:
+            the rewards are β·ℓ_policy and no reference pass runs.
         data_files: labelled data in any supported format (unpaired, NeMo-Aligner, paired —
             a pair gives one desirable and one undesirable example).
         tokenizer: the training tokenizer.
@@ -178,6 +183,8 @@ def implicit_rewards(
         precision: '32', 'bf16' or '16' (the model's parameters and compute).
         attention_backend: 'auto', 'te', 'sdpa' or 'local' (`runtime.attention_backend`;
             the passes are packed, so 'local' is refused).
+        average_log_probs: rewards from per-token mean log-probs (SimPO, ORPO, or a run with
+            `preference_average_log_probs`); `policy_logps` stay sums.
 
     Returns:
         Per-example rewards, log-probs, token counts and labels.
@@ -186,8 +193,9 @@ def implicit_rewards(
         CheckpointError: missing/incompatible checkpoints.
         DataFormatError: a bad data row (one line, file:line).
     """
-    policy_dir, reference_dir = resolve_pretrained_dir(policy), resolve_pretrained_dir(reference)
-    arch = _architecture(policy_dir, reference_dir, tokenizer.vocab_size)
+    policy_dir = resolve_pretrained_dir(policy)
+    reference_dir = resolve_pretrained_dir(reference) if reference is not None else None
+    arch = _architecture(policy_dir, reference_dir or policy_dir, tokenizer.vocab_size)
     if arch.vocab_size is None:
         arch.vocab_size = tokenizer.vocab_size
     dist = torch.distributed
@@ -224,7 +232,9 @@ def implicit_rewards(
         # same model with the adapters off (no second load).
         build_lora_model(policy_dir, chunks, arch)
         tables = [logps()]
-        if lora_base_dir(policy_dir) == reference_dir:
+        if reference_dir is None:
+            pass
+        elif lora_base_dir(policy_dir) == reference_dir:
             with adapters_disabled(chunks):
                 tables.append(logps())
         else:
@@ -234,13 +244,19 @@ def implicit_rewards(
     else:
         tables = []
         for weights in (policy_dir, reference_dir):
-            restore_pretrained(weights, chunks)
-            tables.append(logps())
-    policy_logps, reference_logps = tables[0][:, 0].numpy(), tables[1][:, 0].numpy()
+            if weights is not None:
+                restore_pretrained(weights, chunks)
+                tables.append(logps())
+    policy_logps = tables[0][:, 0].numpy()
+    num_tokens = tables[0][:, 1].numpy().astype(np.int64)
+    reference_logps = tables[1][:, 0].numpy() if reference_dir is not None else None
+    ratio = policy_logps - reference_logps if reference_logps is not None else policy_logps
+    if average_log_probs:
+        ratio = ratio / np.maximum(num_tokens, 1)
     return ImplicitRewards(
-        rewards=beta * (policy_logps - reference_logps),
+        rewards=beta * ratio,
         policy_logps=policy_logps,
         reference_logps=reference_logps,
-        num_tokens=tables[0][:, 1].numpy().astype(np.int64),
+        num_tokens=num_tokens,
         labels=np.asarray(dataset.labels, dtype=bool),
     )

@@ -136,11 +136,17 @@ def kto_pass_tokens(
     return forward_only, sample_tokens
 
 
-def dpo_pass_tokens(pair_tokens: float, reference_forward: bool = True) -> tuple[float, float]:
+def dpo_pass_tokens(
+    pair_tokens: float, reference_forward: bool = True, policy_forward: bool = False
+) -> tuple[float, float]:
     """(forward-only tokens, forward+backward tokens) of one DPO step (or FLOPs, as for
     `kto_pass_tokens`): reference forward on the chosen and rejected rows (unless precomputed),
-    policy forward+backward on the same rows."""
-    return (pair_tokens if reference_forward else 0), pair_tokens
+    a forward-only policy pass on them first for a loss that sorts over the global batch
+    (`policy_forward`), policy forward+backward on the same rows."""
+    forward_only = (pair_tokens if reference_forward else 0) + (
+        pair_tokens if policy_forward else 0
+    )
+    return forward_only, pair_tokens
 
 
 @dataclass(frozen=True)

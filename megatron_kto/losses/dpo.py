@@ -35,6 +35,8 @@ from megatron_kto.losses._common import (
     per_token_mean,
     sft_nll,
 )
+from megatron_kto.losses.batch_sort import SortPartners
+from megatron_kto.losses.batch_sort import sort_partners as batch_sort_partners
 from megatron_kto.losses.dpo_types import (
     DPO_LOSS_TYPES,
     DPO_LOSSES,
@@ -42,6 +44,7 @@ from megatron_kto.losses.dpo_types import (
     check_loss_mixture,
     loss_type_names,
     needs_reference,
+    sorts_batch,
 )
 from megatron_kto.losses.f_divergence import (
     DEFAULT_ALPHA,
@@ -107,6 +110,7 @@ def dpo_loss(
     f_alpha_divergence_coef: float = DEFAULT_ALPHA,
     simpo_gamma: float = 0.5,
     cpo_alpha: float = 1.0,
+    sort_partners: SortPartners | None = None,
 ) -> DPOLossOutput:
     """Per-pair DPO-family loss: one catalogue entry, or a weighted sum of several.
 
@@ -134,6 +138,9 @@ def dpo_loss(
         f_alpha_divergence_coef: α of ``alpha_divergence``.
         simpo_gamma: γ, the target margin of ``simpo``.
         cpo_alpha: α, the weight of the chosen NLL in ``cpo`` and ``simpo``.
+        sort_partners: the pairs' rank partners over the global batch (``aot``,
+            ``aot_unpaired``); None: the pairs given are the whole batch, and they are computed
+            from them.
 
     Returns:
         :class:`DPOLossOutput`; the reference-free types' rewards are β × the policy log-probs
@@ -204,6 +211,8 @@ def dpo_loss(
         chosen_nll_token_mean = chosen_nll_token_mean_of(pc, chosen_num_tokens, average_log_probs)
     else:
         chosen_nll_token_mean = None
+    if sorts_batch(names) and sort_partners is None:
+        sort_partners = batch_sort_partners(pc, pr, ref_chosen_logps, ref_rejected_logps)
     pairs = DPOPairs(
         chosen_logratios=chosen_scores,
         rejected_logratios=rejected_scores,
@@ -214,6 +223,7 @@ def dpo_loss(
         chosen_nll_token_mean=chosen_nll_token_mean,
         simpo_gamma=simpo_gamma,
         cpo_alpha=cpo_alpha,
+        partners=sort_partners if sorts_batch(names) else None,
         **per_token,
     )
     if len(names) == 1 and weights[0] == 1.0:
@@ -260,6 +270,7 @@ def dpo_total_loss(
     f_alpha_divergence_coef: float = DEFAULT_ALPHA,
     simpo_gamma: float = 0.5,
     cpo_alpha: float = 1.0,
+    sort_partners: SortPartners | None = None,
 ) -> DPOTotalLossOutput:
     """DPO loss plus the optional SFT term on the chosen completions, reduced to a scalar.
 
@@ -277,7 +288,8 @@ def dpo_total_loss(
         sft_average_log_probs: the SFT NLL per token (True) or summed (False).
         preference_loss_weight: weight of the DPO term.
         loss_weights, discopop_tau, rejected_num_tokens, f_divergence_type,
-            f_alpha_divergence_coef, simpo_gamma, cpo_alpha: as in :func:`dpo_loss`.
+            f_alpha_divergence_coef, simpo_gamma, cpo_alpha, sort_partners: as in
+            :func:`dpo_loss`.
 
     Returns:
         :class:`DPOTotalLossOutput`.
@@ -302,6 +314,7 @@ def dpo_total_loss(
         f_alpha_divergence_coef=f_alpha_divergence_coef,
         simpo_gamma=simpo_gamma,
         cpo_alpha=cpo_alpha,
+        sort_partners=sort_partners,
     )
     if sft_loss_weight != 0.0:
         if chosen_num_tokens is None:

@@ -2,8 +2,9 @@
 
 Each entry maps a :class:`DPOPairs` (the per-pair log-ratios of one micro-batch and the loss
 parameters) to a [B] tensor of per-pair losses. Only losses that read nothing beyond the pairs
-themselves are here: TRL's ``bco_pair`` (a running reward mean), ``aot`` / ``aot_unpaired``
-(sorting over the batch) need statistics across the batch and are not.
+themselves are here, plus ``aot`` / ``aot_unpaired``, which pair values by rank over the whole
+global batch: they read each pair's constant rank partners (:mod:`~megatron_kto.losses.batch_sort`,
+``sorts_batch``), which a run computes from a forward-only policy pass over the global batch.
 
 Notation: c = π_c − ref_c, r = π_r − ref_r (sums over completion tokens, or per-token means when
 the caller length-normalises), h = c − r, x = β·h, ε = ``label_smoothing``, τ = ``discopop_tau``,
@@ -18,7 +19,10 @@ name                      per-pair loss                                         
 ``exo_pair``              σ(x)(log σ(x) − log(1 − ε)) + σ(−x)(log σ(−x) − log ε)    required
 ``nca_pair``              −log σ(βc) − ½·log σ(−βc) − ½·log σ(−βr)                  —
 ``robust``                (−(1 − ε)·log σ(x) + ε·log σ(−x)) / (1 − 2ε)              optional
+``bco_pair``              −log σ(βc) − log σ(−βr)  (TRL 1.16: no running mean δ)     —
 ``sppo_hard``             (c − 1/(2β))² + (r + 1/(2β))²                             —
+``aot``                   ℓ_ε(β(x_(k) − y_(k))), x = π_c − π_r, y = ref_c − ref_r sorted  optional
+``aot_unpaired``          ℓ_ε(β(c_(k) − r_(k))), c and r sorted separately            optional
 ``apo_zero``              1 − σ(βc) + σ(βr)                                         —
 ``apo_down``              σ(βc) + 1 − σ(x)                                          —
 ``discopop``              (1 − m)·(−log σ(x)) + m·exp(−x),  m = σ(x/τ)              —
@@ -38,6 +42,10 @@ experimental ``CPOTrainer`` (``loss_type="sigmoid"`` / ``"simpo"``) and ``ORPOTr
   ``simpo_gamma``; TRL's CPOTrainer adds α·NLL here too (α = 0 gives the paper's SimPO).
 - ``orpo`` (Hong et al. 2024): o = log odds(ℓ_c) − log odds(ℓ_r), odds(ℓ) = e^ℓ/(1 − e^ℓ), on
   per-token means ℓ = π/n; β is the paper's λ; the NLL weight is 1.
+
+ℓ_ε(z) = −(1 − ε)·log σ(z) − ε·log σ(−z); the sorts are over the global batch (TRL sorts the
+batch one process is given), so a run at any data-parallel size and micro-batch size equals TRL's
+on one process with the whole global batch.
 
 NLL is TRL's: the chosen completions' negative log-likelihood as one token-weighted mean over
 the pairs given (Σ_i −π_c,i / Σ_i n_c,i, a micro-batch in training), added to every pair's loss
@@ -62,6 +70,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megatron_kto.losses.batch_sort import SortPartners
+
 
 @dataclass(frozen=True)
 class DPOPairs:
@@ -80,6 +90,8 @@ class DPOPairs:
             no token counts were given); the NLL of the reference-free objectives.
         simpo_gamma: γ of ``simpo``.
         cpo_alpha: α, the NLL weight of ``cpo`` and ``simpo``.
+        partners: each pair's rank partners over the global batch (``aot``, ``aot_unpaired``;
+            None for the other losses).
     """
 
     chosen_logratios: Tensor
@@ -93,6 +105,7 @@ class DPOPairs:
     chosen_nll_token_mean: Tensor | None = None
     simpo_gamma: float = 0.5
     cpo_alpha: float = 1.0
+    partners: SortPartners | None = None
 
     @property
     def logits(self) -> Tensor:
@@ -135,6 +148,11 @@ def _robust(p: DPOPairs) -> Tensor:
     return (-(1.0 - eps) * F.logsigmoid(x) + eps * F.logsigmoid(-x)) / (1.0 - 2.0 * eps)
 
 
+def _bco_pair(p: DPOPairs) -> Tensor:
+    # TRL 1.16's form: the BCO paper's running reward mean δ is gone (δ = 0).
+    return -F.logsigmoid(p.beta * p.chosen_logratios) - F.logsigmoid(-p.beta * p.rejected_logratios)
+
+
 def _sppo_hard(p: DPOPairs) -> Tensor:
     half_over_beta = 0.5 / p.beta
     return (p.chosen_logratios - half_over_beta) ** 2 + (p.rejected_logratios + half_over_beta) ** 2
@@ -173,6 +191,22 @@ def _sft(p: DPOPairs) -> Tensor:
 def _smoothed_sigmoid(x: Tensor, eps: float) -> Tensor:
     losses = -(1.0 - eps) * F.logsigmoid(x)
     return losses - eps * F.logsigmoid(-x) if eps != 0.0 else losses
+
+
+def _aot(p: DPOPairs) -> Tensor:
+    assert p.partners is not None  # dpo_loss computes them when the caller gives none
+    return _smoothed_sigmoid(p.beta * (p.logits + p.partners.aot_offset), p.label_smoothing)
+
+
+def _aot_unpaired(p: DPOPairs) -> Tensor:
+    assert p.partners is not None
+    eps, beta = p.label_smoothing, p.beta
+    own_chosen = _smoothed_sigmoid(beta * (p.chosen_logratios - p.partners.unpaired_rejected), eps)
+    # r_i's own term sits at another pair's rank: its value is counted there, its gradient here.
+    rejected_term = _smoothed_sigmoid(
+        beta * (p.partners.unpaired_chosen - p.rejected_logratios), eps
+    )
+    return own_chosen + (rejected_term - rejected_term.detach())
 
 
 def _nll(p: DPOPairs) -> Tensor:
@@ -231,6 +265,9 @@ class DPOLossKind:
             and runs no reference pass (the objective's log-ratios are the policy log-probs).
         averages_log_probs: TRL computes it on per-token mean log-probs, so a run passes means
             (its rewards and ``logps/*`` metrics are then per token, as TRL's).
+        sorts_batch: pairs values by rank over the global batch: reads
+            :attr:`DPOPairs.partners`, so a run first passes the policy over the global batch
+            forward-only (:func:`~megatron_kto.losses.batch_sort.sort_partners`).
     """
 
     fn: Callable[[DPOPairs], Tensor]
@@ -238,6 +275,7 @@ class DPOLossKind:
     needs_token_counts: bool = False
     needs_reference: bool = True
     averages_log_probs: bool = False
+    sorts_batch: bool = False
 
 
 DPO_LOSSES: dict[str, DPOLossKind] = {
@@ -247,7 +285,10 @@ DPO_LOSSES: dict[str, DPOLossKind] = {
     "exo_pair": DPOLossKind(_exo_pair, label_smoothing="required"),
     "nca_pair": DPOLossKind(_nca_pair),
     "robust": DPOLossKind(_robust, label_smoothing="optional"),
+    "bco_pair": DPOLossKind(_bco_pair),
     "sppo_hard": DPOLossKind(_sppo_hard),
+    "aot": DPOLossKind(_aot, label_smoothing="optional", sorts_batch=True),
+    "aot_unpaired": DPOLossKind(_aot_unpaired, label_smoothing="optional", sorts_batch=True),
     "apo_zero": DPOLossKind(_apo_zero),
     "apo_down": DPOLossKind(_apo_down),
     "discopop": DPOLossKind(_discopop),
@@ -295,6 +336,11 @@ def needs_reference(loss_type: str | list[str] | tuple[str, ...]) -> bool:
     agree; an unknown name counts as reading one, `check_loss_mixture` refuses it)."""
     names = loss_type_names(loss_type)
     return any(t not in DPO_LOSSES or DPO_LOSSES[t].needs_reference for t in names)
+
+
+def sorts_batch(loss_type: str | list[str] | tuple[str, ...]) -> bool:
+    """Whether a (checked) loss type or list pairs values by rank over the global batch."""
+    return any(DPO_LOSSES[t].sorts_batch for t in loss_type_names(loss_type) if t in DPO_LOSSES)
 
 
 def averages_log_probs(loss_type: str | list[str] | tuple[str, ...]) -> bool:

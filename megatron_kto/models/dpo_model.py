@@ -7,6 +7,11 @@ reference log-probs and the step is one forward+backward of the policy.
 A training micro-batch holds `micro_batch_size` pairs: their chosen rows followed by their
 rejected rows, so each pair's loss is computed inside one micro-batch (packed end to end, in that
 order, unless `pack_sequences` is off).
+
+A loss that pairs values by rank over the global batch (`aot`, `aot_unpaired`:
+`DPOLossKind.sorts_batch`) first runs the policy forward-only over this rank's pairs, gathers
+every data-parallel rank's log-probs (fixed size) and gives each pair its rank partners
+(`losses.batch_sort`), so the sort is over the global batch whatever the micro-batch size or DP.
 """
 
 from __future__ import annotations
@@ -14,9 +19,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from megatron.core import parallel_state
 
+from megatron_kto.losses.batch_sort import SortPartners, sort_partners
 from megatron_kto.losses.dpo import dpo_total_loss
-from megatron_kto.losses.dpo_types import loss_type_names, needs_reference, orpo_log_odds
+from megatron_kto.losses.dpo_types import (
+    loss_type_names,
+    needs_reference,
+    orpo_log_odds,
+    sorts_batch,
+)
+from megatron_kto.losses.length_desensitized import ld_token_weights
 from megatron_kto.losses.metrics import (
     DPO_METRICS,
     dpo_metric_set,
@@ -24,13 +37,16 @@ from megatron_kto.losses.metrics import (
     reference_free_metric_sums,
 )
 from megatron_kto.models.forward import (
+    LABEL_WEIGHTS,
     LOGIT_SUM,
     LOGP_SUM,
     NUM_TOKENS,
+    data_parallel_all_gather,
     data_parallel_all_reduce,
     forward_sequence_stats,
     stats_forward_step,
 )
+from megatron_kto.models.logprobs import IGNORE_INDEX
 from megatron_kto.models.output_head import DEFAULT_LOGPROB_CHUNK_SIZE
 from megatron_kto.models.packing import (
     DEFAULT_PACK_SEQUENCES,
@@ -57,6 +73,8 @@ from megatron_kto.models.schedule import (
 
 REF_CHOSEN = "ref_policy_log_probs_chosen"
 REF_REJECTED = "ref_policy_log_probs_rejected"
+#: A micro-batch's keys for its pairs' `SortPartners` fields (aot, aot_unpaired).
+_PARTNERS = ("aot_offset", "unpaired_rejected", "unpaired_chosen")
 
 
 @dataclass(frozen=True)
@@ -90,6 +108,9 @@ class DPOSettings:
     """γ, SimPO's target margin."""
     cpo_alpha: float = 1.0
     """α, the chosen NLL's weight in CPO and SimPO."""
+    ld_alpha: float | None = None
+    """LD-DPO: the weight of the tokens beyond the pair's shorter completion in every log-prob
+    (policy and reference; `losses.length_desensitized`); None: plain sums."""
     router_aux_loss_coeff: float = 0.0
     """MoE only: weight of the router load-balancing loss over each training micro-batch (its
     chosen and rejected rows, one forward as TRL's concatenated pass); 0 = off."""
@@ -115,9 +136,22 @@ class MegatronGPTDPOModel:
         names = loss_type_names(settings.loss_type)
         self.needs_reference = needs_reference(names)
         """False for the reference-free objectives: no reference pass is ever run."""
+        self.sorts_batch = sorts_batch(names)
+        """True for aot / aot_unpaired: a forward-only policy pass precedes each step."""
         self.metrics = dpo_metric_set(names)
         coeff = settings.router_aux_loss_coeff
         self.router_stats = RouterStatistics(chunks, coeff) if coeff else None
+
+    def label_weights(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """LD-DPO's per-position weights of the chosen and rejected rows ([B, T] each), or None
+        without `ld_alpha`."""
+        if self.settings.ld_alpha is None:
+            return None
+        return ld_token_weights(
+            batch["chosen_labels"] != IGNORE_INDEX,
+            batch["rejected_labels"] != IGNORE_INDEX,
+            self.settings.ld_alpha,
+        )
 
     def forward_logprobs(
         self, batch: Batch, chunks: list[torch.nn.Module], micro_batch_size: int | None = None
@@ -134,6 +168,7 @@ class MegatronGPTDPOModel:
         lengths = None
         if s.pack_sequences:
             lengths = row_lengths(batch, "chosen_labels") + row_lengths(batch, "rejected_labels")
+        weights = self.label_weights(batch)
         stats = forward_sequence_stats(
             chunks,
             tokens,
@@ -146,12 +181,25 @@ class MegatronGPTDPOModel:
             s.pack_sequences,
             lengths,
             spans,
+            torch.cat(weights) if weights is not None else None,
         )
         return _logps(stats, s.average_log_probs)
 
     def get_ref_policy_logprobs(self, batch: Batch) -> torch.Tensor:
         """Reference log-probs of chosen rows then rejected rows ([2B])."""
         return self.reference.log_probs(batch, lambda chunks: self.forward_logprobs(batch, chunks))
+
+    def global_sort_partners(self, batch: Batch) -> SortPartners:
+        """This rank's pairs' rank partners over the global batch: a forward-only policy pass
+        over its pairs, every DP rank's log-probs gathered (fixed size), sorted
+        (`losses.batch_sort.sort_partners`), and this rank's share returned."""
+        pc, pr = self.forward_logprobs(batch, self.chunks).double().chunk(2)
+        local = torch.stack([pc, pr, batch[REF_CHOSEN].double(), batch[REF_REJECTED].double()])
+        every = data_parallel_all_gather(local)  # [DP, 4, B]
+        rows = pc.shape[0]
+        whole = every.permute(1, 0, 2).reshape(4, -1)
+        start = parallel_state.get_data_parallel_rank() * rows
+        return sort_partners(*whole).rows(slice(start, start + rows))
 
     def _loss_fn(self, batch: Batch, stats: torch.Tensor):
         s = self.settings
@@ -179,6 +227,11 @@ class MegatronGPTDPOModel:
             f_alpha_divergence_coef=s.f_alpha_divergence_coef,
             simpo_gamma=s.simpo_gamma,
             cpo_alpha=s.cpo_alpha,
+            sort_partners=(
+                SortPartners(*(batch[k].to(logps.dtype) for k in _PARTNERS))
+                if self.sorts_batch
+                else None
+            ),
         )
         sums = dpo_metric_sums(
             out.chosen_rewards,
@@ -199,7 +252,7 @@ class MegatronGPTDPOModel:
             )
         return out.loss, {"sums": sums}
 
-    def _micro_batches(self, batch: Batch) -> list[Batch]:
+    def _micro_batches(self, batch: Batch, partners: SortPartners | None = None) -> list[Batch]:
         mbs = self.settings.micro_batch_size
         pairs = batch["chosen"].shape[0]
         if pairs % mbs:
@@ -212,6 +265,7 @@ class MegatronGPTDPOModel:
         pack = self.settings.pack_sequences
         chosen_lengths = row_lengths(batch, "chosen_labels") if pack else None
         rejected_lengths = row_lengths(batch, "rejected_labels") if pack else None
+        weights = self.label_weights(batch)
         micro = []
         for i in range(0, pairs, mbs):
             sl = slice(i, i + mbs)
@@ -225,6 +279,11 @@ class MegatronGPTDPOModel:
                     NUM_SCORED: sum(chosen_scored[sl]) + sum(rejected_scored[sl]),
                 }
             )
+            if weights is not None:
+                micro[-1][LABEL_WEIGHTS] = torch.cat([weights[0][sl], weights[1][sl]])
+            if partners is not None:
+                mine = partners.rows(sl)
+                micro[-1].update({k: getattr(mine, k) for k in _PARTNERS})
             if self.needs_reference:
                 micro[-1]["ref_chosen"] = batch[REF_CHOSEN][sl]
                 micro[-1]["ref_rejected"] = batch[REF_REJECTED][sl]
@@ -242,7 +301,8 @@ class MegatronGPTDPOModel:
         over several global batches). Reads nothing back to the host."""
         s = self.settings
         step = stats_forward_step(self._loss_fn, s.vocab_size, s.logprob_chunk_size)
-        micro = self._micro_batches(batch)
+        partners = self.global_sort_partners(batch) if self.sorts_batch else None
+        micro = self._micro_batches(batch, partners)
         pack = s.pack_sequences
         if forward_only:
             with torch.no_grad():

@@ -24,6 +24,7 @@ from megatron_kto.models.output_head import (
 )
 from megatron_kto.models.packing import (
     DEFAULT_PACK_SEQUENCES,
+    LABEL_WEIGHTS,
     NUM_SCORED,
     PACKED,
     PackedRows,
@@ -48,8 +49,12 @@ def sequence_stats(
     labels: torch.Tensor,
     vocab_size: int,
     packed: PackedRows | None = None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-row [logp_sum, num_tokens, logit_sum] from this TP rank's logits ([N, 3] float32).
+
+    `weights` ([N, T] like `labels`, or None for 1) multiply each position's log-prob in
+    `logp_sum` (LD-DPO).
 
     `vocab_size` is the real vocabulary: padded logit columns are not tokens. `logit_sum` is read
     before `token_logprobs`, which may normalise fp32 logits in place. A packed micro-batch
@@ -57,11 +62,14 @@ def sequence_stats(
     """
     if packed is None:
         logit_sum = mean_logit_sums(logits, labels, vocab_size)
-        logp_sum, count = masked_sum(token_logprobs(logits, labels, vocab_size), labels)
+        logp = token_logprobs(logits, labels, vocab_size)
+        logp_sum, count = masked_sum(logp if weights is None else logp * weights, labels)
         return torch.stack([logp_sum, count.to(logp_sum.dtype), logit_sum], dim=-1)
     mask = (labels != IGNORE_INDEX).reshape(-1)
     logit_mean = mean_logits(logits, vocab_size).reshape(-1) * mask
     logp = token_logprobs(logits, labels, vocab_size).reshape(-1)
+    if weights is not None:
+        logp = logp * weights.reshape(-1)
     per_position = torch.stack([logp, mask.to(logp.dtype), logit_mean], dim=-1)
     positions = torch.arange(per_position.shape[0], device=per_position.device)
     return segment_sums(per_position, positions, *labels.shape, packed)
@@ -122,10 +130,15 @@ def stats_forward_step(
                     chunk_size,
                     batch.get(NUM_SCORED),
                     batch.get(PACKED),
+                    batch.get(LABEL_WEIGHTS),
                 )
             else:
                 stats = sequence_stats(
-                    output_tensor, batch["labels"], vocab_size, batch.get(PACKED)
+                    output_tensor,
+                    batch["labels"],
+                    vocab_size,
+                    batch.get(PACKED),
+                    batch.get(LABEL_WEIGHTS),
                 )
             # Under context parallelism each rank holds its chunks' part of every row.
             return loss_fn(batch, reduce_row_stats(stats))
@@ -160,6 +173,7 @@ def forward_sequence_stats(
     pack: bool = DEFAULT_PACK_SEQUENCES,
     lengths: list[int] | None = None,
     spans: list[Spans] | None = None,
+    label_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Forward-only pass over N rows through the pipeline schedule, without an autograd graph.
 
@@ -178,11 +192,14 @@ def forward_sequence_stats(
         spans: scored runs per row as host ints (`schedule.scored_spans`), for each context-
             parallel rank's count of scored positions; None: under context parallelism they are
             computed from `labels` (one device-to-host copy on an accelerator).
+        label_weights: [N, T] weights of each position's log-prob (`LABEL_WEIGHTS`), or None.
 
     Returns:
         [N, 3] float32 (`LOGP_SUM`, `NUM_TOKENS`, `LOGIT_SUM` columns) on every pipeline stage.
     """
     batch = {"tokens": tokens, "labels": labels, "position_ids": position_ids}
+    if label_weights is not None:
+        batch[LABEL_WEIGHTS] = label_weights
     if chunk_size and scored is None:
         scored = (labels != IGNORE_INDEX).sum(dim=-1).tolist()
     if pack and lengths is None:
@@ -210,3 +227,15 @@ def data_parallel_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     if parallel_state.get_data_parallel_world_size() > 1:
         torch.distributed.all_reduce(tensor, group=parallel_state.get_data_parallel_group())
     return tensor
+
+
+def data_parallel_all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """[DP, *shape]: every data-parallel rank's `tensor` (the same fixed shape on each), in rank
+    order — one all-reduce of zero-filled slots (exact: each slot has one non-zero summand)."""
+    world = parallel_state.get_data_parallel_world_size()
+    if world == 1:
+        return tensor.unsqueeze(0)
+    slots = torch.zeros((world, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    slots[parallel_state.get_data_parallel_rank()] = tensor
+    torch.distributed.all_reduce(slots, group=parallel_state.get_data_parallel_group())
+    return slots

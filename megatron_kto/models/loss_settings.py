@@ -52,5 +52,6 @@ def loss_settings(cfg: Any, algorithm: str, vocab_size: int) -> KTOSettings | DP
         f_alpha_divergence_coef=m.dpo.f_alpha_divergence_coef,
         simpo_gamma=m.dpo.simpo_gamma,
         cpo_alpha=m.dpo.cpo_alpha,
+        ld_alpha=m.dpo.ld_alpha,
         **common,
     )

@@ -129,6 +129,7 @@ def completion_stats(
     chunk_size: int,
     num_scored: int | None = None,
     packed: PackedRows | None = None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-row [logp_sum, num_tokens, logit_sum] from final hidden states ([B, 3] float32).
 
@@ -147,6 +148,8 @@ def completion_stats(
         num_scored: number of scored labels in `labels` if known on the host (no sync then).
         packed: the `PackedRows` of a packed micro-batch (hidden [L, 1, H], labels [1, L]);
             the result then has one row per packed row.
+        weights: [B, S] like `labels`: each position's log-prob is multiplied by its weight in
+            `logp_sum` (LD-DPO); None: 1.
     """
     if head.sequence_parallel:
         hidden = tensor_parallel.gather_from_sequence_parallel_region(
@@ -167,5 +170,7 @@ def completion_stats(
     logp, mean_logit = chunked_token_logprobs(
         selected.to(head.weight.dtype), head.weight, target, chunk_size, vocab_size
     )
+    if weights is not None:
+        logp = logp * weights.reshape(-1).index_select(0, positions).to(logp.dtype)
     per_token = torch.stack([logp, torch.ones_like(logp), mean_logit], dim=-1)
     return segment_sums(per_token, positions, rows, seq, packed)

@@ -63,7 +63,10 @@ SCORED_SPANS = "scored_spans"
 #: right, or as a packed micro-batch's padding segment): attention is causal, so real positions
 #: never see padding, and its labels are ignored, so it carries no loss. Padding positions are 0
 #: (any valid id works; an arange could run past a learned position table).
-PAD_VALUES = {"tokens": 0, "labels": IGNORE_INDEX, "position_ids": 0}
+#: Optional micro-batch key: [rows, T] float weights of each position's log-prob in a row's sum
+#: (LD-DPO, `losses.length_desensitized`); packed, split and padded with the labels.
+LABEL_WEIGHTS = "label_weights"
+PAD_VALUES = {"tokens": 0, "labels": IGNORE_INDEX, "position_ids": 0, LABEL_WEIGHTS: 0}
 
 
 @dataclass
