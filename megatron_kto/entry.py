@@ -184,17 +184,25 @@ def report_user_error(message: str) -> NoReturn:
 
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Errors that mean bad input (config, checkpoint, data, or a non-finite step under
-    `trainer.non_finite=stop`), not a bug.
+    `trainer.non_finite=stop`) or a full disk, not a bug.
 
     `CacheWriterFailedError` is what the other ranks see when the rank tokenising the data
     stopped on a bad row: that rank reports the row; they exit quietly with it.
     """
-    from megatron_kto.algorithms.errors import NonFiniteError
+    from megatron_kto.algorithms.errors import NonFiniteError, OutputError
     from megatron_kto.checkpointing.errors import CheckpointError
     from megatron_kto.config.validate import ConfigError
-    from megatron_kto.data.errors import CacheWriterFailedError, DataFormatError
+    from megatron_kto.data.errors import CacheWriteError, CacheWriterFailedError, DataFormatError
 
-    return (ConfigError, CheckpointError, DataFormatError, CacheWriterFailedError, NonFiniteError)
+    return (
+        ConfigError,
+        CheckpointError,
+        DataFormatError,
+        CacheWriteError,
+        CacheWriterFailedError,
+        NonFiniteError,
+        OutputError,
+    )
 
 
 def run_training(cfg: Any, algorithm: str) -> None:

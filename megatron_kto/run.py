@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from megatron_kto.algorithms.dpo import DPOTrainer, TrainerState, resolve_loop
-from megatron_kto.algorithms.errors import NonFiniteError
+from megatron_kto.algorithms.errors import NonFiniteError, OutputError, OutputWriteFailed
 from megatron_kto.algorithms.kto import KTOTrainer
 from megatron_kto.algorithms.non_finite import NonFiniteStep, stop_message
 from megatron_kto.algorithms.reference_strategies import (
@@ -24,8 +24,10 @@ from megatron_kto.algorithms.reference_strategies import (
     TrainingInputs,
     choose_reference,
 )
+from megatron_kto.checkpointing.disk_space import free_bytes, no_space_cause, write_failure_line
 from megatron_kto.checkpointing.model_io import CheckpointError
 from megatron_kto.config.validate import ConfigError
+from megatron_kto.console import error_summary
 from megatron_kto.data.pipeline import build_split, resolve_path
 from megatron_kto.data.provenance import row_sources
 from megatron_kto.data.tokenizers import load_tokenizer
@@ -220,6 +222,9 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
             except NonFiniteStep as e:
                 logger.close()
                 raise NonFiniteError(stop_message(e, log_dir)) from None
+            except OutputWriteFailed as e:
+                logger.close()
+                raise OutputError(_output_failure_line(e, log_dir)) from None
             logger.close()
             _say(
                 runtime.is_rank0,
@@ -228,6 +233,18 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
             return final
         finally:
             teardown()
+
+
+def _output_failure_line(error: OutputWriteFailed, log_dir: Path) -> str:
+    """Rank 0's line for metrics / TensorBoard that could not be written (elsewhere: a stand-in,
+    never printed)."""
+    if error.error is None:
+        return "writing the metrics failed on rank 0"
+    path = Path(str(error.path))
+    cause = no_space_cause(error.error) or error_summary(error.error)
+    return write_failure_line(
+        path, "the metrics", cause, log_dir / "checkpoints", free=free_bytes(path)
+    )
 
 
 def _prepare(cfg: Any, algorithm: str) -> tuple[Any, Any]:

@@ -14,18 +14,31 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import package_info, parallel_state
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedBase, is_main_replica
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_kto.checkpointing import files, optimizer_state, rng
 from megatron_kto.checkpointing.adapter_files import (
     BASE_FILE,
     adapter_sharded_state_dict,
     check_same_base,
+)
+from megatron_kto.checkpointing.disk_space import (
+    NO_SPACE,
+    directory_bytes,
+    free_bytes,
+    no_space_cause,
+    size,
+    write_failure_line,
 )
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.checkpointing.model_io import (
@@ -51,6 +64,36 @@ REQUIRED_TRAINER_KEYS = ("epoch", "consumed_samples")
 
 class _Incompatible(CheckpointError):
     """The checkpoint is intact but cannot be loaded into this run; older ones would not be either."""
+
+
+@dataclass(frozen=True)
+class _Space:
+    """A save's size estimate and the least free space a rank has for it (bytes)."""
+
+    needed: int
+    free: int
+
+
+def _tensor_bytes(sharded: dict[str, Any]) -> int:
+    """Bytes of the tensors this rank writes in a dist_checkpointing save of `sharded`: the main
+    replicas of its `ShardedTensor`s (replicas on other ranks are written once, by their main
+    replica's rank)."""
+    total = 0
+    for value in nested_values(sharded):
+        data = getattr(value, "data", None)
+        if isinstance(value, ShardedBase) and torch.is_tensor(data):
+            if is_main_replica(getattr(value, "replica_id", 0)):
+                total += data.numel() * data.element_size()
+    return total
+
+
+def _innermost(error: BaseException) -> BaseException:
+    """The first per-rank failure a torch `CheckpointException` carries, else `error`."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        return first[0] if isinstance(first, tuple) else first
+    return error
 
 
 def current_layout() -> dict[str, int | None]:
@@ -212,17 +255,6 @@ class CheckpointManager:
             return final  # e.g. the final save right after an interval save at the same step
         tmp = final.with_name(final.name + files.TMP_SUFFIX)
 
-        ok = True
-        if self._rank == 0:
-            try:
-                files.remove_stale(self.root)
-                tmp.mkdir(parents=True)
-            except OSError as e:
-                ok = False
-                logger.error("cannot create %s: %s", tmp, e)
-        if not self._all_ok(ok):
-            raise CheckpointError(f"{tmp}: cannot create the checkpoint directory")
-
         # With overlap_param_gather the last step's all-gather is still pending: save the
         # updated weights, not the stale shards of other DP ranks.
         finish_param_sync(model_chunks)
@@ -231,42 +263,34 @@ class CheckpointManager:
         kind = optimizer_state.optimizer_kind(optimizer)
         if optimizer is not None:
             sharded["optimizer"] = optimizer_state.sharded_state_dict(optimizer, model_sd, False)
-        save_sharded(sharded, tmp)
+        # Before anything is written: a save that cannot fit stops here, whole, instead of
+        # failing part-way through megatron-core's writers.
+        space = self._space_check(step, tmp, sharded)
 
-        error = None
-        try:
-            rng.save(tmp, self._rank)
-            if self._rank == 0:
-                meta = {
-                    "format": files.FORMAT,
-                    "step": int(step),
-                    "layout": current_layout(),
-                    "optimizer": kind,
-                    "optimizer_sharding": (
-                        optimizer_state.SHARDING_METADATA["distrib_optim_sharding_type"]
-                        if kind == "distributed"
-                        else None
-                    ),
-                    "model_chunks": len(model_chunks),
-                    # Routed experts in their own optimizer at every EP size (training_setup.
-                    # mark_experts_expert_parallel): the state has one structure for all EPs.
-                    "experts_own_optimizer": True,
-                    "megatron_core_version": package_info.__version__,
-                }
-                files.write_json(tmp / files.CHECKPOINT_META, meta)
-                files.write_json(tmp / files.TRAINER_STATE, state)
-                if scheduler is not None:
-                    files.write_json(tmp / files.SCHEDULER, scheduler.state_dict())
-                files.atomic_write_text(tmp / files.CONFIG, config_yaml)
-                write_architecture(tmp, arch)
-                if self.lora_base is not None:
-                    files.write_json(tmp / BASE_FILE, self.lora_base)
-        except OSError as e:
-            error = e
+        error: BaseException | None = None
+        if self._rank == 0:
+            try:
+                files.remove_stale(self.root)
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                error = e
         if not self._all_ok(error is None):
-            raise CheckpointError(
-                f"{tmp}: writing the checkpoint failed: {error or 'on another rank'}"
-            )
+            raise self._failed(tmp, step, error, space)
+
+        try:
+            save_sharded(sharded, tmp)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 — agreed on below
+            # megatron-core has already agreed: every rank raises (details on rank 0).
+            error = e
+        if error is None:
+            try:
+                self._write_records(
+                    tmp, step, state, kind, model_chunks, scheduler, config_yaml, arch
+                )
+            except OSError as e:
+                error = e
+        if not self._all_ok(error is None):
+            raise self._failed(tmp, step, error, space)
 
         if self._rank == 0:
             try:
@@ -277,11 +301,113 @@ class CheckpointManager:
             except OSError as e:
                 error = e
         if not self._all_ok(error is None):
-            raise CheckpointError(
-                f"{final}: committing the checkpoint failed: {error or 'on rank 0'}"
-            )
+            raise self._failed(tmp if tmp.exists() else final, step, error, space)
         self._last_saved_step = step
         return final
+
+    def _write_records(
+        self,
+        tmp: Path,
+        step: int,
+        state: dict[str, Any],
+        kind: str | None,
+        model_chunks: list[torch.nn.Module],
+        scheduler: Any,
+        config_yaml: str,
+        arch: GPTArchitecture,
+    ) -> None:
+        """The files beside the tensors: this rank's RNG, and (rank 0) the JSON records."""
+        rng.save(tmp, self._rank)
+        if self._rank != 0:
+            return
+        meta = {
+            "format": files.FORMAT,
+            "step": int(step),
+            "layout": current_layout(),
+            "optimizer": kind,
+            "optimizer_sharding": (
+                optimizer_state.SHARDING_METADATA["distrib_optim_sharding_type"]
+                if kind == "distributed"
+                else None
+            ),
+            "model_chunks": len(model_chunks),
+            # Routed experts in their own optimizer at every EP size (training_setup.
+            # mark_experts_expert_parallel): the state has one structure for all EPs.
+            "experts_own_optimizer": True,
+            "megatron_core_version": package_info.__version__,
+        }
+        files.write_json(tmp / files.CHECKPOINT_META, meta)
+        files.write_json(tmp / files.TRAINER_STATE, state)
+        if scheduler is not None:
+            files.write_json(tmp / files.SCHEDULER, scheduler.state_dict())
+        files.atomic_write_text(tmp / files.CONFIG, config_yaml)
+        write_architecture(tmp, arch)
+        if self.lora_base is not None:
+            files.write_json(tmp / BASE_FILE, self.lora_base)
+
+    def _space_check(self, step: int, tmp: Path, sharded: dict[str, Any]) -> _Space:
+        """How many bytes this save writes (all ranks) and the least free space a rank sees;
+        stops the save before it writes anything when it cannot fit, and warns when the save
+        after it will not.
+
+        The estimate is the tensor bytes each rank's writers write (main replicas only), or the
+        size of the newest checkpoint when that is larger (its small files and shard headers
+        included). Tensor bytes are a lower bound on the save, so "free < needed" means the save
+        would fail for certain: stopping before it costs nothing and leaves no partial files.
+
+        Raises:
+            CheckpointError: on every rank, when some rank's file system has less free space
+                than the save needs.
+        """
+        info = torch.tensor([_tensor_bytes(sharded), free_bytes(self.root)], dtype=torch.int64)
+        every = [torch.zeros_like(info) for _ in range(dist.get_world_size(self._group))]
+        dist.all_gather(every, info, group=self._group)
+        needed = int(sum(int(t[0]) for t in every))
+        name, _ = files.read_latest(self.root)
+        if name is not None:
+            needed = max(needed, directory_bytes(self.root / name))
+        free = min(int(t[1]) for t in every)
+        space = _Space(needed, free)
+        if free < needed:
+            raise CheckpointError(
+                write_failure_line(
+                    tmp, f"the checkpoint of step {step}", NO_SPACE, self.root, needed, free
+                )
+            )
+        if free - needed < needed and self._rank == 0:
+            # Old checkpoints are pruned only after the new one is complete.
+            logger.warning(
+                "low disk space: %s free on %s after the checkpoint of step %d; the next one "
+                "needs ~%s more — free space before then or the run will stop at that save",
+                size(free - needed),
+                self.root,
+                step,
+                size(needed),
+            )
+        return space
+
+    def _failed(
+        self, where: Path, step: int, error: BaseException | None, space: _Space
+    ) -> CheckpointError:
+        """The error every rank raises for a failed save (the line is rank 0's to print); the
+        partial `.tmp` is removed — every rank has left the save, so nothing writes into it."""
+        if self._rank != 0:
+            return CheckpointError(f"{where}: the save failed (rank 0 says why)")
+        if error is None:
+            cause = "failed on another rank"
+        else:
+            # What is left to write, for an error that names no cause: the tensors minus the
+            # bytes already in the partial directory.
+            left = space.needed - directory_bytes(where)
+            cause = no_space_cause(error, self.root, left) or error_summary(_innermost(error))
+        if where.name.endswith(files.TMP_SUFFIX):
+            shutil.rmtree(where, ignore_errors=True)
+        free = free_bytes(self.root)
+        return CheckpointError(
+            write_failure_line(
+                where, f"the checkpoint of step {step}", cause, self.root, space.needed, free
+            )
+        )
 
     @staticmethod
     def _trainer_record(step: int, trainer_state: dict[str, Any]) -> dict[str, Any]:
