@@ -212,6 +212,8 @@ def run_training(cfg: Any, algorithm: str) -> None:
     User errors are reported here, inside the task function: raised out of it, Hydra would
     first print its own "Error executing job with overrides: [...]" line on every rank.
     """
+    from megatron_kto.runtime.errors import PeerLost
+
     try:
         cfg = prepare_from_hydra(cfg, algorithm)
         from megatron_kto.run import main
@@ -219,6 +221,11 @@ def run_training(cfg: Any, algorithm: str) -> None:
         main(cfg, algorithm)
     except user_error_types() as e:
         report_user_error(one_line(e))
+    except PeerLost as e:
+        # Not a user error (exit code 1): the lowest surviving rank names the dead one.
+        if e.reporter:
+            print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 #: How every run uses Hydra, whatever its config file says (conf/gpt_*.yaml say the same): no

@@ -24,7 +24,12 @@ from megatron_kto.algorithms.reference_strategies import (
     TrainingInputs,
     choose_reference,
 )
-from megatron_kto.checkpointing.disk_space import free_bytes, no_space_cause, write_failure_line
+from megatron_kto.checkpointing.disk_space import (
+    free_bytes,
+    kept_line,
+    no_space_cause,
+    write_failure_line,
+)
 from megatron_kto.checkpointing.model_io import CheckpointError
 from megatron_kto.config.validate import ConfigError
 from megatron_kto.console import error_summary
@@ -48,6 +53,7 @@ from megatron_kto.planning.memory import startup_lines
 from megatron_kto.prepare import prepare_run_config
 from megatron_kto.runtime.distributed import init_runtime, teardown
 from megatron_kto.runtime.launcher_env import adopt_launcher_env
+from megatron_kto.runtime.peers import is_peer_failure, peer_lost
 from megatron_kto.runtime.precision import PRECISION_DTYPES
 
 
@@ -194,6 +200,7 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
     # checkpoint it resumed from is still the latest) instead of killing it.
     with PreemptionHandler() as preemption:
         runtime = _init_runtime(cfg.model, cfg.trainer.distributed_timeout_minutes)
+        peers_alive = True
         try:
             run = _Run(cfg, algorithm, arch, runtime, _layout(cfg), log_dir)
             reference = choose_reference(cfg, algorithm)
@@ -231,8 +238,13 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
                 f"done: step {final.step}, consumed {final.consumed_samples} samples; outputs in {log_dir}",
             )
             return final
+        except Exception as e:
+            if not is_peer_failure(e):
+                raise
+            peers_alive = False
+            raise peer_lost(kept_line(log_dir / "checkpoints")) from None
         finally:
-            teardown()
+            teardown(barrier=peers_alive)
 
 
 def _output_failure_line(error: OutputWriteFailed, log_dir: Path) -> str:

@@ -25,6 +25,7 @@ from megatron_kto.runtime.gpu_settings import (
     transformer_engine_warning,
 )
 from megatron_kto.runtime.launcher_env import adopt_launcher_env
+from megatron_kto.runtime.peers import register_process
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,7 @@ def init_runtime(
             timeout=datetime.timedelta(minutes=timeout_minutes),
             **({"device_id": dev} if use_cuda else {}),
         )
+    register_process()
     world_size = dist.get_world_size()
     model_parallel = tensor_parallel_size * pipeline_parallel_size * context_parallel_size
     if world_size % model_parallel != 0:
@@ -237,14 +239,19 @@ def init_runtime(
     )
 
 
-def teardown() -> None:
-    """Destroy megatron's groups and the default process group (safe to call twice)."""
+def teardown(barrier: bool = True) -> None:
+    """Destroy megatron's groups and the default process group (safe to call twice).
+
+    Args:
+        barrier: wait for every rank first; False after a peer is gone (it would never come).
+    """
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
     while _INVENTED_ENV:
         os.environ.pop(_INVENTED_ENV.pop(), None)
