@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from e2e_cli import KTO_SCRIPT, QUIET, REPO, TINY_EXAMPLE, cli_env
+from e2e_cli import KTO_SCRIPT, QUIET, TINY_EXAMPLE
+from kill_rank import rank_pids, torchrun, wait_for_step
 
 from megatron_kto.checkpointing import files
 
@@ -31,58 +29,17 @@ pytestmark = pytest.mark.e2e
 BOUND_S = 20.0
 
 
-def _rank_pids(log_dir: Path) -> dict[int, int]:
-    """rank -> pid of the workers of the run writing to `log_dir` (from /proc)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            if f"exp_manager.explicit_log_dir={log_dir}".encode() not in cmd:
-                continue
-            if b"torch.distributed.run" in cmd:
-                continue
-            env = dict(
-                kv.split(b"=", 1)
-                for kv in (entry / "environ").read_bytes().split(b"\0")
-                if b"=" in kv
-            )
-        except OSError:
-            continue
-        if b"RANK" in env:
-            found[int(env[b"RANK"])] = int(entry.name)
-    return found
-
-
-def _logged(run: Path, step: int) -> bool:
-    try:
-        return f'"step": {step},' in (run / "metrics.jsonl").read_text()
-    except OSError:
-        return False
-
-
 #: Rank 0 is the harder case (rank 1 must know it reports; without torchrun rank 0 would also
 #: take the rendezvous store with it). Killing rank 1 instead was measured the same way: the job
 #: ended 1.4 s after the kill with rank 0's line (one run of ~35 s kept out of the suite).
 @pytest.mark.parametrize("victim", [0])
 def test_the_survivor_names_the_dead_rank(tmp_path, victim):
     run, logs = tmp_path / "run", tmp_path / "logs"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        "--log-dir", str(logs), "--redirects", "3",
-        str(KTO_SCRIPT), *QUIET, TINY_EXAMPLE, f"exp_manager.explicit_log_dir={run}",
-        "trainer.kto.max_steps=500", "trainer.kto.save_interval=5",
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    args = [str(KTO_SCRIPT), *QUIET, TINY_EXAMPLE, f"exp_manager.explicit_log_dir={run}"]
+    proc = torchrun([*args, "trainer.kto.max_steps=500", "trainer.kto.save_interval=5"], logs)
     try:
-        deadline = time.monotonic() + 180
-        while not _logged(run, 7):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
-        pids = _rank_pids(run)
+        wait_for_step(proc, run, 7)
+        pids = rank_pids(run)
         assert sorted(pids) == [0, 1], pids
         os.kill(pids[victim], signal.SIGKILL)
         killed = time.monotonic()

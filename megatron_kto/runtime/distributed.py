@@ -122,6 +122,34 @@ def _ensure_env() -> None:
             _INVENTED_ENV.append(key)
 
 
+def _rendezvous(timeout: datetime.timedelta) -> dict[str, object]:
+    """`init_process_group`'s rendezvous arguments: torch's own (`env://`) outside torchrun;
+    under torchrun, its store under a prefix of this attempt (`TORCHELASTIC_RESTART_COUNT`).
+
+    Workaround (torch 2.x, gloo): after `torchrun --max-restarts N` restarts the workers of a
+    failed attempt, `env://` joins the same store under the same `default_pg` prefix, where the
+    killed attempt's keys are still set; gloo's connectFullMesh reads a dead worker's address
+    from them and the restarted ranks fail with "Gloo connectFullMesh failed ... Connection
+    refused" (or wait for it). A prefix per attempt gives each attempt keys of its own.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return {}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE); otherwise rank 0 does.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0 and not agent_store,
+        timeout=timeout,
+        multi_tenant=True,
+    )
+    prefixed = dist.PrefixStore(f"megatron_kto/attempt_{attempt}", store)
+    return {"store": prefixed, "rank": rank, "world_size": world}
+
+
 def set_seed(seed: int) -> None:
     """Seed Python, NumPy, torch and megatron's model-parallel RNG tracker.
 
@@ -195,9 +223,11 @@ def init_runtime(
         backend = "gloo"
 
     if not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=timeout_minutes)
         dist.init_process_group(
             backend=backend,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
+            timeout=timeout,
+            **_rendezvous(timeout),
             **({"device_id": dev} if use_cuda else {}),
         )
     register_process()

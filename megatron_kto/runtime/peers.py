@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 
 import torch.distributed as dist
 
@@ -66,24 +67,33 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def dead_ranks(timeout_s: float = 5.0) -> list[int] | None:
+def dead_ranks(timeout_s: float = 5.0, settle_s: float = 3.0) -> list[int] | None:
     """The ranks whose process on this host no longer exists, lowest first; None when the store
-    does not answer (it lived in rank 0's process). Ranks on other hosts are never listed."""
+    does not answer (it lived in rank 0's process). Ranks on other hosts are never listed.
+
+    A killed process closes its sockets while it exits, so a peer can see the connection drop
+    before the process is gone: local peers are looked at again for up to `settle_s` seconds
+    until one is found dead.
+    """
     world, me = dist.get_world_size(), dist.get_rank()
     store = dist.distributed_c10d._get_default_store()
     host = socket.gethostname()
-    dead = []
+    local = {}
     try:
         store.set_timeout(datetime.timedelta(seconds=timeout_s))
         for rank in range(world):
-            if rank == me:
-                continue
-            where, pid = store.get(_KEY.format(rank=rank)).decode().split("\t")
-            if where == host and not _alive(int(pid)):
-                dead.append(rank)
+            if rank != me:
+                where, pid = store.get(_KEY.format(rank=rank)).decode().split("\t")
+                if where == host:
+                    local[rank] = int(pid)
     except (RuntimeError, dist.DistError, ValueError):
         return None
-    return dead
+    deadline = time.monotonic() + settle_s
+    while True:
+        dead = [rank for rank, pid in sorted(local.items()) if not _alive(pid)]
+        if dead or not local or time.monotonic() > deadline:
+            return dead
+        time.sleep(0.05)
 
 
 def lost_peer_line(dead: list[int] | None, world_size: int) -> str:
