@@ -508,6 +508,73 @@ def resume(ctx: Context) -> str:
     return f"resumed at step {ctx.steps}, continued to {total}"
 
 
+def _worker_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid of `rank`'s worker of the run writing to `run_dir` (from /proc), or None."""
+    for entry in Path("/proc").iterdir():
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            if f"exp_manager.explicit_log_dir={run_dir}".encode() not in cmd:
+                continue
+            if b"torch.distributed.run" in cmd:
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return int(entry.name)
+    return None
+
+
+def restart(ctx: Context) -> str:
+    """`torchrun --max-restarts 1` with rank 1 killed (SIGKILL) after the first checkpoint: the
+    restarted workers form their process groups again (NCCL on 2 GPUs, gloo with --cpu),
+    resume from that checkpoint and finish."""
+    ranks = _two_ranks(ctx, "a restart of 2 ranks")
+    run_dir, total, save = ctx.work / "restart", max(4, ctx.steps), max(2, ctx.steps // 2)
+    log = ctx.work / "restart.log"
+    args = [KTO, f"exp_manager.explicit_log_dir={run_dir}", f"trainer.kto.max_steps={total}",
+            f"trainer.kto.save_interval={save}", f"trainer.kto.val_check_interval={total}"]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        **({} if ctx.cuda else {"CUDA_VISIBLE_DEVICES": ""}),
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "1",
+           f"--nproc_per_node={ranks}", *map(str, args)]  # fmt: skip
+    deadline = ctx.deadline if ctx.deadline is not None else time.monotonic() + ctx.timeout
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=out, stderr=out)
+        try:
+            while f'"step": {save + 1},' not in _text(run_dir / "metrics.jsonl"):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise CheckFailed(f"no step {save + 1} before the kill ({log})")
+                time.sleep(0.1)
+            pid = _worker_pid(run_dir, 1)
+            if pid is None:
+                raise CheckFailed("rank 1's process not found")
+            os.kill(pid, 9)
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise CheckFailed(f"ran over the check's budget after the kill ({log})") from None
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    output = log.read_text()
+    if code != 0:
+        raise CheckFailed(f"torchrun exited {code} after the restart ({log})")
+    check_resumed(output, read_metrics(run_dir), save, total)
+    return (
+        f"rank 1 killed after step {save + 1}; restarted, resumed at step {save}, finished {total}"
+    )
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
 def bench_trl(ctx: Context) -> str:
     if importlib.util.find_spec("trl") is None:
         raise Skip("trl is not installed")
@@ -532,6 +599,7 @@ CHECKS: dict[str, Callable[[Context], str]] = {
     "moe": moe,
     "eval": eval_tool,
     "resume": resume,
+    "restart": restart,
     "lora": lora,
     "distributed_optimizer": distributed_optimizer,
     "moe_pp": moe_pp,
@@ -542,7 +610,7 @@ CHECKS: dict[str, Callable[[Context], str]] = {
 
 #: Seconds each check may take on CUDA (its commands are stopped when it runs out: FAIL). The
 #: checks that run on one GPU sum to 455 s: with the start-up, inside the 8 minutes on one H100;
-#: moe_pp, context_parallel and pipeline need 2 GPUs (SKIP on one) and add 115 s there.
+#: moe_pp, context_parallel, pipeline and restart need 2 GPUs (SKIP on one) and add 175 s there.
 BUDGETS: dict[str, float] = {
     "quickstart": 30,
     "bf16_packing": 30,
@@ -553,6 +621,7 @@ BUDGETS: dict[str, float] = {
     "moe": 50,
     "eval": 35,
     "resume": 25,
+    "restart": 60,
     "lora": 30,
     "distributed_optimizer": 40,
     "moe_pp": 45,
