@@ -103,3 +103,25 @@ def test_the_metrics_logger_keeps_a_failed_write(tmp_path, monkeypatch):
 def test_the_dead_rank_line_and_who_says_it(dead, line, reporter):
     assert lost_peer_line(dead, 4) == f"{line}; the other ranks stopped"
     assert reporting_rank(dead, 4) == reporter
+
+
+def test_a_tensorboard_write_that_fails_is_kept_too(tmp_path):
+    """TensorBoard writes its events from a thread and re-raises that thread's error on a later
+    call; whichever call raises, the logger keeps it (with the TensorBoard directory)."""
+    logger = MetricsLogger(tmp_path, rank0=True, tensorboard=True)
+    logger.log("train", 1, 16, {"loss": 0.5})
+
+    class FullWriter:
+        def add_scalar(self, *args, **kwargs):
+            raise ENOSPC
+
+        def close(self):
+            raise ENOSPC
+
+    logger._tb_writer = FullWriter()
+    logger.log("train", 2, 32, {"loss": 0.4})
+    assert logger.failure == (tmp_path / "tensorboard", ENOSPC)
+    logger.close()
+    # metrics.jsonl got step 2 (written before TensorBoard), then nothing more.
+    steps = [line[:30] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == ['{"split": "train", "step": 1, ', '{"split": "train", "step": 2, ']
