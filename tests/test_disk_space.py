@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_kto.checkpointing import files
 from megatron_kto.checkpointing.disk_space import write_failure_line
 from megatron_kto.logging.metrics_logger import MetricsLogger
-from megatron_kto.runtime.disk import NO_SPACE, no_space_cause, size
+from megatron_kto.runtime.disk import NO_SPACE, free_bytes, no_space_cause, size
 from megatron_kto.runtime.peers import lost_peer_line, reporting_rank
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -125,3 +125,23 @@ def test_a_tensorboard_write_that_fails_is_kept_too(tmp_path):
     # metrics.jsonl got step 2 (written before TensorBoard), then nothing more.
     steps = [line[:30] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == ['{"split": "train", "step": 1, ', '{"split": "train", "step": 2, ']
+
+
+def test_the_hugging_face_output_line_for_a_full_disk(tmp_path):
+    from types import SimpleNamespace
+
+    from megatron_kto.hf_writer.output import HFOutput
+
+    tmp, ckpt = tmp_path / "hf.tmp", tmp_path / "checkpoints" / "step_9"
+    writer = SimpleNamespace(_rank=1)
+    free = size(free_bytes(tmp_path))
+    assert HFOutput._failure_line(writer, ENOSPC, tmp, ckpt) == (
+        f"{tmp}: no space left on device writing the Hugging Face output on rank 1 ({free} "
+        f"free); the checkpoint {ckpt} is complete and a rerun of the same command writes the "
+        "output from it; free space and rerun the same command"
+    )
+    # Other causes keep their own words (tests/test_hf_output_failure.py: "File too large").
+    assert HFOutput._failure_line(writer, OSError(errno.EFBIG, "File too large"), tmp, ckpt) == (
+        f"{tmp}: writing the Hugging Face output failed on rank 1: OSError: [Errno 27] File too "
+        "large"
+    )
