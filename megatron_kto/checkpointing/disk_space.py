@@ -8,11 +8,19 @@ import os
 from pathlib import Path
 
 from megatron_kto.checkpointing.files import read_latest
-from megatron_kto.runtime.disk import NO_SPACE, NO_SPACE_CAUSES, free_bytes, no_space_cause, size
+from megatron_kto.runtime.disk import (
+    NO_SPACE,
+    NO_SPACE_CAUSES,
+    filesystem_id,
+    free_bytes,
+    no_space_cause,
+    size,
+)
 
 __all__ = [
     "NO_SPACE",
     "directory_bytes",
+    "filesystem_id",
     "free_bytes",
     "kept_line",
     "no_space_cause",

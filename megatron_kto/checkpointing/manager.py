@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import socket
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from megatron_kto.checkpointing.adapter_files import (
 from megatron_kto.checkpointing.disk_space import (
     NO_SPACE,
     directory_bytes,
+    filesystem_id,
     free_bytes,
     no_space_cause,
     size,
@@ -346,27 +349,39 @@ class CheckpointManager:
             files.write_json(tmp / BASE_FILE, self.lora_base)
 
     def _space_check(self, step: int, tmp: Path, sharded: dict[str, Any]) -> _Space:
-        """How many bytes this save writes (all ranks) and the least free space a rank sees;
-        stops the save before it writes anything when it cannot fit, and warns when the save
-        after it will not.
+        """How many bytes this save writes and how much space is free for it; stops the save
+        before it writes anything when it cannot fit, and warns when the save after it will not.
 
-        The estimate is the tensor bytes each rank's writers write (main replicas only), or the
-        size of the newest checkpoint when that is larger (its small files and shard headers
-        included). Tensor bytes are a lower bound on the save, so "free < needed" means the save
-        would fail for certain: stopping before it costs nothing and leaves no partial files.
+        Each rank's writers write the tensor bytes of its main replicas. Ranks of one host on one
+        file system (same device number) certainly share it: they need the sum of their bytes
+        there, and when the whole job is on one file system, at least the size of the newest
+        checkpoint (small files and shard headers included). Tensor bytes are a lower bound on
+        the save, so a file system with less free space than that would fail the save for
+        certain: stopping before it costs nothing and leaves no partial files. Ranks on other
+        hosts may share a network file system or not; for them the total is only a warning.
 
         Raises:
-            CheckpointError: on every rank, when some rank's file system has less free space
-                than the save needs.
+            CheckpointError: on every rank, when some file system cannot hold its part.
         """
-        info = torch.tensor([_tensor_bytes(sharded), free_bytes(self.root)], dtype=torch.int64)
+        host = zlib.crc32(socket.gethostname().encode())
+        info = torch.tensor(
+            [_tensor_bytes(sharded), free_bytes(self.root), host, filesystem_id(self.root)],
+            dtype=torch.int64,
+        )
         every = [torch.zeros_like(info) for _ in range(dist.get_world_size(self._group))]
         dist.all_gather(every, info, group=self._group)
-        needed = int(sum(int(t[0]) for t in every))
-        name, _ = files.read_latest(self.root)
-        if name is not None:
-            needed = max(needed, directory_bytes(self.root / name))
-        free = min(int(t[1]) for t in every)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for written, free, *where in (t.tolist() for t in every):
+            group = groups.setdefault(tuple(where), [0, free])
+            group[0] += written
+            group[1] = min(group[1], free)
+        total = sum(int(t[0]) for t in every)
+        if len(groups) == 1:
+            name, _ = files.read_latest(self.root)
+            if name is not None:
+                total = max(total, directory_bytes(self.root / name))
+            groups = {key: [total, free] for key, (_, free) in groups.items()}
+        needed, free = max(groups.values(), key=lambda g: g[0] - g[1])
         space = _Space(needed, free)
         if free < needed:
             raise CheckpointError(
@@ -374,15 +389,16 @@ class CheckpointManager:
                     tmp, f"the checkpoint of step {step}", NO_SPACE, self.root, needed, free
                 )
             )
-        if free - needed < needed and self._rank == 0:
+        least = min(free for _, free in groups.values())
+        if least - total < total and self._rank == 0:
             # Old checkpoints are pruned only after the new one is complete.
             logger.warning(
                 "low disk space: %s free on %s after the checkpoint of step %d; the next one "
                 "needs ~%s more — free space before then or the run will stop at that save",
-                size(free - needed),
+                size(max(0, least - total)),
                 self.root,
                 step,
-                size(needed),
+                size(total),
             )
         return space
 

@@ -22,14 +22,24 @@ NO_SPACE_CAUSES = tuple(_NO_SPACE.values())
 _NO_SPACE_TEXT = {os.strerror(code): text for code, text in _NO_SPACE.items()}
 
 
-def free_bytes(path: str | os.PathLike[str]) -> int:
-    """Bytes an unprivileged writer may still use on the file system holding `path` (or its
-    nearest existing parent)."""
+def _existing(path: str | os.PathLike[str]) -> Path:
     p = Path(path).absolute()
     while not p.exists() and p != p.parent:
         p = p.parent
-    st = os.statvfs(p)
+    return p
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes an unprivileged writer may still use on the file system holding `path` (or its
+    nearest existing parent)."""
+    st = os.statvfs(_existing(path))
     return st.f_bavail * st.f_frsize
+
+
+def filesystem_id(path: str | os.PathLike[str]) -> int:
+    """The device number of the file system holding `path` (or its nearest existing parent):
+    equal for two paths of one host on the same file system."""
+    return os.stat(_existing(path)).st_dev
 
 
 def size(n: float) -> str:
