@@ -6,6 +6,10 @@ beside it hold the rest (see `files.py` for the layout on disk). A checkpoint is
 `step_<N>.tmp/`, renamed to `step_<N>/` only once every rank has finished, and only then does
 `latest` move to it — so a crash at any point leaves `latest` naming a complete checkpoint.
 
+A save that cannot fit on the disk stops before it writes, and one that fails part-way (a disk
+filled by another writer) stops every rank with the same one-line `CheckpointError` and removes
+its `.tmp` (README.md, "A full disk").
+
 Resuming tries the checkpoint `latest` names, then older ones: a damaged or partial directory is
 skipped with a warning naming it; if none is usable, `CheckpointError` says so in one line.
 """
