@@ -42,6 +42,24 @@ NOISY_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
 #: stdout logging config shows INFO, and this package does not use Megatron-FSDP.
 NOISY_LOGGERS: tuple[str, ...] = ("megatron.core.distributed.fsdp.src.megatron_fsdp",)
 
+#: (logger, message prefix): error lines a dependency logs for a failure that our code catches
+#: and reports itself in one line — megatron-core's checkpoint writer logs each worker's write
+#: error ("Local process 0 encountered an error: [Errno 28] No space left on device", and
+#: torch's "unexpected pos" for the same full disk) before raising it to the saving rank, which
+#: names the checkpoint, the space and the checkpoint still good (`checkpointing.manager`).
+REPORTED_BY_US: tuple[tuple[str, str], ...] = (
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async", "Local process "),
+)
+
+
+class _DropPrefix(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
 
 def quiet_third_party() -> None:
     """Install the filters above (idempotent). Call it first thing in an entry point."""
@@ -49,6 +67,10 @@ def quiet_third_party() -> None:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    for name, prefix in REPORTED_BY_US:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropPrefix) and f.prefix == prefix for f in log.filters):
+            log.addFilter(_DropPrefix(prefix))
 
 
 #: How long a rank other than 0 waits before exiting on a user error. Every rank finds the

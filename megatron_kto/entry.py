@@ -184,17 +184,25 @@ def report_user_error(message: str) -> NoReturn:
 
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Errors that mean bad input (config, checkpoint, data, or a non-finite step under
-    `trainer.non_finite=stop`), not a bug.
+    `trainer.non_finite=stop`) or a full disk, not a bug.
 
     `CacheWriterFailedError` is what the other ranks see when the rank tokenising the data
     stopped on a bad row: that rank reports the row; they exit quietly with it.
     """
-    from megatron_kto.algorithms.errors import NonFiniteError
+    from megatron_kto.algorithms.errors import NonFiniteError, OutputError
     from megatron_kto.checkpointing.errors import CheckpointError
     from megatron_kto.config.validate import ConfigError
-    from megatron_kto.data.errors import CacheWriterFailedError, DataFormatError
+    from megatron_kto.data.errors import CacheWriteError, CacheWriterFailedError, DataFormatError
 
-    return (ConfigError, CheckpointError, DataFormatError, CacheWriterFailedError, NonFiniteError)
+    return (
+        ConfigError,
+        CheckpointError,
+        DataFormatError,
+        CacheWriteError,
+        CacheWriterFailedError,
+        NonFiniteError,
+        OutputError,
+    )
 
 
 def run_training(cfg: Any, algorithm: str) -> None:
@@ -204,6 +212,8 @@ def run_training(cfg: Any, algorithm: str) -> None:
     User errors are reported here, inside the task function: raised out of it, Hydra would
     first print its own "Error executing job with overrides: [...]" line on every rank.
     """
+    from megatron_kto.runtime.errors import PeerLost
+
     try:
         cfg = prepare_from_hydra(cfg, algorithm)
         from megatron_kto.run import main
@@ -211,6 +221,11 @@ def run_training(cfg: Any, algorithm: str) -> None:
         main(cfg, algorithm)
     except user_error_types() as e:
         report_user_error(one_line(e))
+    except PeerLost as e:
+        # Not a user error (exit code 1): the lowest surviving rank names the dead one.
+        if e.reporter:
+            print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 #: How every run uses Hydra, whatever its config file says (conf/gpt_*.yaml say the same): no

@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from megatron_kto.algorithms.dpo import DPOTrainer, TrainerState, resolve_loop
-from megatron_kto.algorithms.errors import NonFiniteError
+from megatron_kto.algorithms.errors import NonFiniteError, OutputError, OutputWriteFailed
 from megatron_kto.algorithms.kto import KTOTrainer
 from megatron_kto.algorithms.non_finite import NonFiniteStep, stop_message
 from megatron_kto.algorithms.reference_strategies import (
@@ -24,8 +24,15 @@ from megatron_kto.algorithms.reference_strategies import (
     TrainingInputs,
     choose_reference,
 )
+from megatron_kto.checkpointing.disk_space import (
+    free_bytes,
+    kept_line,
+    no_space_cause,
+    write_failure_line,
+)
 from megatron_kto.checkpointing.model_io import CheckpointError
 from megatron_kto.config.validate import ConfigError
+from megatron_kto.console import error_summary
 from megatron_kto.data.pipeline import build_split, resolve_path
 from megatron_kto.data.provenance import row_sources
 from megatron_kto.data.tokenizers import load_tokenizer
@@ -47,6 +54,7 @@ from megatron_kto.planning.memory import startup_lines
 from megatron_kto.prepare import prepare_run_config
 from megatron_kto.runtime.distributed import init_runtime, teardown
 from megatron_kto.runtime.launcher_env import adopt_launcher_env
+from megatron_kto.runtime.peers import is_peer_failure, peer_lost
 from megatron_kto.runtime.precision import PRECISION_DTYPES
 
 
@@ -196,6 +204,7 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
     with PreemptionHandler() as preemption:
         runtime = _init_runtime(cfg.model, cfg.trainer.distributed_timeout_minutes)
         clock.lap("distributed set-up")
+        peers_alive = True
         try:
             run = _Run(cfg, algorithm, arch, runtime, _layout(cfg), log_dir)
             reference = choose_reference(cfg, algorithm)
@@ -229,14 +238,34 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
             except NonFiniteStep as e:
                 logger.close()
                 raise NonFiniteError(stop_message(e, log_dir)) from None
+            except OutputWriteFailed as e:
+                logger.close()
+                raise OutputError(_output_failure_line(e, log_dir)) from None
             logger.close()
             _say(
                 runtime.is_rank0,
                 f"done: step {final.step}, consumed {final.consumed_samples} samples; outputs in {log_dir}",
             )
             return final
+        except Exception as e:
+            if not is_peer_failure(e):
+                raise
+            peers_alive = False
+            raise peer_lost(kept_line(log_dir / "checkpoints")) from None
         finally:
-            teardown()
+            teardown(barrier=peers_alive)
+
+
+def _output_failure_line(error: OutputWriteFailed, log_dir: Path) -> str:
+    """Rank 0's line for metrics / TensorBoard that could not be written (elsewhere: a stand-in,
+    never printed)."""
+    if error.error is None:
+        return "writing the metrics failed on rank 0"
+    path = Path(str(error.path))
+    cause = no_space_cause(error.error) or error_summary(error.error)
+    return write_failure_line(
+        path, "the metrics", cause, log_dir / "checkpoints", free=free_bytes(path)
+    )
 
 
 def _prepare(cfg: Any, algorithm: str) -> tuple[Any, Any]:

@@ -141,11 +141,13 @@ def test_a_failing_command_is_a_fail_line_and_exit_code_1(tmp_path, capsys, monk
 
 def test_on_one_gpu_the_two_gpu_checks_skip_with_their_reason(tmp_path, capsys) -> None:
     ctx = ac.Context(tmp_path, cuda=True, gpus=1, transformer_engine=False, steps=2, timeout=60)
-    results = ac.run_checks(ctx, ["moe_pp", "context_parallel", "pipeline"], gpu_required=False)
-    assert [status for _, status, _ in results] == ["SKIP"] * 3
+    names = ["moe_pp", "context_parallel", "pipeline", "restart"]
+    results = ac.run_checks(ctx, names, gpu_required=False)
+    assert [status for _, status, _ in results] == ["SKIP"] * 4
     out = capsys.readouterr().out
     assert "SKIP moe_pp: PP=2 needs 2 GPUs; this machine has 1" in out
     assert "SKIP context_parallel: CP=2 needs 2 GPUs; this machine has 1" in out
+    assert "SKIP restart: a restart of 2 ranks needs 2 GPUs; this machine has 1" in out
     assert not list(tmp_path.iterdir()), "a skipped check launched something"
 
 
@@ -168,7 +170,8 @@ def test_the_one_gpu_budgets_fit_one_ten_minute_call() -> None:
     """The header's promise: the checks that run on one GPU without TE (a lent machine) fit one
     10-minute call with time to install; every check has a budget."""
     assert set(ac.BUDGETS) == set(ac.CHECKS)
-    elsewhere = {"moe_pp", "context_parallel", "pipeline", "attention_te", "te_local_checkpoint"}
+    elsewhere = {"moe_pp", "context_parallel", "pipeline", "restart", "attention_te",
+                 "te_local_checkpoint"}
     assert sum(v for k, v in ac.BUDGETS.items() if k not in elsewhere) <= 555
 
 

@@ -13,7 +13,7 @@ print `SKIP ... needs 2 GPUs`. Every command's log is kept under `--work`.
 
 On CUDA each check has a time budget (`BUDGETS`, GPU seconds at the default 20 steps, from
 measured H200 figures): the one-GPU checks without TE sum to 555 s, so the script ends within
-10 minutes on one GPU whatever hangs; TE's two checks add 125 s, the three 2-GPU checks 160 s.
+10 minutes on one GPU whatever hangs; TE's two checks add 125 s, the four 2-GPU checks 240 s.
 A check that uses up its budget is stopped and FAILs.
 `--budget-scale` stretches the budgets (0: none).
 """
@@ -523,6 +523,73 @@ def resume(ctx: Context) -> str:
     return f"resumed at step {ctx.steps}, continued to {total}"
 
 
+def _worker_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid of `rank`'s worker of the run writing to `run_dir` (from /proc), or None."""
+    for entry in Path("/proc").iterdir():
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            if f"exp_manager.explicit_log_dir={run_dir}".encode() not in cmd:
+                continue
+            if b"torch.distributed.run" in cmd:
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return int(entry.name)
+    return None
+
+
+def restart(ctx: Context) -> str:
+    """`torchrun --max-restarts 1` with rank 1 killed (SIGKILL) after the first checkpoint: the
+    restarted workers form their process groups again (NCCL on 2 GPUs, gloo with --cpu),
+    resume from that checkpoint and finish."""
+    ranks = _two_ranks(ctx, "a restart of 2 ranks")
+    run_dir, total, save = ctx.work / "restart", max(4, ctx.steps), max(2, ctx.steps // 2)
+    log = ctx.work / "restart.log"
+    args = [KTO, f"exp_manager.explicit_log_dir={run_dir}", f"trainer.kto.max_steps={total}",
+            f"trainer.kto.save_interval={save}", f"trainer.kto.val_check_interval={total}"]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        **({} if ctx.cuda else {"CUDA_VISIBLE_DEVICES": ""}),
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "1",
+           f"--nproc_per_node={ranks}", *map(str, args)]  # fmt: skip
+    deadline = ctx.deadline if ctx.deadline is not None else time.monotonic() + ctx.timeout
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=out, stderr=out)
+        try:
+            while f'"step": {save + 1},' not in _text(run_dir / "metrics.jsonl"):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise CheckFailed(f"no step {save + 1} before the kill ({log})")
+                time.sleep(0.1)
+            pid = _worker_pid(run_dir, 1)
+            if pid is None:
+                raise CheckFailed("rank 1's process not found")
+            os.kill(pid, 9)
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise CheckFailed(f"ran over the check's budget after the kill ({log})") from None
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    output = log.read_text()
+    if code != 0:
+        raise CheckFailed(f"torchrun exited {code} after the restart ({log})")
+    check_resumed(output, read_metrics(run_dir), save, total)
+    return (
+        f"rank 1 killed after step {save + 1}; restarted, resumed at step {save}, finished {total}"
+    )
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
 def bench_trl(ctx: Context) -> str:
     if importlib.util.find_spec("trl") is None:
         raise Skip("trl is not installed")
@@ -547,6 +614,7 @@ CHECKS: dict[str, Callable[[Context], str]] = {
     "moe": moe,
     "eval": eval_tool,
     "resume": resume,
+    "restart": restart,
     "lora": lora,
     "distributed_optimizer": distributed_optimizer,
     "moe_pp": moe_pp,
@@ -561,7 +629,7 @@ CHECKS: dict[str, Callable[[Context], str]] = {
 #: compilation in step 1 — then 0.15-0.2 s per step; budgets are that per process plus ~50%.
 #: The checks that run on one GPU without TE sum to 555 s (one call of the lent machine's 10
 #: minutes); attention_te and te_local_checkpoint add 125 s where TE imports; moe_pp,
-#: context_parallel and pipeline need 2 GPUs (SKIP on one) and add 160 s there.
+#: context_parallel, pipeline and restart need 2 GPUs (SKIP on one) and add 240 s there.
 BUDGETS: dict[str, float] = {
     "quickstart": 45,
     "bf16_packing": 40,
@@ -572,6 +640,7 @@ BUDGETS: dict[str, float] = {
     "moe": 70,
     "eval": 50,
     "resume": 35,
+    "restart": 80,
     "lora": 40,
     "distributed_optimizer": 70,
     "moe_pp": 60,

@@ -8,8 +8,9 @@
 # when TE imports, else the local spec; step 1 must equal the adapters-off reference), the
 # distributed optimizer with overlapped grad reduce-scatter and param all-gather (DP=2 on 2
 # GPUs, else DP=1) and a resume of it, and a short benchmark against TRL. With 2 GPUs also: the
-# MoE model at PP=2 with the router aux loss, CP=2 (TE spec when TE imports) and PP=2; on one
-# GPU these three print SKIP with the reason. One PASS / FAIL / SKIP line per check, with its
+# MoE model at PP=2 with the router aux loss, CP=2 (TE spec when TE imports), PP=2, and a
+# `restart` (torchrun --max-restarts 1, rank 1 killed after the first checkpoint: NCCL groups
+# formed again, resumed, finished); on one GPU these four print SKIP with the reason. One PASS / FAIL / SKIP line per check, with its
 # wall time and budget and tokens/s, MFU and peak memory from each run's metrics.jsonl, then a
 # summary with the total time; exit code 1 if any check failed.
 #
@@ -19,7 +20,7 @@
 # conversion 90, moe 70, eval 50, resume 35, lora 40, distributed_optimizer 70, bench_trl 75 —
 # 555 s on one GPU without TE (the lent machine's case: one call of its 10-minute limit; a lent
 # session has 15 minutes, machine start-up included); TE's two checks add 125 s; with 2 GPUs
-# moe_pp 60, context_parallel 50 and pipeline 50 add 160 s. --budget-scale F stretches them
+# moe_pp 60, context_parallel 50, pipeline 50 and restart 80 add 240 s. --budget-scale F stretches them
 # (0: none; --cpu and a non-default
 # --steps run without budgets). On the CPU (--cpu, 2 shared cores, 2026-11-27) all checks took
 # 173 s: the longest were distributed_optimizer (30 s, 2 gloo ranks) and conversion (28 s).

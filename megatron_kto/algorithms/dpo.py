@@ -24,6 +24,7 @@ from megatron_kto.algorithms.aggregation import (
     TrainInterval,
     throughput_fields,
 )
+from megatron_kto.algorithms.errors import OutputWriteFailed
 from megatron_kto.logging.throughput import FWD_BWD_MULTIPLIER, ModelFlops, dpo_pass_tokens
 from megatron_kto.models.dpo_model import REF_CHOSEN, REF_REJECTED
 from megatron_kto.models.forward import data_parallel_all_reduce, eval_mode
@@ -374,12 +375,23 @@ class DPOTrainer:
         return limit is not None and time.monotonic() - self._start_time >= limit
 
     def _should_stop(self) -> bool:
+        """Whether any rank was asked to stop (signal, time limit).
+
+        Raises:
+            OutputWriteFailed: on every rank, when rank 0 could not write the metrics (a full
+                disk): the others would otherwise wait for it in their next collective.
+        """
         # Every rank must agree, or one would save/exit while the others wait in a collective.
+        failure = getattr(self.logger, "failure", None)
         flag = torch.tensor(
-            [float(self.stop_requested() or self._time_is_up())], device=self.device
+            [float(self.stop_requested() or self._time_is_up()), float(failure is not None)],
+            device=self.device,
         )
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
+        stop, failed = flag.tolist()
+        if failed:
+            raise OutputWriteFailed(*(failure or (None, None)))
+        return bool(stop)
 
     def fit(self) -> TrainerState:
         """Train until `max_steps`, the time limit, or a preemption signal; returns the final state."""

@@ -6,6 +6,10 @@ beside it hold the rest (see `files.py` for the layout on disk). A checkpoint is
 `step_<N>.tmp/`, renamed to `step_<N>/` only once every rank has finished, and only then does
 `latest` move to it — so a crash at any point leaves `latest` naming a complete checkpoint.
 
+A save that cannot fit on the disk stops before it writes, and one that fails part-way (a disk
+filled by another writer) stops every rank with the same one-line `CheckpointError` and removes
+its `.tmp` (README.md, "A full disk").
+
 Resuming tries the checkpoint `latest` names, then older ones: a damaged or partial directory is
 skipped with a warning naming it; if none is usable, `CheckpointError` says so in one line.
 """
@@ -14,18 +18,34 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+import socket
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import package_info, parallel_state
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedBase, is_main_replica
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_kto.checkpointing import files, optimizer_state, rng
 from megatron_kto.checkpointing.adapter_files import (
     BASE_FILE,
     adapter_sharded_state_dict,
     check_same_base,
+)
+from megatron_kto.checkpointing.disk_space import (
+    NO_SPACE,
+    directory_bytes,
+    filesystem_id,
+    free_bytes,
+    no_space_cause,
+    size,
+    write_failure_line,
 )
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.checkpointing.model_io import (
@@ -51,6 +71,36 @@ REQUIRED_TRAINER_KEYS = ("epoch", "consumed_samples")
 
 class _Incompatible(CheckpointError):
     """The checkpoint is intact but cannot be loaded into this run; older ones would not be either."""
+
+
+@dataclass(frozen=True)
+class _Space:
+    """A save's size estimate and the least free space a rank has for it (bytes)."""
+
+    needed: int
+    free: int
+
+
+def _tensor_bytes(sharded: dict[str, Any]) -> int:
+    """Bytes of the tensors this rank writes in a dist_checkpointing save of `sharded`: the main
+    replicas of its `ShardedTensor`s (replicas on other ranks are written once, by their main
+    replica's rank)."""
+    total = 0
+    for value in nested_values(sharded):
+        data = getattr(value, "data", None)
+        if isinstance(value, ShardedBase) and torch.is_tensor(data):
+            if is_main_replica(getattr(value, "replica_id", 0)):
+                total += data.numel() * data.element_size()
+    return total
+
+
+def _innermost(error: BaseException) -> BaseException:
+    """The first per-rank failure a torch `CheckpointException` carries, else `error`."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        return first[0] if isinstance(first, tuple) else first
+    return error
 
 
 def current_layout() -> dict[str, int | None]:
@@ -212,17 +262,6 @@ class CheckpointManager:
             return final  # e.g. the final save right after an interval save at the same step
         tmp = final.with_name(final.name + files.TMP_SUFFIX)
 
-        ok = True
-        if self._rank == 0:
-            try:
-                files.remove_stale(self.root)
-                tmp.mkdir(parents=True)
-            except OSError as e:
-                ok = False
-                logger.error("cannot create %s: %s", tmp, e)
-        if not self._all_ok(ok):
-            raise CheckpointError(f"{tmp}: cannot create the checkpoint directory")
-
         # With overlap_param_gather the last step's all-gather is still pending: save the
         # updated weights, not the stale shards of other DP ranks.
         finish_param_sync(model_chunks)
@@ -231,42 +270,34 @@ class CheckpointManager:
         kind = optimizer_state.optimizer_kind(optimizer)
         if optimizer is not None:
             sharded["optimizer"] = optimizer_state.sharded_state_dict(optimizer, model_sd, False)
-        save_sharded(sharded, tmp)
+        # Before anything is written: a save that cannot fit stops here, whole, instead of
+        # failing part-way through megatron-core's writers.
+        space = self._space_check(step, tmp, sharded)
 
-        error = None
-        try:
-            rng.save(tmp, self._rank)
-            if self._rank == 0:
-                meta = {
-                    "format": files.FORMAT,
-                    "step": int(step),
-                    "layout": current_layout(),
-                    "optimizer": kind,
-                    "optimizer_sharding": (
-                        optimizer_state.SHARDING_METADATA["distrib_optim_sharding_type"]
-                        if kind == "distributed"
-                        else None
-                    ),
-                    "model_chunks": len(model_chunks),
-                    # Routed experts in their own optimizer at every EP size (training_setup.
-                    # mark_experts_expert_parallel): the state has one structure for all EPs.
-                    "experts_own_optimizer": True,
-                    "megatron_core_version": package_info.__version__,
-                }
-                files.write_json(tmp / files.CHECKPOINT_META, meta)
-                files.write_json(tmp / files.TRAINER_STATE, state)
-                if scheduler is not None:
-                    files.write_json(tmp / files.SCHEDULER, scheduler.state_dict())
-                files.atomic_write_text(tmp / files.CONFIG, config_yaml)
-                write_architecture(tmp, arch)
-                if self.lora_base is not None:
-                    files.write_json(tmp / BASE_FILE, self.lora_base)
-        except OSError as e:
-            error = e
+        error: BaseException | None = None
+        if self._rank == 0:
+            try:
+                files.remove_stale(self.root)
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                error = e
         if not self._all_ok(error is None):
-            raise CheckpointError(
-                f"{tmp}: writing the checkpoint failed: {error or 'on another rank'}"
-            )
+            raise self._failed(tmp, step, error, space)
+
+        try:
+            save_sharded(sharded, tmp)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 — agreed on below
+            # megatron-core has already agreed: every rank raises (details on rank 0).
+            error = e
+        if error is None:
+            try:
+                self._write_records(
+                    tmp, step, state, kind, model_chunks, scheduler, config_yaml, arch
+                )
+            except OSError as e:
+                error = e
+        if not self._all_ok(error is None):
+            raise self._failed(tmp, step, error, space)
 
         if self._rank == 0:
             try:
@@ -277,11 +308,126 @@ class CheckpointManager:
             except OSError as e:
                 error = e
         if not self._all_ok(error is None):
-            raise CheckpointError(
-                f"{final}: committing the checkpoint failed: {error or 'on rank 0'}"
-            )
+            raise self._failed(tmp if tmp.exists() else final, step, error, space)
         self._last_saved_step = step
         return final
+
+    def _write_records(
+        self,
+        tmp: Path,
+        step: int,
+        state: dict[str, Any],
+        kind: str | None,
+        model_chunks: list[torch.nn.Module],
+        scheduler: Any,
+        config_yaml: str,
+        arch: GPTArchitecture,
+    ) -> None:
+        """The files beside the tensors: this rank's RNG, and (rank 0) the JSON records."""
+        rng.save(tmp, self._rank)
+        if self._rank != 0:
+            return
+        meta = {
+            "format": files.FORMAT,
+            "step": int(step),
+            "layout": current_layout(),
+            "optimizer": kind,
+            "optimizer_sharding": (
+                optimizer_state.SHARDING_METADATA["distrib_optim_sharding_type"]
+                if kind == "distributed"
+                else None
+            ),
+            "model_chunks": len(model_chunks),
+            # Routed experts in their own optimizer at every EP size (training_setup.
+            # mark_experts_expert_parallel): the state has one structure for all EPs.
+            "experts_own_optimizer": True,
+            "megatron_core_version": package_info.__version__,
+        }
+        files.write_json(tmp / files.CHECKPOINT_META, meta)
+        files.write_json(tmp / files.TRAINER_STATE, state)
+        if scheduler is not None:
+            files.write_json(tmp / files.SCHEDULER, scheduler.state_dict())
+        files.atomic_write_text(tmp / files.CONFIG, config_yaml)
+        write_architecture(tmp, arch)
+        if self.lora_base is not None:
+            files.write_json(tmp / BASE_FILE, self.lora_base)
+
+    def _space_check(self, step: int, tmp: Path, sharded: dict[str, Any]) -> _Space:
+        """How many bytes this save writes and how much space is free for it; stops the save
+        before it writes anything when it cannot fit, and warns when the save after it will not.
+
+        Each rank's writers write the tensor bytes of its main replicas. Ranks of one host on one
+        file system (same device number) certainly share it: they need the sum of their bytes
+        there, and when the whole job is on one file system, at least the size of the newest
+        checkpoint (small files and shard headers included). Tensor bytes are a lower bound on
+        the save, so a file system with less free space than that would fail the save for
+        certain: stopping before it costs nothing and leaves no partial files. Ranks on other
+        hosts may share a network file system or not; for them the total is only a warning.
+
+        Raises:
+            CheckpointError: on every rank, when some file system cannot hold its part.
+        """
+        host = zlib.crc32(socket.gethostname().encode())
+        info = torch.tensor(
+            [_tensor_bytes(sharded), free_bytes(self.root), host, filesystem_id(self.root)],
+            dtype=torch.int64,
+        )
+        every = [torch.zeros_like(info) for _ in range(dist.get_world_size(self._group))]
+        dist.all_gather(every, info, group=self._group)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for written, free, *where in (t.tolist() for t in every):
+            group = groups.setdefault(tuple(where), [0, free])
+            group[0] += written
+            group[1] = min(group[1], free)
+        total = sum(int(t[0]) for t in every)
+        if len(groups) == 1:
+            name, _ = files.read_latest(self.root)
+            if name is not None:
+                total = max(total, directory_bytes(self.root / name))
+            groups = {key: [total, free] for key, (_, free) in groups.items()}
+        needed, free = max(groups.values(), key=lambda g: g[0] - g[1])
+        space = _Space(needed, free)
+        if free < needed:
+            raise CheckpointError(
+                write_failure_line(
+                    tmp, f"the checkpoint of step {step}", NO_SPACE, self.root, needed, free
+                )
+            )
+        least = min(free for _, free in groups.values())
+        if least - total < total and self._rank == 0:
+            # Old checkpoints are pruned only after the new one is complete.
+            logger.warning(
+                "low disk space: %s free on %s after the checkpoint of step %d; the next one "
+                "needs ~%s more — free space before then or the run will stop at that save",
+                size(max(0, least - total)),
+                self.root,
+                step,
+                size(total),
+            )
+        return space
+
+    def _failed(
+        self, where: Path, step: int, error: BaseException | None, space: _Space
+    ) -> CheckpointError:
+        """The error every rank raises for a failed save (the line is rank 0's to print); the
+        partial `.tmp` is removed — every rank has left the save, so nothing writes into it."""
+        if self._rank != 0:
+            return CheckpointError(f"{where}: the save failed (rank 0 says why)")
+        if error is None:
+            cause = "failed on another rank"
+        else:
+            # What is left to write, for an error that names no cause: the tensors minus the
+            # bytes already in the partial directory.
+            left = space.needed - directory_bytes(where)
+            cause = no_space_cause(error, self.root, left) or error_summary(_innermost(error))
+        if where.name.endswith(files.TMP_SUFFIX):
+            shutil.rmtree(where, ignore_errors=True)
+        free = free_bytes(self.root)
+        return CheckpointError(
+            write_failure_line(
+                where, f"the checkpoint of step {step}", cause, self.root, space.needed, free
+            )
+        )
 
     @staticmethod
     def _trainer_record(step: int, trainer_state: dict[str, Any]) -> dict[str, Any]:

@@ -20,11 +20,12 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from megatron_kto.data import cache
-from megatron_kto.data.errors import CacheWriterFailedError
+from megatron_kto.data.errors import CacheWriteError, CacheWriterFailedError
 from megatron_kto.data.length_policy import LengthPolicy
 from megatron_kto.data.shards import TokenizedShard, tokenize_file
 from megatron_kto.data.stats import DatasetStats, merge_stats, one_class_warning
 from megatron_kto.data.tokenizers import Tokenizer
+from megatron_kto.runtime.disk import free_bytes, no_space_cause, size
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,24 @@ def _as_paths(paths: PathList) -> list[Path]:
     return [Path(p) for p in paths]
 
 
+def cache_failure_line(entry: Path, shard: TokenizedShard, error: OSError) -> str:
+    """The one line for a tokenised cache that could not be written: the entry, the cause (a
+    full disk: the shard's size and the space free) and the ways out. Nothing was trained yet."""
+    arrays = (shard.tokens, shard.offsets, shard.labels, shard.prompt_keys)
+    needed = sum(a.nbytes for a in arrays if a is not None)
+    cause = no_space_cause(error, entry, needed)
+    if cause is None:
+        return (
+            f"{entry}: cannot write the tokenised cache ({error}); make the data directory "
+            "writable or set model.data.use_cache=false (tokenise in memory)"
+        )
+    return (
+        f"{entry}: {cause} writing the tokenised cache (needs ~{size(needed)}, "
+        f"{size(free_bytes(entry))} free); nothing was trained or saved yet; free space and "
+        "rerun, or set model.data.use_cache=false (tokenise in memory)"
+    )
+
+
 def load_shards(
     paths: PathList,
     tokenizer: Tokenizer,
@@ -152,10 +171,7 @@ def load_shards(
                 try:
                     cache.save_shard(shard, entry, key)
                 except OSError as err:
-                    raise OSError(
-                        f"{entry}: cannot write the tokenised cache ({err}); pass a writable "
-                        "cache_dir or use_cache=False"
-                    ) from err
+                    raise CacheWriteError(cache_failure_line(entry, shard, err)) from err
         except Exception as err:  # still reach the barrier so the other ranks do not hang
             failure = err
     if barrier is not None:

@@ -41,6 +41,11 @@ class DataFormatError(ValueError):
         return (type(self), (self.path, self.line, self.field, self.problem))
 
 
+class CacheWriteError(OSError):
+    """The tokenised cache could not be written (a full disk, a read-only data directory); the
+    message names the entry, the cause, the space needed and free, and the way out."""
+
+
 class CacheWriterFailedError(RuntimeError):
     """A rank that waited for the tokenised cache found none: the rank writing it failed and
     reports why itself (or the cache directory is not shared between them)."""

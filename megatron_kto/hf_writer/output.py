@@ -58,6 +58,7 @@ from megatron_kto.hf_writer.convert import (
     source_dir,
 )
 from megatron_kto.hf_writer.gather import StageTensors
+from megatron_kto.runtime.disk import free_bytes, no_space_cause, size
 
 logger = logging.getLogger(__name__)
 
@@ -194,14 +195,14 @@ class HFOutput:
             error = self._write_stage(chunks, tmps)
         except Exception as e:  # noqa: BLE001 — every rank must reach the agreement below
             error = e
-        failure = self._agree(self._failure_line(error, tmps[0]))
+        failure = self._agree(self._failure_line(error, tmps[0], checkpoint))
         if failure is None:
             if self._rank == 0:
                 try:
                     self._finish(step, checkpoint, tmps)
                 except Exception as e:  # noqa: BLE001
                     error = e
-            failure = self._agree(self._failure_line(error, tmps[0]))
+            failure = self._agree(self._failure_line(error, tmps[0], checkpoint))
         if failure is not None:
             if self._rank == 0:  # every rank has left its writes: nothing is being written
                 for tmp in tmps:
@@ -211,13 +212,28 @@ class HFOutput:
         if self._rank == 0:
             logger.info("wrote the Hugging Face output of step %d to %s", step, self._dirs()[0])
 
-    def _failure_line(self, error: BaseException | None, where: Path) -> str | None:
-        """The one line every rank reports for this rank's `error` (None: no error)."""
+    def _failure_line(
+        self, error: BaseException | None, where: Path, checkpoint: Path | None = None
+    ) -> str | None:
+        """The one line every rank reports for this rank's `error` (None: no error); for a full
+        disk, the space free and the checkpoint a rerun exports from."""
         if error is None:
             return None
+        cause = no_space_cause(error)
+        if cause is None:
+            return (
+                f"{where}: writing the Hugging Face output failed on rank {self._rank}: "
+                f"{error_summary(error)}"
+            )
+        kept = (
+            f"the checkpoint {checkpoint} is complete and a rerun of the same command writes "
+            "the output from it"
+            if checkpoint is not None
+            else "the checkpoints are as they were"
+        )
         return (
-            f"{where}: writing the Hugging Face output failed on rank {self._rank}: "
-            f"{error_summary(error)}"
+            f"{where}: {cause} writing the Hugging Face output on rank {self._rank} "
+            f"({size(free_bytes(where))} free); {kept}; free space and rerun the same command"
         )
 
     def _write_stage(self, chunks: list[torch.nn.Module], tmps: list[Path]) -> Exception | None:

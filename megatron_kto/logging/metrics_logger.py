@@ -9,6 +9,11 @@ because strict JSON has no NaN; TensorBoard and W&B still get the raw value. Tra
 never carry one: `trainer.non_finite` stops the run or leaves the step out of the row
 (`algorithms/non_finite.py`); non-finite validation metrics come with a warning line.
 
+A write that fails (a full disk) does not raise on rank 0 alone — the other ranks would wait for
+it in their next collective until the timeout. The logger keeps the failure in
+:attr:`MetricsLogger.failure`, writes nothing more, and the trainer stops every rank at its
+next agreement (`algorithms.dpo.DPOTrainer._should_stop`).
+
 On resume, call :meth:`MetricsLogger.truncate_after` with the restored step before logging
 again: it drops the lines of steps the previous run logged after its last checkpoint (they will
 be logged again) and tells TensorBoard to hide its events from those steps.
@@ -77,6 +82,8 @@ class MetricsLogger:
         self._tb_writer_cls: Any = None
         self._tb_purge_step: int | None = None
         self._wandb_run: Any = None
+        self.failure: tuple[Path, BaseException] | None = None
+        """(what could not be written, why) after a failed write; nothing is written after it."""
 
         wandb_module = None
         if wandb is not None:
@@ -128,17 +135,26 @@ class MetricsLogger:
             record[name] = _to_number(value)
             raw[name] = float(value.item() if hasattr(value, "item") else value)
 
-        if self._file is None:
-            self._file = self._open_for_append()
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
-
-        writer = self._tensorboard()
-        if writer is not None:
-            writer.add_scalar(f"{split}/consumed_samples", record["consumed_samples"], step)
-            for name, value in raw.items():
-                writer.add_scalar(f"{split}/{name}", value, step)
-            writer.flush()
+        if self.failure is not None:
+            return
+        try:
+            if self._file is None:
+                self._file = self._open_for_append()
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.flush()
+        except OSError as e:
+            self.failure = (self.path, e)
+            return
+        try:
+            writer = self._tensorboard()
+            if writer is not None:
+                writer.add_scalar(f"{split}/consumed_samples", record["consumed_samples"], step)
+                for name, value in raw.items():
+                    writer.add_scalar(f"{split}/{name}", value, step)
+                writer.flush()
+        except Exception as e:  # noqa: BLE001 — TensorBoard re-raises its writer thread's error
+            self.failure = (self.log_dir / TENSORBOARD_DIR, e)
+            return
         if self._wandb_run is not None:
             payload = {f"{split}/{k}": v for k, v in raw.items()}
             payload[f"{split}/consumed_samples"] = record["consumed_samples"]
@@ -190,8 +206,12 @@ class MetricsLogger:
         """Flush and close every sink (safe to call twice)."""
         self._close_file()
         if self._tb_writer is not None:
-            self._tb_writer.close()
-            self._tb_writer = None
+            writer, self._tb_writer = self._tb_writer, None
+            try:
+                writer.close()
+            except Exception:  # noqa: BLE001
+                if self.failure is None:
+                    raise  # after a failed write, closing retries it: that error is known
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None
@@ -216,8 +236,12 @@ class MetricsLogger:
 
     def _close_file(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            f, self._file = self._file, None
+            try:
+                f.close()
+            except OSError:
+                if self.failure is None:
+                    raise  # after a failed write, closing retries it: that error is known
 
     def _tensorboard(self) -> Any:
         if self._tb_writer is None and self._tb_writer_cls is not None:

@@ -25,6 +25,7 @@ from megatron_kto.runtime.gpu_settings import (
     transformer_engine_warning,
 )
 from megatron_kto.runtime.launcher_env import adopt_launcher_env
+from megatron_kto.runtime.peers import register_process
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,34 @@ def _ensure_env() -> None:
             _INVENTED_ENV.append(key)
 
 
+def _rendezvous(timeout: datetime.timedelta) -> dict[str, object]:
+    """`init_process_group`'s rendezvous arguments: torch's own (`env://`) outside torchrun;
+    under torchrun, its store under a prefix of this attempt (`TORCHELASTIC_RESTART_COUNT`).
+
+    Workaround (torch 2.x, gloo): after `torchrun --max-restarts N` restarts the workers of a
+    failed attempt, `env://` joins the same store under the same `default_pg` prefix, where the
+    killed attempt's keys are still set; gloo's connectFullMesh reads a dead worker's address
+    from them and the restarted ranks fail with "Gloo connectFullMesh failed ... Connection
+    refused" (or wait for it). A prefix per attempt gives each attempt keys of its own.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return {}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE); otherwise rank 0 does.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0 and not agent_store,
+        timeout=timeout,
+        multi_tenant=True,
+    )
+    prefixed = dist.PrefixStore(f"megatron_kto/attempt_{attempt}", store)
+    return {"store": prefixed, "rank": rank, "world_size": world}
+
+
 def set_seed(seed: int) -> None:
     """Seed Python, NumPy, torch and megatron's model-parallel RNG tracker.
 
@@ -194,11 +223,14 @@ def init_runtime(
         backend = "gloo"
 
     if not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=timeout_minutes)
         dist.init_process_group(
             backend=backend,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
+            timeout=timeout,
+            **_rendezvous(timeout),
             **({"device_id": dev} if use_cuda else {}),
         )
+    register_process()
     world_size = dist.get_world_size()
     model_parallel = tensor_parallel_size * pipeline_parallel_size * context_parallel_size
     if world_size % model_parallel != 0:
@@ -237,14 +269,19 @@ def init_runtime(
     )
 
 
-def teardown() -> None:
-    """Destroy megatron's groups and the default process group (safe to call twice)."""
+def teardown(barrier: bool = True) -> None:
+    """Destroy megatron's groups and the default process group (safe to call twice).
+
+    Args:
+        barrier: wait for every rank first; False after a peer is gone (it would never come).
+    """
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
     while _INVENTED_ENV:
         os.environ.pop(_INVENTED_ENV.pop(), None)
