@@ -1,0 +1,118 @@
+"""Pure reorderings between Hugging Face's gated DeltaNet projections and megatron-core's.
+
+Hugging Face Qwen3-Next keeps two input projections grouped by key head —
+`in_proj_qkvz` rows per key head [q (dk) | k (dk) | v (r·dv) | z (r·dv)] and `in_proj_ba` rows
+per key head [b (r) | a (r)], with r = value heads per key head. Qwen3.5 keeps four plain
+projections, `in_proj_qkv` [q (all) | k (all) | v (all)], `in_proj_z`, `in_proj_b`, `in_proj_a`.
+megatron-core's `GatedDeltaNet.in_proj` is one column-parallel linear whose rows on every TP rank
+are [q | k | v | z | beta | alpha] of that rank's heads (so the global tensor is those blocks,
+rank after rank), and its `conv1d` channels on a rank are [q | k | v] of its heads — the order
+of HF's conv channels on one rank.
+
+All functions here work on one TP rank's slice: `rank` of `tp` (key heads, and the value heads
+they serve, are split evenly, as megatron requires).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    """Head counts and sizes of one gated DeltaNet layer."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def group(self) -> int:
+        """Value heads per key head."""
+        return self.value_heads // self.key_heads
+
+    def check_tp(self, tp: int) -> None:
+        if self.key_heads % tp or self.value_heads % tp:
+            raise ValueError(
+                f"linear_num_key_heads {self.key_heads} and linear_num_value_heads "
+                f"{self.value_heads} must both divide by model.tensor_model_parallel_size {tp}"
+            )
+
+
+def split_hf_qkvz_ba(
+    qkvz: torch.Tensor, ba: torch.Tensor, shape: DeltaNetShape
+) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba` weights as plain per-part tensors,
+    each head-major over all heads: q, k [Hk·dk, h], v, z [Hv·dv, h], b, a [Hv, h]."""
+    h = qkvz.shape[-1]
+    r, dk, dv = shape.group, shape.key_dim, shape.value_dim
+    grouped = qkvz.reshape(shape.key_heads, 2 * dk + 2 * r * dv, h)
+    q, k, v, z = grouped.split([dk, dk, r * dv, r * dv], dim=1)
+    b, a = ba.reshape(shape.key_heads, 2 * r, h).split([r, r], dim=1)
+    return {n: t.reshape(-1, h) for n, t in dict(q=q, k=k, v=v, z=z, b=b, a=a).items()}
+
+
+def join_hf_qkvz_ba(
+    parts: dict[str, torch.Tensor], shape: DeltaNetShape
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `split_hf_qkvz_ba`."""
+    hk = shape.key_heads
+    h = parts["q"].shape[-1]
+    qkvz = torch.cat([parts[n].reshape(hk, -1, h) for n in "qkvz"], dim=1).reshape(-1, h)
+    ba = torch.cat([parts[n].reshape(hk, -1, h) for n in "ba"], dim=1).reshape(-1, h)
+    return qkvz, ba
+
+
+def _head_rows(part: str, shape: DeltaNetShape) -> int:
+    """Rows per head of a part (q, k: dk; v, z: dv; b, a: 1)."""
+    return {"q": shape.key_dim, "k": shape.key_dim, "v": shape.value_dim, "z": shape.value_dim}.get(
+        part, 1
+    )
+
+
+def _rank_rows(
+    t: torch.Tensor, part: str, shape: DeltaNetShape, rank: int, tp: int
+) -> torch.Tensor:
+    per_rank = t.shape[0] // tp
+    return t[rank * per_rank : (rank + 1) * per_rank]
+
+
+def megatron_in_proj(
+    parts: dict[str, torch.Tensor], shape: DeltaNetShape, rank: int, tp: int
+) -> torch.Tensor:
+    """This rank's `in_proj.weight`: [q | k | v | z | beta | alpha] of its heads."""
+    shape.check_tp(tp)
+    return torch.cat([_rank_rows(parts[n], n, shape, rank, tp) for n in "qkvzba"], dim=0)
+
+
+def megatron_conv(conv: torch.Tensor, shape: DeltaNetShape, rank: int, tp: int) -> torch.Tensor:
+    """This rank's `conv1d.weight` (or bias) from HF's [q | k | v] channels of all heads."""
+    shape.check_tp(tp)
+    qk = shape.key_heads * shape.key_dim
+    q, k, v = conv.split([qk, qk, shape.value_heads * shape.value_dim], dim=0)
+    return torch.cat([_rank_rows(t, "", shape, rank, tp) for t in (q, k, v)], dim=0)
+
+
+def parts_from_megatron_in_proj(
+    ranks: list[torch.Tensor], shape: DeltaNetShape
+) -> dict[str, torch.Tensor]:
+    """Inverse of `megatron_in_proj` over all ranks' slices (rank order)."""
+    tp = len(ranks)
+    sizes = [
+        _head_rows(n, shape) * (shape.key_heads if n in "qk" else shape.value_heads) // tp
+        for n in "qkvzba"
+    ]
+    pieces = [r.split(sizes, dim=0) for r in ranks]
+    return {n: torch.cat([p[i] for p in pieces], dim=0) for i, n in enumerate("qkvzba")}
+
+
+def conv_from_megatron(ranks: list[torch.Tensor], shape: DeltaNetShape) -> torch.Tensor:
+    """Inverse of `megatron_conv` over all ranks' slices (rank order)."""
+    tp = len(ranks)
+    qk = shape.key_heads * shape.key_dim // tp
+    sizes = [qk, qk, shape.value_heads * shape.value_dim // tp]
+    pieces = [r.split(sizes, dim=0) for r in ranks]
+    return torch.cat([torch.cat([p[i] for p in pieces], dim=0) for i in range(3)], dim=0)
