@@ -43,8 +43,24 @@ from typing import Any, Literal, Protocol
 import torch
 
 from megatron_kto.config.architecture import GPTArchitecture
+from megatron_kto.conversion.errors import ConversionError
 
-Kind = Literal["direct", "qkv", "gated_mlp", "vocab"]
+Kind = Literal[
+    "direct", "qkv", "gated_mlp", "vocab", "gated_qkv", "deltanet_in_proj", "deltanet_conv"
+]
+#: Kinds converted whole only (`conversion/deltanet.py`): no per-rank slicing or reassembly yet.
+WHOLE_ONLY_KINDS = ("gated_qkv", "deltanet_in_proj", "deltanet_conv")
+
+
+def _refuse_whole_only(kind: str, what: str) -> None:
+    if kind in WHOLE_ONLY_KINDS:
+        raise ConversionError(
+            f"{what} of {kind} tensors (gated DeltaNet / gated attention models) is not supported "
+            "yet: import the model with tools/convert_checkpoint.py and run at "
+            "model.tensor_model_parallel_size=1 for hf/ output"
+        )
+
+
 Shape = tuple[int, ...]
 
 #: megatron tensor-parallel axis of a weight: 0 column-parallel (output rows), 1 row-parallel
@@ -321,6 +337,7 @@ def expected_hf_shapes(
 ) -> tuple[Shape, ...]:
     """The whole Hugging Face tensors' shapes a shard of `local_shape` (one of `size` TP ranks)
     implies — what the weights must hold for the slices to mean what the model needs."""
+    _refuse_whole_only(entry.kind, f"{entry.megatron}: direct Hugging Face loading")
     full = list(local_shape)
     if _sharded(entry, size):
         full[entry.tp_axis] *= size
@@ -347,6 +364,7 @@ def shard_reads(
         rank, size: the rank's index in, and the size of, the group that shards the tensor (the
             tensor-parallel group; the expert tensor-parallel group for experts).
     """
+    _refuse_whole_only(entry.kind, f"{entry.megatron}: direct Hugging Face loading")
     if entry.kind == "vocab":  # rows [r·P/t, (r+1)·P/t) of the padded vocabulary, clipped to V
         rows = local_shape[0]
         start = rank * rows if _sharded(entry, size) else 0
@@ -410,6 +428,7 @@ def merge_shards(parts: Sequence[torch.Tensor], axis: int | None, kind: str) -> 
     concatenated, then the up halves; every other kind concatenates along `axis`."""
     if axis is None or len(parts) == 1:
         return parts[0]
+    _refuse_whole_only(kind, "reassembling tensor-parallel shards")
     if kind == "gated_mlp":
         halves = [part.chunk(2, dim=0) for part in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
@@ -421,6 +440,7 @@ def shard_of(full: torch.Tensor, axis: int | None, kind: str, rank: int, size: i
     `merge_shards` (a contiguous block along `axis`; gate and up each cut for `gated_mlp`)."""
     if axis is None or size == 1:
         return full
+    _refuse_whole_only(kind, "slicing a tensor-parallel shard")
     if kind == "gated_mlp":
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]])

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_kto.config.architecture import GPTArchitecture
+
 
 @dataclass(frozen=True)
 class DeltaNetShape:
@@ -116,3 +118,94 @@ def conv_from_megatron(ranks: list[torch.Tensor], shape: DeltaNetShape) -> torch
     sizes = [qk, qk, shape.value_heads * shape.value_dim // tp]
     pieces = [r.split(sizes, dim=0) for r in ranks]
     return torch.cat([torch.cat([p[i] for p in pieces], dim=0) for i in range(3)], dim=0)
+
+
+# --------------------------------------------------------------- gated full attention
+def fuse_gated_qkv(
+    q_gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int
+) -> torch.Tensor:
+    """Megatron's `linear_qkv` with `attention_output_gate` from HF's gated attention.
+
+    HF `q_proj` rows are per query head [query (d) | gate (d)]; megatron's rows are per query
+    group [its queries (n/g·d) | their gates (n/g·d) | key (d) | value (d)].
+    """
+    d = k.shape[0] // groups
+    per = heads // groups
+    rest = q_gate.shape[1:]
+    pairs = q_gate.reshape(groups, per, 2, d, *rest)
+    query = pairs[:, :, 0].reshape(groups, per * d, *rest)
+    gate = pairs[:, :, 1].reshape(groups, per * d, *rest)
+    fused = torch.cat([query, gate, k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)], 1)
+    return fused.reshape(-1, *rest)
+
+
+def split_gated_qkv(
+    qkv: torch.Tensor, heads: int, groups: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `fuse_gated_qkv`: (q_proj, k_proj, v_proj) in HF's layout."""
+    per, d = heads // groups, head_dim
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(groups, 2 * per * d + 2 * d, *rest)
+    query, gate, k, v = grouped.split([per * d, per * d, d, d], dim=1)
+    pairs = torch.stack(
+        [query.reshape(groups, per, d, *rest), gate.reshape(groups, per, d, *rest)], dim=2
+    )
+    return pairs.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+# ------------------------------------------------------------- whole-tensor conversion
+#: Fusion kinds of hybrid models (`addressing.Mapping.kind`); each is whole-tensor only for now:
+#: per-rank slicing (direct HF load, gathers of the HF writer at TP > 1) refuses them.
+HYBRID_KINDS = ("gated_qkv", "deltanet_in_proj", "deltanet_conv")
+
+
+def shape_of(arch: GPTArchitecture) -> DeltaNetShape:
+    """The DeltaNet head layout of an architecture."""
+    return DeltaNetShape(
+        arch.linear_num_key_heads,
+        arch.linear_num_value_heads,
+        arch.linear_key_head_dim,
+        arch.linear_value_head_dim,
+    )
+
+
+def _heads(arch: GPTArchitecture) -> tuple[int, int, int]:
+    heads = arch.num_attention_heads
+    return heads, arch.num_query_groups or heads, arch.kv_channels or arch.hidden_size // heads
+
+
+def hybrid_fuse(kind: str, tensors: list[torch.Tensor], arch: GPTArchitecture) -> torch.Tensor:
+    """The whole (TP=1) megatron tensor of a hybrid kind from its HF tensors (entry order).
+
+    `deltanet_in_proj` takes Qwen3-Next's (in_proj_qkvz, in_proj_ba) or Qwen3.5's
+    (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)."""
+    if kind == "gated_qkv":
+        heads, groups, _ = _heads(arch)
+        return fuse_gated_qkv(*tensors, heads=heads, groups=groups)
+    if kind == "deltanet_conv":
+        (conv,) = tensors  # HF's [q | k | v] channels are megatron's at TP=1
+        return conv
+    shape = shape_of(arch)
+    if len(tensors) == 2:
+        parts = split_hf_qkvz_ba(*tensors, shape)
+    else:
+        qkv, z, b, a = tensors
+        qk = shape.key_heads * shape.key_dim
+        q, k, v = qkv.split([qk, qk, shape.value_heads * shape.value_dim], dim=0)
+        parts = dict(q=q, k=k, v=v, z=z, b=b, a=a)
+    return megatron_in_proj(parts, shape, 0, 1)
+
+
+def hybrid_split(
+    kind: str, value: torch.Tensor, arch: GPTArchitecture, count: int
+) -> tuple[torch.Tensor, ...]:
+    """Inverse of `hybrid_fuse`: the `count` HF tensors of a whole megatron tensor."""
+    if kind == "gated_qkv":
+        return split_gated_qkv(value, *_heads(arch))
+    if kind == "deltanet_conv":
+        return (value,)
+    shape = shape_of(arch)
+    parts = parts_from_megatron_in_proj([value], shape)
+    if count == 2:
+        return join_hf_qkvz_ba(parts, shape)
+    return torch.cat([parts["q"], parts["k"], parts["v"]]), parts["z"], parts["b"], parts["a"]

@@ -20,10 +20,11 @@ from megatron_kto.conversion.families import (
     qwen2_moe,
     qwen3,
     qwen3_moe,
+    qwen3_next,
 )
 
 #: Family modules, each defining `FAMILIES: tuple[Family, ...]`, in registration order.
-_MODULES = (llama, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe)
+_MODULES = (llama, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, qwen3_next)
 _FAMILIES: dict[str, Family] = {
     family.model_type: family for module in _MODULES for family in module.FAMILIES
 }

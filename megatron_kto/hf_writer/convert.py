@@ -171,6 +171,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -
             n
             for n in weights.names() - used
             if not n.endswith(IGNORED_HF_SUFFIXES)
+            and not n.startswith("mtp.")  # multi-token prediction: skipped (families/qwen3_next.py)
             and not (n == OUTPUT.hf[0] and arch.share_embeddings_and_output_weights)
         )
         if unused:

@@ -20,6 +20,11 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kto.config.architecture import GPTArchitecture
+from megatron_kto.models.hybrid import (
+    hybrid_block_spec,
+    hybrid_transformer_config,
+    uses_hybrid_spec,
+)
 from megatron_kto.models.layer_options import moe_transformer_config
 from megatron_kto.models.layer_specs import decoder_block_spec
 from megatron_kto.runtime.attention_backend import (
@@ -145,6 +150,8 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         **moe_transformer_config(
             arch, layout.expert_model_parallel_size, layout.expert_tensor_parallel_size
         ),
+        # Gated DeltaNet / gated attention / offset norms (Qwen3-Next, Qwen3.5): models/hybrid.py
+        **hybrid_transformer_config(arch, layout.context_parallel_size),
     )
 
 
@@ -201,9 +208,9 @@ def build_gpt_chunks(
         stage = vp_stage if vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=decoder_block_spec(
-                config, arch.normalization, backend, vp_stage=stage
-            ),
+            transformer_layer_spec=hybrid_block_spec(config, backend, vp_stage=stage)
+            if uses_hybrid_spec(arch)
+            else decoder_block_spec(config, arch.normalization, backend, vp_stage=stage),
             vocab_size=vocab,
             max_sequence_length=arch.encoder_seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(
