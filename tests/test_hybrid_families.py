@@ -1,15 +1,17 @@
-"""Qwen3-Next (hybrid gated DeltaNet / gated attention, MoE + gated shared expert) against
-`transformers`' Qwen3NextForCausalLM on a tiny random model in fp32.
+"""Qwen3-Next and Qwen3.5 (hybrid gated DeltaNet / gated attention) against `transformers`
+(Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM) on tiny random models in fp32.
 
-The model has both layer kinds and both MLP kinds (layers: DeltaNet+MoE, attention+dense,
-DeltaNet+MoE, attention+MoE), grouped DeltaNet value heads (4 value heads over 2 key heads),
-partial RoPE (0.25), GQA, a padded vocabulary; norms are moved away from their init and routers
-get large weights, so every tensor shows. Shown here, in one single-process run and ONE 2-rank run:
+Every model has both layer kinds (DeltaNet, attention, DeltaNet, attention), grouped DeltaNet
+value heads (4 value heads over 2 key heads), partial RoPE (0.25), GQA, a padded vocabulary;
+Qwen3-Next mixes MoE (+ gated shared expert) and dense MLPs (`mlp_only_layers=[1]`), Qwen3.5 is
+dense, Qwen3.5-MoE has experts everywhere. Norms are moved away from their init and routers get
+large weights, so every tensor shows. Shown here, in one single-process run and ONE 2-rank run:
 
 * import -> our logits equal HF's (max |Δ| / max |logit| <= 1e-5) at TP=1, TP=2 and PP=2 (each
   stage holds both layer kinds), padded, and packed (rows of different lengths end to end: a
   DeltaNet state or convolution window leaking across rows would break it) at TP=1 and TP=2;
-* export -> the safetensors equal the source bit for bit;
+* export -> the safetensors equal the source bit for bit, and `transformers` loads them with
+  identical logits;
 * context parallelism is refused in one line naming the DeltaNet layers.
 """
 
@@ -26,20 +28,30 @@ TOLERANCE = 1e-5
 #: Scored length of each row (labels -100 after): packed rows are these minus one long.
 ROW_LENGTHS = (24, 11, 17, 6)
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
+MODELS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
-def _hf_config():
+def _hf_configs() -> dict:
     from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
-    return Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=24, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=48, shared_expert_intermediate_size=40, mlp_only_layers=[1],
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4,
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
         max_position_embeddings=64, rms_norm_eps=1e-6,
     )  # fmt: skip
+    moe = dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=40,
+    )  # fmt: skip
+    return {
+        "qwen3_next": Qwen3NextConfig(intermediate_size=96, mlp_only_layers=[1], **moe, **common),
+        "qwen3_5_text": Qwen3_5TextConfig(intermediate_size=96, **common),
+        "qwen3_5_moe_text": Qwen3_5MoeTextConfig(**moe, **common),
+    }
 
 
 def _tokens() -> torch.Tensor:
@@ -94,12 +106,12 @@ def _forward(chunks, packed: bool):
     return torch.cat(results)
 
 
-def _run(root: str, tp: int, pp: int, rt, packed: bool):
+def _run(root: Path, tp: int, pp: int, rt, packed: bool):
     from megatron_kto.checkpointing.model_io import read_architecture
     from megatron_kto.checkpointing.pretrained import restore_pretrained
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
 
-    ckpt = Path(root) / "mcore"
+    ckpt = root / "mcore"
     arch = read_architecture(ckpt)
     layout = ParallelLayout(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pack_sequences=packed
@@ -114,15 +126,19 @@ def _convert_worker(rank: int, world_size: int, root: str) -> dict:
     from megatron_kto.models.builder import ParallelLayout, make_transformer_config
     from megatron_kto.runtime import init_runtime, teardown
 
-    arch = import_hf(Path(root) / "hf", Path(root) / "mcore")
-    rt = init_runtime(1, 1, seed=9)  # a different init: only the checkpoint can match
-    out = {"tp1": _run(root, 1, 1, rt, False), "tp1-packed": _run(root, 1, 1, rt, True)}
-    try:
-        make_transformer_config(arch, ParallelLayout(context_parallel_size=2))
-    except ValueError as e:
-        out["cp-error"] = str(e)
-    teardown()
-    export_hf(Path(root) / "mcore", Path(root) / "export")
+    out = {}
+    for name in MODELS:
+        base = Path(root) / name
+        arch = import_hf(base / "hf", base / "mcore")
+        rt = init_runtime(1, 1, seed=9)  # a different init: only the checkpoint can match
+        out[name, "tp1"] = _run(base, 1, 1, rt, False)
+        out[name, "tp1-packed"] = _run(base, 1, 1, rt, True)
+        try:
+            make_transformer_config(arch, ParallelLayout(context_parallel_size=2))
+        except ValueError as e:
+            out[name, "cp-error"] = str(e)
+        teardown()
+        export_hf(base / "mcore", base / "export")
     return out
 
 
@@ -130,11 +146,12 @@ def _layout_worker(rank: int, world_size: int, root: str) -> dict:
     from megatron_kto.runtime import init_runtime, teardown
 
     out = {}
-    for name, (tp, pp) in LAYOUTS.items():
+    for layout, (tp, pp) in LAYOUTS.items():
         rt = init_runtime(tp, pp, seed=9)
-        out[name] = _run(root, tp, pp, rt, False)
-        if pp == 1:
-            out[f"{name}-packed"] = _run(root, tp, pp, rt, True)
+        for name in MODELS:
+            out[name, layout] = _run(Path(root) / name, tp, pp, rt, False)
+            if pp == 1:
+                out[name, f"{layout}-packed"] = _run(Path(root) / name, tp, pp, rt, True)
     teardown()
     return out
 
@@ -143,17 +160,19 @@ def _layout_worker(rank: int, world_size: int, root: str) -> dict:
 def converted(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    root = tmp_path_factory.mktemp("qwen3_next")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_hf_config(), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(("bias", "dt_bias")):
-                p.add_(0.1 * torch.randn_like(p))
-            elif name.endswith("gate.weight"):  # routers: decisive, far from ties
-                p.normal_(0.0, 1.0)
-        reference = model(_tokens()).logits.float()
-    model.save_pretrained(root / "hf")
+    root = tmp_path_factory.mktemp("hybrid")
+    reference = {}
+    for name, config in _hf_configs().items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "norm" in pname or pname.endswith(("bias", "dt_bias")):
+                    p.add_(0.1 * torch.randn_like(p))
+                elif pname.endswith("gate.weight"):  # routers: decisive, far from ties
+                    p.normal_(0.0, 1.0)
+            reference[name] = model(_tokens()).logits.float()
+        model.save_pretrained(root / name / "hf")
     results = run_multirank(_convert_worker, 1, str(root), timeout=600)[0]
     for rank_out in run_multirank(_layout_worker, 2, str(root), timeout=600):
         for key, value in rank_out.items():
@@ -167,21 +186,26 @@ def _kept(reference: torch.Tensor) -> torch.Tensor:
     return torch.cat([reference[r, : n - 1] for r, n in enumerate(ROW_LENGTHS)])
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2", "tp1-packed", "tp2-packed"])
-def test_logits_equal_transformers(converted, layout):
+CASES = [(n, lay) for n in MODELS for lay in ("tp1", "tp2", "pp2", "tp1-packed", "tp2-packed")]
+
+
+@pytest.mark.parametrize("name,layout", CASES, ids=[f"{n}-{lay}" for n, lay in CASES])
+def test_logits_equal_transformers(converted, name, layout):
     _, reference, results = converted
-    ours = results[layout]
-    want = _kept(reference) if layout.endswith("packed") else reference
+    ours = results[name, layout]
+    want = _kept(reference[name]) if layout.endswith("packed") else reference[name]
     assert ours.shape == want.shape
     rel = ((ours - want).abs().max() / want.abs().max()).item()
-    print(f"qwen3_next {layout}: max|Δ logits| / max|logits| {rel:.2e}")
+    print(f"{name} {layout}: max|Δ logits| / max|logits| {rel:.2e}")
     assert rel <= TOLERANCE
 
 
-def test_export_is_bit_exact(converted):
+@pytest.mark.parametrize("name", MODELS)
+def test_export_is_bit_exact_and_loads_in_transformers(converted, name):
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
-    root, _, _ = converted
+    root, reference, _ = converted
 
     def tensors(d: Path) -> dict[str, torch.Tensor]:
         out = {}
@@ -189,13 +213,17 @@ def test_export_is_bit_exact(converted):
             out.update(load_file(f))
         return out
 
-    src, back = tensors(root / "hf"), tensors(root / "export")
+    src, back = tensors(root / name / "hf"), tensors(root / name / "export")
     assert sorted(src) == sorted(back)
-    for name in src:
-        assert torch.equal(src[name], back[name]), name
+    for key in src:
+        assert torch.equal(src[key], back[key]), key
+    model = AutoModelForCausalLM.from_pretrained(root / name / "export", dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(_tokens()).logits.float(), reference[name])
 
 
-def test_context_parallel_is_refused_naming_the_deltanet_layers(converted):
+@pytest.mark.parametrize("name", MODELS)
+def test_context_parallel_is_refused_naming_the_deltanet_layers(converted, name):
     _, _, results = converted
-    message = results["cp-error"]
+    message = results[name, "cp-error"]
     assert "\n" not in message and "[0, 2]" in message and "context_parallel_size" in message
