@@ -209,3 +209,118 @@ def hybrid_split(
     if count == 2:
         return join_hf_qkvz_ba(parts, shape)
     return torch.cat([parts["q"], parts["k"], parts["v"]]), parts["z"], parts["b"], parts["a"]
+
+
+# ------------------------------------------------------------------- per-rank slices
+# One TP rank's shard of a hybrid tensor, read straight from the HF tensors (direct loading) and
+# reassembled from all ranks' shards (the HF writer's gathers). A rank holds the contiguous query
+# groups (`gated_qkv`) or key heads, with the value heads they serve (`deltanet_*`).
+
+
+def _local_sections(kind: str, arch: GPTArchitecture, size: int) -> list[int]:
+    s = shape_of(arch)
+    qk, v, hv = (
+        s.key_heads * s.key_dim // size,
+        s.value_heads * s.value_dim // size,
+        s.value_heads // size,
+    )
+    return [qk, qk, v] if kind == "deltanet_conv" else [qk, qk, v, v, hv, hv]
+
+
+def tp_sections(kind: str, arch: GPTArchitecture) -> list[int] | None:
+    """Sections (along dim 0) of a whole megatron tensor that every TP rank holds an even share
+    of, in order ([q | k | v | z | beta | alpha], [q | k | v]); None when a rank's shard is one
+    contiguous block of the whole tensor (`gated_qkv`: whole query groups)."""
+    if kind in ("deltanet_in_proj", "deltanet_conv"):
+        return _local_sections(kind, arch, 1)
+    return None
+
+
+def hybrid_expected_shapes(
+    kind: str, count: int, arch: GPTArchitecture, rest: tuple[int, ...]
+) -> tuple[tuple[int, ...], ...]:
+    """Shapes of the whole HF tensors of a hybrid entry (`rest`: trailing dims of the shard)."""
+    if kind == "gated_qkv":
+        heads, groups, d = _heads(arch)
+        return ((heads * 2 * d, *rest), (groups * d, *rest), (groups * d, *rest))
+    s = shape_of(arch)
+    qk, v = s.key_heads * s.key_dim, s.value_heads * s.value_dim
+    if kind == "deltanet_conv":
+        return ((2 * qk + v, *rest),)
+    if count == 2:
+        return ((2 * qk + 2 * v, *rest), (2 * s.value_heads, *rest))
+    return ((2 * qk + v, *rest), (v, *rest), (s.value_heads, *rest), (s.value_heads, *rest))
+
+
+def hybrid_reads(
+    kind: str, names: tuple[str, ...], arch: GPTArchitecture, rank: int, size: int
+) -> list[tuple[str, int, int, int]]:
+    """(HF name, axis, start, stop) of every slice rank `rank` of `size` reads, in fill order."""
+
+    def rows(name: str, per_rank: int, offset: int = 0) -> tuple[str, int, int, int]:
+        return (name, 0, offset + rank * per_rank, offset + (rank + 1) * per_rank)
+
+    if kind == "gated_qkv":
+        heads, groups, d = _heads(arch)
+        mine = groups // size
+        q, k, v = names
+        return [rows(q, mine * (heads // groups) * 2 * d), rows(k, mine * d), rows(v, mine * d)]
+    s = shape_of(arch)
+    s.check_tp(size)
+    qk, v = s.key_heads * s.key_dim, s.value_heads * s.value_dim
+    qk_m, v_m, hv_m, hk_m = qk // size, v // size, s.value_heads // size, s.key_heads // size
+    if kind == "deltanet_conv":
+        (conv,) = names
+        return [rows(conv, qk_m), rows(conv, qk_m, qk), rows(conv, v_m, 2 * qk)]
+    if len(names) == 2:
+        qkvz, ba = names
+        return [rows(qkvz, hk_m * (2 * s.key_dim + 2 * s.group * s.value_dim)), rows(ba, 2 * hv_m)]
+    qkv, z, b, a = names
+    return [
+        rows(qkv, qk_m),
+        rows(qkv, qk_m, qk),
+        rows(qkv, v_m, 2 * qk),
+        rows(z, v_m),
+        rows(b, hv_m),
+        rows(a, hv_m),
+    ]
+
+
+def hybrid_fill(
+    kind: str,
+    count: int,
+    arch: GPTArchitecture,
+    out: torch.Tensor,
+    index: int,
+    part: torch.Tensor,
+    size: int,
+) -> None:
+    """Copy slice `index` of `hybrid_reads` into its place in the rank's shard `out`."""
+    rest = out.shape[1:]
+    if kind == "gated_qkv":
+        heads, groups, d = _heads(arch)
+        mine, per = groups // size, heads // groups
+        grouped = out.view(mine, (2 * per + 2) * d, *rest)
+        if index == 0:
+            pairs = part.reshape(mine, per, 2, d, *rest)
+            grouped[:, : per * d].copy_(pairs[:, :, 0].reshape(mine, per * d, *rest))
+            grouped[:, per * d : 2 * per * d].copy_(pairs[:, :, 1].reshape(mine, per * d, *rest))
+        else:
+            start = (2 * per + index - 1) * d
+            grouped[:, start : start + d].copy_(part.reshape(mine, d, *rest))
+        return
+    sections = list(out.split(_local_sections(kind, arch, size), dim=0))
+    if kind == "deltanet_conv" or count == 4:
+        sections[index].copy_(part)
+        return
+    s = shape_of(arch)
+    hk_m = s.key_heads // size
+    if index == 0:
+        grouped = part.reshape(hk_m, -1, *rest)
+        widths = [s.key_dim, s.key_dim, s.group * s.value_dim, s.group * s.value_dim]
+        for target, piece in zip(sections[:4], grouped.split(widths, dim=1)):
+            target.copy_(piece.reshape(-1, *rest))
+    else:
+        b, a = part.reshape(hk_m, 2, s.group, *rest).unbind(1)
+        sections[4].copy_(b.reshape(-1, *rest))
+        sections[5].copy_(a.reshape(-1, *rest))
