@@ -7,7 +7,8 @@ Qwen3-Next mixes MoE (+ gated shared expert) and dense MLPs (`mlp_only_layers=[1
 dense, Qwen3.5-MoE has experts everywhere. Norms are moved away from their init and routers get
 large weights, so every tensor shows. Shown here, in one single-process run and ONE 2-rank run:
 
-* import -> our logits equal HF's (max |Δ| / max |logit| <= 1e-5) at TP=1, TP=2 and PP=2 (each
+* import -> our logits equal HF's (max |Δ| / max |logit| <= 1e-5) at TP=1, TP=2, TP=2 with
+  sequence parallelism and PP=2 (each
   stage holds both layer kinds), padded, and packed (rows of different lengths end to end: a
   DeltaNet state or convolution window leaking across rows would break it) at TP=1 and TP=2;
 * export -> the safetensors equal the source bit for bit, and `transformers` loads them with
@@ -106,7 +107,7 @@ def _forward(chunks, packed: bool):
     return torch.cat(results)
 
 
-def _run(root: Path, tp: int, pp: int, rt, packed: bool):
+def _run(root: Path, tp: int, pp: int, rt, packed: bool, sp: bool = False):
     from megatron_kto.checkpointing.model_io import read_architecture
     from megatron_kto.checkpointing.pretrained import restore_pretrained
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
@@ -114,7 +115,10 @@ def _run(root: Path, tp: int, pp: int, rt, packed: bool):
     ckpt = root / "mcore"
     arch = read_architecture(ckpt)
     layout = ParallelLayout(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pack_sequences=packed
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pack_sequences=packed,
+        sequence_parallel=sp,
     )
     chunks = build_gpt_chunks(arch, layout, rt.device)
     restore_pretrained(ckpt, chunks)
@@ -193,6 +197,8 @@ def _layout_worker(rank: int, world_size: int, root: str) -> dict:
             out[name, layout] = _run(Path(root) / name, tp, pp, rt, False)
             if pp == 1:
                 out[name, f"{layout}-packed"] = _run(Path(root) / name, tp, pp, rt, True)
+            if tp == 2:  # sequence parallelism: DeltaNet's in_proj gathers, out_proj scatters
+                out[name, f"{layout}sp"] = _run(Path(root) / name, tp, pp, rt, False, sp=True)
             out[name, layout, "sliced", rank] = _sliced_paths(Path(root) / name, tp, pp, rt)
     teardown()
     return out
@@ -228,7 +234,9 @@ def _kept(reference: torch.Tensor) -> torch.Tensor:
     return torch.cat([reference[r, : n - 1] for r, n in enumerate(ROW_LENGTHS)])
 
 
-CASES = [(n, lay) for n in MODELS for lay in ("tp1", "tp2", "pp2", "tp1-packed", "tp2-packed")]
+CASES = [
+    (n, lay) for n in MODELS for lay in ("tp1", "tp2", "tp2sp", "pp2", "tp1-packed", "tp2-packed")
+]
 
 
 @pytest.mark.parametrize("name,layout", CASES, ids=[f"{n}-{lay}" for n, lay in CASES])
