@@ -30,12 +30,14 @@ TOLERANCE = 1e-5
 ROW_LENGTHS = (24, 11, 17, 6)
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
 MODELS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+#: Vision-language checkpoints: their language model is read (TP=1 only here), exported as text.
+VL_MODELS = {"qwen3_5_vl": "qwen3_5_text", "qwen3_5_moe_vl": "qwen3_5_moe_text"}
 
 
 def _hf_configs() -> dict:
     from transformers import Qwen3NextConfig
-    from transformers.models.qwen3_5 import Qwen3_5TextConfig
-    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
 
     common = dict(
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -48,7 +50,15 @@ def _hf_configs() -> dict:
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
         shared_expert_intermediate_size=40,
     )  # fmt: skip
+    vision = dict(
+        depth=1, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
+        patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+    )  # fmt: skip
     return {
+        "qwen3_5_vl": Qwen3_5Config(
+            text_config=dict(intermediate_size=96, **common), vision_config=vision
+        ),
+        "qwen3_5_moe_vl": Qwen3_5MoeConfig(text_config=dict(**moe, **common), vision_config=vision),
         "qwen3_next": Qwen3NextConfig(intermediate_size=96, mlp_only_layers=[1], **moe, **common),
         "qwen3_5_text": Qwen3_5TextConfig(intermediate_size=96, **common),
         "qwen3_5_moe_text": Qwen3_5MoeTextConfig(**moe, **common),
@@ -143,10 +153,18 @@ def _convert_worker(rank: int, world_size: int, root: str) -> dict:
             out[name, "cp-error"] = str(e)
         teardown()
         export_hf(base / "mcore", base / "export")
+    for name in VL_MODELS:
+        base = Path(root) / name
+        import_hf(base / "hf", base / "mcore")
+        rt = init_runtime(1, 1, seed=9)
+        out[name, "tp1"] = _run(base, 1, 1, rt, False)
+        out[name, "sliced"] = _sliced_paths(base, 1, 1, rt, VL_MODELS[name])
+        teardown()
+        export_hf(base / "mcore", base / "export")
     return out
 
 
-def _sliced_paths(base: Path, tp: int, pp: int, rt) -> dict:
+def _sliced_paths(base: Path, tp: int, pp: int, rt, family: str | None = None) -> dict:
     """This rank's chunks loaded straight from the HF directory (only its slices) vs restored
     from the imported checkpoint: parameters differing (names); and the HF writer's gathers
     (`StageTensors.get`, collective over TP) vs the whole TP=1 tensors of the HF files: tensors
@@ -175,9 +193,11 @@ def _sliced_paths(base: Path, tp: int, pp: int, rt) -> dict:
     weights = HFWeights(base / "hf")
     params = {n for c in restored for n, _ in unwrap(c).named_parameters()}
     whole = dict(
-        to_megatron(weights.get, arch, arch.padded_vocab_size, norm_names(params), base.name)
+        to_megatron(
+            weights.get, arch, arch.padded_vocab_size, norm_names(params), family or base.name
+        )
     )
-    stage = StageTensors(restored, arch, base.name)
+    stage = StageTensors(restored, arch, family or base.name)
     held = sorted(
         str(ChunkLayout.of(unwrap(c)).to_global(n))
         for c in restored
@@ -212,7 +232,12 @@ def converted(tmp_path_factory):
     reference = {}
     for name, config in _hf_configs().items():
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        if name in VL_MODELS:
+            from transformers import AutoModelForImageTextToText
+
+            model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         with torch.no_grad():
             for pname, p in model.named_parameters():
                 if "norm" in pname or pname.endswith(("bias", "dt_bias")):
@@ -281,6 +306,24 @@ def test_direct_load_and_writer_gathers_equal_the_whole_tensors(converted, name,
     _, _, results = converted
     for rank in range(2):
         assert results[name, layout, "sliced", rank] == {"load": [], "gather": []}
+
+
+@pytest.mark.parametrize("name", VL_MODELS)
+def test_vision_language_checkpoints_give_their_language_model(converted, name):
+    """A Qwen3.5 (MoE) vision-language checkpoint: its language model (`model.language_model.*`,
+    `text_config`) imports and loads directly with the text model's logits, the vision tower is
+    ignored, and the export is the text model (`qwen3_5_text` / `qwen3_5_moe_text`)."""
+    import json
+
+    root, reference, results = converted
+    rel = (
+        (results[name, "tp1"] - reference[name]).abs().max() / reference[name].abs().max()
+    ).item()
+    print(f"{name} tp1: max|Δ logits| / max|logits| {rel:.2e}")
+    assert rel <= TOLERANCE
+    assert results[name, "sliced"] == {"load": [], "gather": []}
+    exported = json.loads((root / name / "export" / "config.json").read_text())
+    assert exported["model_type"] == VL_MODELS[name] and "vision_config" not in exported
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -122,6 +122,9 @@ FINAL_NORM = Mapping("decoder.final_layernorm.weight", ("model.norm.weight",))
 OUTPUT = Mapping("output_layer.weight", ("lm_head.weight",), "vocab", COLUMN)
 #: Hugging Face tensors that carry no weights of ours (conversion and direct loading skip them).
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+#: Hugging Face tensors by prefix that carry no weights of ours: Qwen3-Next / Qwen3.5
+#: multi-token-prediction layers (`families/qwen3_next.py`).
+IGNORED_HF_PREFIXES = ("mtp.",)
 
 
 def norm_names(megatron_names: set[str] | list[str]) -> dict[str, str]:

@@ -24,8 +24,16 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
+#: A vision-language checkpoint's language model (`hf_dir.VL_WRAPPERS`): its tensors are listed
+#: under the text model's names (`model.language_model.X` as `model.X`); the vision tower's
+#: tensors are not listed.
+LANGUAGE_PREFIX = "model.language_model."
+VISION_PREFIXES = ("model.visual.",)
+
+
 class HFWeights:
-    """Read-only access to the tensors of a Hugging Face model directory."""
+    """Read-only access to the tensors of a Hugging Face model directory (a vision-language
+    checkpoint's language model under the text model's names, see `LANGUAGE_PREFIX`)."""
 
     def __init__(self, model_dir: str | Path):
         """
@@ -50,6 +58,19 @@ class HFWeights:
             if isinstance(e, ConversionError):
                 raise
             raise ConversionError(f"{current}: unreadable weights: {_one_line(e)}") from e
+        self._stored: dict[str, str] = {}
+        """Stored name of a listed name, where they differ (a vision-language checkpoint)."""
+        if any(name.startswith(LANGUAGE_PREFIX) for name in self._file_of):
+            listed = {}
+            for name, path in self._file_of.items():
+                if name.startswith(VISION_PREFIXES):
+                    continue
+                public = name
+                if name.startswith(LANGUAGE_PREFIX):
+                    public = "model." + name[len(LANGUAGE_PREFIX) :]
+                    self._stored[public] = name
+                listed[public] = path
+            self._file_of = listed
 
     def names(self) -> set[str]:
         """All tensor names."""
@@ -71,7 +92,7 @@ class HFWeights:
         # of an import if handles were kept. Re-reading the header each time costs microseconds.
         try:
             with safe_open(path, framework="pt") as handle:
-                return handle.get_tensor(name)
+                return handle.get_tensor(self._stored.get(name, name))
         except (SafetensorError, OSError, ValueError) as e:
             raise ConversionError(f"{path}: cannot read tensor {name}: {_one_line(e)}") from e
 
@@ -98,9 +119,12 @@ class HFWeights:
                 with safe_open(path, framework="pt") as handle:
                     present = set(handle.keys())
                     for name in in_file:
-                        if name not in present:
-                            raise ConversionError(f"{path}: tensor {name} is missing from the file")
-                        out[name] = tuple(handle.get_slice(name).get_shape())
+                        stored = self._stored.get(name, name)
+                        if stored not in present:
+                            raise ConversionError(
+                                f"{path}: tensor {stored} is missing from the file"
+                            )
+                        out[name] = tuple(handle.get_slice(stored).get_shape())
             except (SafetensorError, OSError, ValueError) as e:
                 if isinstance(e, ConversionError):
                     raise
@@ -122,7 +146,7 @@ class HFWeights:
         path = self._file_of[name]
         try:
             with safe_open(path, framework="pt") as handle:
-                lazy = handle.get_slice(name)
+                lazy = handle.get_slice(self._stored.get(name, name))
                 index = [slice(None)] * len(lazy.get_shape())
                 index[axis] = slice(start, stop)
                 return lazy[tuple(index)]

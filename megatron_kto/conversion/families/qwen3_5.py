@@ -5,9 +5,10 @@ projections kept apart — `in_proj_qkv` [q | k | v of all heads], `in_proj_z`, 
 (softmax, top-k, renormalised) plus a gated shared expert in every layer.
 
 Their RoPE is multimodal (`mrope_section`), which on text (the same position on every axis) is
-plain RoPE over the `partial_rotary_factor` share of each head. The vision tower and the
-`qwen3_5` / `qwen3_5_moe` vision-language wrappers are not converted here (not yet: their
-language model lives under `model.language_model.*` with a nested `text_config`).
+plain RoPE over the `partial_rotary_factor` share of each head. The `qwen3_5` / `qwen3_5_moe`
+vision-language checkpoints are read as these text models: `hf_dir.language_config` takes their
+`text_config`, `safetensors_io.HFWeights` lists `model.language_model.*` under the text names
+and hides the vision tower.
 """
 
 from __future__ import annotations
