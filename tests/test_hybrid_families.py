@@ -147,6 +147,7 @@ def _convert_worker(rank: int, world_size: int, root: str) -> dict:
         rt = init_runtime(1, 1, seed=9)  # a different init: only the checkpoint can match
         out[name, "tp1"] = _run(base, 1, 1, rt, False)
         out[name, "tp1-packed"] = _run(base, 1, 1, rt, True)
+        out[name, "tp1", "grads"] = {k: g for k, (g, _) in _grads(base, 1, rt).items()}
         try:
             make_transformer_config(arch, ParallelLayout(context_parallel_size=2))
         except ValueError as e:
@@ -207,6 +208,38 @@ def _sliced_paths(base: Path, tp: int, pp: int, rt, family: str | None = None) -
     return {"load": load_diff, "gather": gather_diff}
 
 
+def _grads(base: Path, tp: int, rt, sp: bool = False) -> dict:
+    """Gradients of every replicated (not tensor-parallel) parameter of the layers after one
+    backward of a fixed function of the logits, as one rank holds them before megatron's
+    gradient finalisation (which sums only sequence-parallel norms and Q/K norms over TP)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megatron_kto.checkpointing.model_io import read_architecture
+    from megatron_kto.checkpointing.pretrained import restore_pretrained
+    from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks, unwrap
+
+    arch = read_architecture(base / "mcore")
+    layout = ParallelLayout(tensor_model_parallel_size=tp, sequence_parallel=sp)
+    (chunk,) = build_gpt_chunks(arch, layout, rt.device)
+    restore_pretrained(base / "mcore", [chunk])
+    tokens = _tokens()
+    logits = chunk(tokens, torch.arange(SEQ).expand(BATCH, SEQ), None)
+    logits = gather_from_tensor_model_parallel_region(logits)[..., :VOCAB]
+    weight = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3))
+    (logits * weight).sum().backward()
+    # (gradient, whether megatron's finalize_model_grads sums it over TP)
+    return {
+        n: (
+            p.grad.clone(),
+            (sp and getattr(p, "sequence_parallel", False))
+            or "q_layernorm" in n
+            or "k_layernorm" in n,
+        )
+        for n, p in unwrap(chunk).named_parameters()
+        if "out_norm" in n or "layernorm" in n
+    }
+
+
 def _layout_worker(rank: int, world_size: int, root: str) -> dict:
     from megatron_kto.runtime import init_runtime, teardown
 
@@ -220,6 +253,9 @@ def _layout_worker(rank: int, world_size: int, root: str) -> dict:
             if tp == 2:  # sequence parallelism: DeltaNet's in_proj gathers, out_proj scatters
                 out[name, f"{layout}sp"] = _run(Path(root) / name, tp, pp, rt, False, sp=True)
             out[name, layout, "sliced", rank] = _sliced_paths(Path(root) / name, tp, pp, rt)
+            if tp == 2:  # MoE with TP trains only with sequence parallelism (megatron-core)
+                for sp in (True,) if "moe" in name or "next" in name else (False, True):
+                    out[name, layout, "grads", sp, rank] = _grads(Path(root) / name, tp, rt, sp)
     teardown()
     return out
 
@@ -306,6 +342,27 @@ def test_direct_load_and_writer_gathers_equal_the_whole_tensors(converted, name,
     _, _, results = converted
     for rank in range(2):
         assert results[name, layout, "sliced", rank] == {"load": [], "gather": []}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_norm_gradients_at_tp2_equal_tp1(converted, name):
+    """Every norm weight's gradient at TP2 (with and without sequence parallelism), as megatron's
+    gradient finalisation leaves it — summed over the TP ranks where it sums them (sequence-
+    parallel norms, Q/K norms), else as each rank holds it — equals TP1's (≤ 1e-5 relative). The
+    DeltaNet output norm's weight serves the value heads the ranks split: each rank's own share
+    alone would fail this."""
+    _, _, results = converted
+    want = results[name, "tp1", "grads"]
+    runs = [k for k in results if k[:3] == (name, "tp2", "grads")]
+    assert runs
+    for sp in {k[3] for k in runs}:
+        ranks = [results[name, "tp2", "grads", sp, r] for r in range(2)]
+        assert sorted(ranks[0]) == sorted(want)
+        for key, expected in want.items():
+            (g0, summed), (g1, _) = ranks[0][key], ranks[1][key]
+            for got in [g0 + g1] if summed else [g0, g1]:
+                rel = ((got - expected).abs().max() / expected.abs().max()).item()
+                assert rel <= TOLERANCE, (key, sp, rel)
 
 
 @pytest.mark.parametrize("name", VL_MODELS)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -152,9 +153,23 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         )
         if conv_init is not None:
             torch.nn.init.uniform_(self.conv1d.weight, -conv_init, conv_init)
+        # One [value_head_dim] weight serves every value head, and TP ranks hold different heads:
+        # its gradient is the sum over the TP ranks. megatron-core's gradient finalisation sums
+        # only sequence-parallel norms and Q/K norms over TP, so the forward all-reduces this
+        # gradient itself (`_gated_norm`) — and the norm is kept out of the sequence-parallel sum.
+        self.out_norm.weight.sequence_parallel = False
 
     def reset_parameters(self) -> None:
         """Parameters are initialised in `__init__` (megatron's version needs CUDA)."""
+
+    def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of every value head's output (one shared weight, plain scale) times SiLU(z),
+        as Hugging Face computes it (normalised in fp32, scaled in the input dtype)."""
+        weight = self.out_norm.weight
+        if self.tp_size > 1:  # backward: the weight's gradient summed over the TP ranks
+            weight = copy_to_tensor_model_parallel_region(weight, group=self.pg_collection.tp)
+        normed = F.rms_norm(core.float(), (self.value_head_dim,), None, self.out_norm.eps)
+        return (normed.to(core.dtype) * weight * F.silu(z.float())).to(core.dtype)
 
     def forward(
         self,
@@ -197,7 +212,6 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         core = chunk_gated_delta_rule(
             query, key, value, g, beta.sigmoid(), seqlens=seqlens, qk_l2norm=self.use_qk_l2norm
         )
-        z = z.reshape(b, s, -1, self.value_head_dim)
-        gated = (self.out_norm(core).float() * F.silu(z.float())).to(core.dtype)
+        gated = self._gated_norm(core, z.reshape(b, s, -1, self.value_head_dim))
         gated = gated.reshape(b, s, -1).transpose(0, 1).contiguous()
         return self.out_proj(gated)
