@@ -26,6 +26,7 @@ from megatron.core import parallel_state
 
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.conversion.addressing import (
+    IGNORED_HF_PREFIXES,
     IGNORED_HF_SUFFIXES,
     OUTPUT,
     ChunkLayout,
@@ -78,7 +79,9 @@ def _check_names(weights: HFWeights, sources: dict[str, Mapping], tied: bool) ->
     unused = sorted(
         n
         for n in weights.names() - needed
-        if not n.endswith(IGNORED_HF_SUFFIXES) and not (tied and n == OUTPUT.hf[0])
+        if not n.endswith(IGNORED_HF_SUFFIXES)
+        and not n.startswith(IGNORED_HF_PREFIXES)
+        and not (tied and n == OUTPUT.hf[0])
     )
     if unused:
         raise CheckpointError(f"{where}: tensors this model does not map: {unused[:4]}")
@@ -94,7 +97,7 @@ def load_hf_model(hf_dir: str | Path, chunks: list[torch.nn.Module]) -> LoadStat
     """
     hf_dir = Path(hf_dir)
     try:
-        config, arch = read_hf_architecture(hf_dir)
+        config, arch = read_hf_architecture(hf_dir, warn=lambda line: None)  # warned at resolve
         family = get_family(config.get("model_type"))
         weights = HFWeights(hf_dir, family.weight_prefixes)
         return _load(weights, arch, family, chunks)

@@ -126,7 +126,7 @@ def read_architecture(ckpt_dir: str | Path) -> GPTArchitecture:
     """
     if looks_like_hf_dir(ckpt_dir):
         try:
-            return read_hf_architecture(ckpt_dir)[1]
+            return read_hf_architecture(ckpt_dir, _warn_on_rank0)[1]
         except ConversionError as e:
             raise CheckpointError(str(e)) from None
     path = Path(ckpt_dir) / ARCH_FILE

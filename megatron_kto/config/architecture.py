@@ -108,11 +108,34 @@ class GPTArchitecture:
     `ffn_hidden_size`) per layer, megatron-core's list form (HF Qwen-MoE `mlp_only_layers` /
     `decoder_sparse_step`); None means every layer (of a model with `num_moe_experts`)."""
 
+    linear_attention_freq: list[int] | None = None
+    """Which layers are gated DeltaNet (linear attention) layers: one 1 (DeltaNet) or 0 (full
+    attention) per layer, megatron-core's list form (HF `layer_types` / `full_attention_interval`,
+    Qwen3-Next / Qwen3.5); None means full attention in every layer."""
+    linear_conv_kernel_dim: int = 4
+    """DeltaNet short causal convolution width (HF `linear_conv_kernel_dim`)."""
+    linear_key_head_dim: int = 128
+    """DeltaNet query/key head dim (HF `linear_key_head_dim`)."""
+    linear_value_head_dim: int = 128
+    """DeltaNet value head dim (HF `linear_value_head_dim`)."""
+    linear_num_key_heads: int = 16
+    """DeltaNet query/key heads (HF `linear_num_key_heads`)."""
+    linear_num_value_heads: int = 32
+    """DeltaNet value heads, a multiple of the key heads (HF `linear_num_value_heads`)."""
+    attention_output_gate: bool = False
+    """Full attention's output scaled by sigmoid of a per-head gate projected with the queries
+    (Qwen3-Next / Qwen3.5 gated attention)."""
+    layernorm_zero_centered_gamma: bool = False
+    """RMSNorms (layer, final, Q/K) scale by (1 + weight), weights stored zero-centred
+    (Qwen3-Next / Qwen3.5); the DeltaNet output norm keeps a plain weight."""
+
     def __post_init__(self) -> None:
         if self.moe_layer_freq is not None:  # plain ints (a config gives a ListConfig)
             self.moe_layer_freq = [int(v) for v in self.moe_layer_freq]
         if self.window_layers is not None:
             self.window_layers = [int(v) for v in self.window_layers]
+        if self.linear_attention_freq is not None:
+            self.linear_attention_freq = [int(v) for v in self.linear_attention_freq]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form, for checkpoints and JSON."""
@@ -126,6 +149,14 @@ class GPTArchitecture:
         if unknown:
             raise ValueError(f"unknown model architecture keys: {unknown}")
         return cls(**{k: v for k, v in data.items() if k in names})
+
+    def is_linear_attention_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based, global) is a gated DeltaNet layer."""
+        return bool(self.linear_attention_freq) and bool(self.linear_attention_freq[layer])
+
+    def has_linear_attention(self) -> bool:
+        """A hybrid model with gated DeltaNet layers."""
+        return any(self.linear_attention_freq or [])
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer` (0-based, global) has routed experts."""
@@ -153,11 +184,15 @@ class GPTArchitecture:
     def layer_architecture(self, layer: int) -> GPTArchitecture:
         """The architecture layer `layer` is built and converted as: this one for an MoE
         layer (or a dense model), a dense copy (no experts, no shared expert) for a dense layer
-        of an MoE model."""
+        of an MoE model; in a hybrid model, with every layer of this layer's attention kind."""
+        arch = self
+        if self.linear_attention_freq is not None:  # hybrid: this layer's attention kind
+            kind = int(self.is_linear_attention_layer(layer))
+            arch = dataclasses.replace(self, linear_attention_freq=[kind] * self.num_layers)
         if self.is_moe_layer(layer) or not self.num_moe_experts:
-            return self
+            return arch
         return dataclasses.replace(
-            self,
+            arch,
             num_moe_experts=None,
             moe_ffn_hidden_size=None,
             moe_shared_expert_intermediate_size=None,

@@ -178,6 +178,53 @@ def validate(
     _check_objective(m, algorithm)
     _check_hf_output(cfg.exp_manager, m)
     _check_forward_micro_batch(m, algorithm, dp)
+    _check_linear_attention(m)
+
+
+def _check_linear_attention(m: Any) -> None:
+    """Hybrid (gated DeltaNet) models: the layer pattern, the DeltaNet heads against TP, and the
+    combinations not built yet (context parallelism, LoRA) — before megatron-core's asserts."""
+    pattern = None if m.linear_attention_freq is None else list(m.linear_attention_freq)
+    if pattern is not None:
+        need(
+            len(pattern) == m.num_layers and set(pattern) <= {0, 1},
+            "model.linear_attention_freq",
+            f"{pattern}: expected one 1 (gated DeltaNet) or 0 (full attention) per layer "
+            f"({m.num_layers} layers)",
+        )
+    deltanet = [i for i, kind in enumerate(pattern or []) if kind]
+    if deltanet:
+        tp = m.tensor_model_parallel_size
+        keys, values = m.linear_num_key_heads, m.linear_num_value_heads
+        need(
+            values % keys == 0,
+            "model.linear_num_value_heads",
+            f"{values} is not a multiple of linear_num_key_heads ({keys})",
+        )
+        need(
+            keys % tp == 0 and values % tp == 0,
+            "model.tensor_model_parallel_size",
+            f"{tp} must divide the gated DeltaNet heads ({keys} key, {values} value heads)",
+        )
+        need(
+            m.context_parallel_size == 1,
+            "model.context_parallel_size",
+            f"{m.context_parallel_size}: gated DeltaNet layers {deltanet} cannot be split over "
+            "context-parallel ranks (set it to 1)",
+        )
+        need(m.activation == "swiglu", "model.activation", "gated DeltaNet models need swiglu")
+        need(
+            m.normalization == "RMSNorm",
+            "model.normalization",
+            "gated DeltaNet models need RMSNorm",
+        )
+    if deltanet or m.attention_output_gate:
+        need(
+            str(m.peft.peft_scheme) == "none",
+            "model.peft.peft_scheme",
+            "LoRA on gated-attention / gated DeltaNet models (Qwen3-Next, Qwen3.5) is not "
+            "supported yet",
+        )
 
 
 def _model_chunks(m: Any) -> int:

@@ -43,8 +43,19 @@ from typing import Any, Literal, Protocol
 import torch
 
 from megatron_kto.config.architecture import GPTArchitecture
+from megatron_kto.conversion.deltanet import (
+    hybrid_expected_shapes,
+    hybrid_fill,
+    hybrid_reads,
+)
 
-Kind = Literal["direct", "qkv", "gated_mlp", "vocab"]
+Kind = Literal[
+    "direct", "qkv", "gated_mlp", "vocab", "gated_qkv", "deltanet_in_proj", "deltanet_conv"
+]
+#: Hybrid-model kinds (gated attention, gated DeltaNet): layouts and slices in `conversion/deltanet.py`.
+HYBRID = ("gated_qkv", "deltanet_in_proj", "deltanet_conv")
+
+
 Shape = tuple[int, ...]
 
 #: megatron tensor-parallel axis of a weight: 0 column-parallel (output rows), 1 row-parallel
@@ -111,6 +122,9 @@ FINAL_NORM = Mapping("decoder.final_layernorm.weight", ("model.norm.weight",))
 OUTPUT = Mapping("output_layer.weight", ("lm_head.weight",), "vocab", COLUMN)
 #: Hugging Face tensors that carry no weights of ours (conversion and direct loading skip them).
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+#: Hugging Face tensors by prefix that carry no weights of ours: Qwen3-Next / Qwen3.5
+#: multi-token-prediction layers (`families/qwen3_next.py`).
+IGNORED_HF_PREFIXES = ("mtp.",)
 
 
 def norm_names(megatron_names: set[str] | list[str]) -> dict[str, str]:
@@ -321,6 +335,8 @@ def expected_hf_shapes(
 ) -> tuple[Shape, ...]:
     """The whole Hugging Face tensors' shapes a shard of `local_shape` (one of `size` TP ranks)
     implies — what the weights must hold for the slices to mean what the model needs."""
+    if entry.kind in HYBRID:
+        return hybrid_expected_shapes(entry.kind, len(entry.hf), arch, tuple(local_shape[1:]))
     full = list(local_shape)
     if _sharded(entry, size):
         full[entry.tp_axis] *= size
@@ -347,6 +363,10 @@ def shard_reads(
         rank, size: the rank's index in, and the size of, the group that shards the tensor (the
             tensor-parallel group; the expert tensor-parallel group for experts).
     """
+    if entry.kind in HYBRID:
+        split = size if _sharded(entry, size) else 1
+        reads = hybrid_reads(entry.kind, entry.hf, arch, rank if split > 1 else 0, split)
+        return tuple(Read(*r) for r in reads)
     if entry.kind == "vocab":  # rows [r·P/t, (r+1)·P/t) of the padded vocabulary, clipped to V
         rows = local_shape[0]
         start = rank * rows if _sharded(entry, size) else 0
@@ -396,6 +416,10 @@ def fill(
         grouped = out.view(mine, (per + 2) * d, *out.shape[1:])
         lo, hi = ((0, per * d), (per * d, (per + 1) * d), ((per + 1) * d, (per + 2) * d))[index]
         grouped[:, lo:hi].copy_(part.reshape(mine, hi - lo, *out.shape[1:]))
+    elif entry.kind in HYBRID:
+        hybrid_fill(
+            entry.kind, len(entry.hf), arch, out, index, part, size if _sharded(entry, size) else 1
+        )
     elif entry.kind == "gated_mlp":
         half = out.shape[0] // 2
         out[index * half : (index + 1) * half].copy_(part)
@@ -404,23 +428,41 @@ def fill(
 
 
 # ----------------------------------------------------------------------------- reassembly
-def merge_shards(parts: Sequence[torch.Tensor], axis: int | None, kind: str) -> torch.Tensor:
+def merge_shards(
+    parts: Sequence[torch.Tensor],
+    axis: int | None,
+    kind: str,
+    sections: Sequence[int] | None = None,
+) -> torch.Tensor:
     """The whole tensor of every rank's shard, in rank order (axis None or one part: the part
     itself). A `gated_mlp` shard is [this rank's gate rows; its up rows], so the gate halves are
     concatenated, then the up halves; every other kind concatenates along `axis`."""
     if axis is None or len(parts) == 1:
         return parts[0]
+    if sections is not None:  # every rank holds an even share of each section, in order
+        local = [n // len(parts) for n in sections]
+        pieces = [part.split(local, dim=0) for part in parts]
+        return torch.cat([p[i] for i in range(len(local)) for p in pieces], dim=0)
     if kind == "gated_mlp":
         halves = [part.chunk(2, dim=0) for part in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(list(parts), dim=axis)
 
 
-def shard_of(full: torch.Tensor, axis: int | None, kind: str, rank: int, size: int) -> torch.Tensor:
+def shard_of(
+    full: torch.Tensor,
+    axis: int | None,
+    kind: str,
+    rank: int,
+    size: int,
+    sections: Sequence[int] | None = None,
+) -> torch.Tensor:
     """Rank `rank`'s shard (of `size`) of a whole megatron tensor: the inverse of
     `merge_shards` (a contiguous block along `axis`; gate and up each cut for `gated_mlp`)."""
     if axis is None or size == 1:
         return full
+    if sections is not None:
+        return torch.cat([part.chunk(size, dim=0)[rank] for part in full.split(list(sections))])
     if kind == "gated_mlp":
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]])

@@ -10,11 +10,15 @@ the vocabulary padding the converter writes.
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.hf_config import ConversionError, architecture_from_hf
+
+logger = logging.getLogger(__name__)
 
 CONFIG = "config.json"
 #: The weight files read (as `safetensors_io` names them): one file, or shards and their index.
@@ -86,7 +90,38 @@ def model_architecture(config: dict[str, Any], where: str) -> GPTArchitecture:
     return arch
 
 
-def read_hf_architecture(hf_dir: str | Path) -> tuple[dict[str, Any], GPTArchitecture]:
+#: Vision-language model types whose language model is read — their `text_config`, under the
+#: text model's type; the vision tower is ignored (`safetensors_io.HFWeights` hides its tensors
+#: and gives the language model's tensors the text model's names). Output is the text model.
+VL_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+def language_config(
+    config: dict[str, Any], where: str, warn: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """`config` itself, or for a vision-language wrapper (`VL_WRAPPERS`) its language model's.
+
+    Raises:
+        ConversionError: a wrapper without a `text_config` object, naming `where`.
+    """
+    kind = config.get("model_type")
+    if kind not in VL_WRAPPERS:
+        return config
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ConversionError(f"{where}: text_config: missing (a {kind} model's language model)")
+    (warn or logger.warning)(
+        f"{where}: {kind}: its language model is read as {VL_WRAPPERS[kind]}; the vision tower "
+        "is ignored"
+    )
+    out = {"tie_word_embeddings": config.get("tie_word_embeddings", False), **text}
+    out["model_type"] = VL_WRAPPERS[kind]
+    return out
+
+
+def read_hf_architecture(
+    hf_dir: str | Path, warn: Callable[[str], None] | None = None
+) -> tuple[dict[str, Any], GPTArchitecture]:
     """(config.json, the megatron architecture with its padded vocabulary) of a directory.
 
     Args:
@@ -99,4 +134,5 @@ def read_hf_architecture(hf_dir: str | Path) -> tuple[dict[str, Any], GPTArchite
     hf_dir = Path(hf_dir)
     where = hf_dir / CONFIG
     config = read_json(where, "a Hugging Face model directory needs config.json")
+    config = language_config(config, str(where), warn)
     return config, model_architecture(config, str(where))

@@ -23,6 +23,7 @@ from megatron_kto.conversion.addressing import (
     head_layout,
     layer_entries,
 )
+from megatron_kto.conversion.deltanet import HYBRID_KINDS, hybrid_fuse, hybrid_split
 from megatron_kto.conversion.families import Family
 from megatron_kto.conversion.registry import get_family
 
@@ -98,7 +99,10 @@ def layer_table(
     shards reads the TP axis and the fusion kind from."""
     fam = _family(family)
     table: dict[str, Mapping] = {}
-    one_of_each_kind = {arch.is_moe_layer(i): i for i in range(arch.num_layers)}.values()
+    kinds = {
+        (arch.is_moe_layer(i), arch.is_linear_attention_layer(i)): i for i in range(arch.num_layers)
+    }
+    one_of_each_kind = kinds.values()
     for layer in one_of_each_kind:
         for entry in layer_entries(fam, arch, norms, layer):
             table.setdefault(entry.megatron.format(**norms), entry)
@@ -131,6 +135,8 @@ def to_megatron(
                 value = fuse_qkv(*tensors, heads=heads, groups=groups)
             elif entry.kind == "gated_mlp":
                 value = fuse_fc1(*tensors)
+            elif entry.kind in HYBRID_KINDS:
+                value = hybrid_fuse(entry.kind, tensors, arch)
             else:
                 (value,) = tensors
             yield entry.megatron, value
@@ -168,6 +174,8 @@ def to_hf(
                 parts = split_qkv(value, heads, groups, head_dim)
             elif entry.kind == "gated_mlp":
                 parts = split_fc1(value)
+            elif entry.kind in HYBRID_KINDS:
+                parts = hybrid_split(entry.kind, value, arch, len(entry.hf))
             else:
                 parts = (value,)
             yield from zip(entry.hf, parts, strict=True)

@@ -20,11 +20,13 @@ from megatron_kto.conversion.families import (
     qwen2,
     qwen2_moe,
     qwen3,
+    qwen3_5,
     qwen3_moe,
+    qwen3_next,
 )
 
 #: Family modules, each defining `FAMILIES: tuple[Family, ...]`, in registration order.
-_MODULES = (llama, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3)
+_MODULES = (llama, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3, qwen3_next, qwen3_5)
 _FAMILIES: dict[str, Family] = {
     family.model_type: family for module in _MODULES for family in module.FAMILIES
 }

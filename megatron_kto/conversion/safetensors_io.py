@@ -24,6 +24,13 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
+#: A vision-language checkpoint's language model (`hf_dir.VL_WRAPPERS`): its tensors are listed
+#: under the text model's names (`model.language_model.X` as `model.X`); the vision tower's
+#: tensors are not listed.
+LANGUAGE_PREFIX = "model.language_model."
+VISION_PREFIXES = ("model.visual.",)
+
+
 class HFWeights:
     """Read-only access to the tensors of a Hugging Face model directory.
 
@@ -65,6 +72,19 @@ class HFWeights:
                 if name.startswith(old)
             }
             self._file_of = {name: self._file_of[stored] for name, stored in self._stored.items()}
+        elif any(name.startswith(LANGUAGE_PREFIX) for name in self._file_of):
+            # A vision-language checkpoint (`hf_dir.VL_WRAPPERS`): its language model under the
+            # text model's names, the vision tower not listed.
+            stored = {}
+            for name in self._file_of:
+                if name.startswith(VISION_PREFIXES):
+                    continue
+                public = name
+                if name.startswith(LANGUAGE_PREFIX):
+                    public = "model." + name[len(LANGUAGE_PREFIX) :]
+                stored[public] = name
+            self._stored = stored
+            self._file_of = {name: self._file_of[s] for name, s in stored.items()}
 
     def names(self) -> set[str]:
         """All tensor names."""

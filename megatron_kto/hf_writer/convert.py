@@ -28,7 +28,12 @@ import torch
 
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.config.architecture import GPTArchitecture
-from megatron_kto.conversion.addressing import IGNORED_HF_SUFFIXES, OUTPUT, norm_names
+from megatron_kto.conversion.addressing import (
+    IGNORED_HF_PREFIXES,
+    IGNORED_HF_SUFFIXES,
+    OUTPUT,
+    norm_names,
+)
 from megatron_kto.conversion.hf_config import ConversionError, hf_config_from_architecture
 from megatron_kto.conversion.hf_dir import CONFIG, looks_like_hf_dir, read_hf_architecture
 from megatron_kto.conversion.hf_dir import read_json as _read_json
@@ -171,6 +176,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -
             n
             for n in weights.names() - used
             if not n.endswith(IGNORED_HF_SUFFIXES)
+            and not n.startswith(IGNORED_HF_PREFIXES)
             and not (n == OUTPUT.hf[0] and arch.share_embeddings_and_output_weights)
         )
         if unused:

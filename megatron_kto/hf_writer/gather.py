@@ -33,6 +33,7 @@ from megatron_kto.conversion.addressing import (
     norm_names,
     parse_name,
 )
+from megatron_kto.conversion.deltanet import tp_sections
 from megatron_kto.conversion.mappings import layer_table
 from megatron_kto.models.builder import unwrap
 from megatron_kto.models.tp_gather import gather_tp
@@ -64,6 +65,7 @@ class StageTensors:
                 self._params[str(layout.to_global(name))] = param
         self.norms = norm_names(list(self._params))
         self.table: dict[str, Mapping] = layer_table(arch, self.norms, family)
+        self.arch = arch
         self.layers = sorted(layers)
         """Global indices of the transformer layers this stage holds."""
         self.first = any(m.pre_process for m in models)
@@ -95,7 +97,8 @@ class StageTensors:
         entry = self.table[address.in_layer]
         if entry.expert:
             return self._expert(address, entry)
-        return gather_tp(self._local(name), entry.tp_axis, entry.kind, self._tp_group)
+        sections = tp_sections(entry.kind, self.arch)  # DeltaNet tensors: per-rank part shares
+        return gather_tp(self._local(name), entry.tp_axis, entry.kind, self._tp_group, sections)
 
     def _expert(self, address: ParamName, entry: Mapping) -> torch.Tensor:
         owner, local = expert_owner(address.expert, self._num_experts, self._ep)

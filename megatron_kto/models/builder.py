@@ -22,6 +22,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.models.gemma_layers import LayerExtras
+from megatron_kto.models.hybrid import (
+    hybrid_block_spec,
+    hybrid_transformer_config,
+    uses_hybrid_spec,
+)
 from megatron_kto.models.layer_options import moe_transformer_config
 from megatron_kto.models.layer_specs import decoder_block_spec
 from megatron_kto.runtime.attention_backend import (
@@ -162,6 +167,8 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         **moe_transformer_config(
             arch, layout.expert_model_parallel_size, layout.expert_tensor_parallel_size
         ),
+        # Gated DeltaNet / gated attention / offset norms (Qwen3-Next, Qwen3.5): models/hybrid.py
+        **hybrid_transformer_config(arch, layout.context_parallel_size),
     )
 
 
@@ -222,7 +229,9 @@ def build_gpt_chunks(
         with _quiet_about_our_mlp():
             model = GPTModel(
                 config=config,
-                transformer_layer_spec=decoder_block_spec(
+                transformer_layer_spec=hybrid_block_spec(config, backend, vp_stage=stage)
+                if uses_hybrid_spec(arch)
+                else decoder_block_spec(
                     config, arch.normalization, backend, vp_stage=stage, extras=extras
                 ),
                 vocab_size=vocab,

@@ -15,13 +15,20 @@ import torch.distributed as dist
 from megatron_kto.conversion.addressing import merge_shards
 
 
-def gather_tp(tensor: torch.Tensor, axis: int | None, kind: str, group: Any) -> torch.Tensor:
+def gather_tp(
+    tensor: torch.Tensor,
+    axis: int | None,
+    kind: str,
+    group: Any,
+    sections: list[int] | None = None,
+) -> torch.Tensor:
     """The full tensor of which `tensor` is this rank's shard along `axis` over `group` (axis
     None: replicated, returned as is; group None: no group, returned as is — never the default
-    group); `kind` "gated_mlp" un-interleaves the per-rank [gate; up] halves."""
+    group); `kind` "gated_mlp" un-interleaves the per-rank [gate; up] halves, `sections` (see
+    `addressing.merge_shards`) the per-rank shares of a DeltaNet tensor's parts."""
     size = dist.get_world_size(group) if group is not None else 1
     if axis is None or size == 1:
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(parts, tensor.contiguous(), group=group)
-    return merge_shards(parts, axis, kind)
+    return merge_shards(parts, axis, kind, sections)

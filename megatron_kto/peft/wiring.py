@@ -107,6 +107,13 @@ def apply_lora(chunks: list[torch.nn.Module], arch: Any, settings: LoRASettings)
         ValueError: bad targets / layers, or a targeted linear that this model does not have
             (e.g. the MLP of a mixture-of-experts layer).
     """
+    if arch.attention_output_gate or arch.has_linear_attention():
+        # Their fused projections (gated QKV, DeltaNet in_proj) have no adapter layout yet: an
+        # adapter would be split back into HF's q/k/v wrongly.
+        raise ValueError(
+            "model.peft: LoRA on gated-attention / gated DeltaNet models (Qwen3-Next, Qwen3.5) "
+            "is not supported yet; train them without model.peft"
+        )
     targets = resolve_targets(list(settings.target_modules), arch)
     layers = set(selected_layers(settings.layer_selection, arch.num_layers))
     for chunk in chunks:

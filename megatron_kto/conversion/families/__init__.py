@@ -150,13 +150,16 @@ _FEATURES = {
             or a.rotary_interpolation_factor is not None
         ),
     ),
+    "linear_attention": ("gated DeltaNet layers", lambda a: a.has_linear_attention()),
+    "output_gate": ("gated attention outputs", lambda a: a.attention_output_gate),
+    "offset_norms": ("(1 + weight) RMSNorms", lambda a: a.layernorm_zero_centered_gamma),
 }
 
 
 def mismatch(arch: GPTArchitecture, **has: bool) -> str | None:
     """Why `arch` differs from a family that has exactly the features `has` (qkv_bias, qk_norm,
-    moe, shared_expert, dense_layers, gemma — absent means False): one phrase, or None when it
-    matches."""
+    moe, shared_expert, dense_layers, gemma, linear_attention, output_gate, offset_norms —
+    absent means False): one phrase, or None when it matches."""
     if arch.moe_shared_expert_intermediate_size and not arch.moe_shared_expert_gate:
         return "the model has an ungated shared expert"
     for key in _FEATURES:

@@ -1,0 +1,191 @@
+"""Hybrid linear-attention decoders (Qwen3-Next, Qwen3.5): gated DeltaNet layers and gated full
+attention layers, read from one per-layer list (`GPTArchitecture.linear_attention_freq`,
+megatron-core's `linear_attention_freq`: 1 DeltaNet, 0 full attention).
+
+* DeltaNet layers: `models.gated_delta_net.PortableGatedDeltaNet` (megatron-core's parameters,
+  our portable forward) with a separate input norm (the local spec; TE's spec fuses it into
+  `in_proj`, whose checkpoint name the local one is mapped to).
+* Full attention layers: megatron-core's `SelfAttention` (ours: `PackedRoPESelfAttention`) with
+  `attention_output_gate` (per query group [queries | gates | key | value] in `linear_qkv`; the
+  output times sigmoid(gate) before `linear_proj`), partial RoPE (`rotary_percent`) and Q/K norms.
+* Norms: with `layernorm_zero_centered_gamma` (Qwen's (1 + weight) RMSNorm) every layer, final and
+  Q/K norm is `OffsetRMSNorm`; the DeltaNet output norm keeps a plain weight.
+
+Context parallelism is refused: nothing splits a DeltaNet recurrence over ranks yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from megatron_kto.config.architecture import GPTArchitecture
+from megatron_kto.models.gated_delta_net import PortableGatedDeltaNet
+from megatron_kto.models.layer_options import extend_local_layer
+from megatron_kto.models.layer_specs import local_layer_spec
+
+logger = logging.getLogger(__name__)
+
+
+def uses_hybrid_spec(arch: GPTArchitecture) -> bool:
+    """Whether `arch` is built by `hybrid_block_spec` (DeltaNet layers or Qwen's offset norms)."""
+    return arch.has_linear_attention() or arch.layernorm_zero_centered_gamma
+
+
+def hybrid_transformer_config(arch: GPTArchitecture, context_parallel_size: int) -> dict[str, Any]:
+    """The `TransformerConfig` fields of a hybrid architecture (empty for any other).
+
+    Raises:
+        ValueError: context parallelism with DeltaNet layers (one line naming them).
+    """
+    if not uses_hybrid_spec(arch):
+        return {}
+    fields: dict[str, Any] = dict(
+        attention_output_gate=arch.attention_output_gate,
+        layernorm_zero_centered_gamma=arch.layernorm_zero_centered_gamma,
+    )
+    if not arch.has_linear_attention():
+        return fields
+    layers = [i for i in range(arch.num_layers) if arch.is_linear_attention_layer(i)]
+    if context_parallel_size != 1:
+        raise ValueError(
+            f"model.context_parallel_size {context_parallel_size}: gated DeltaNet layers {layers} "
+            "cannot be split over context-parallel ranks (set it to 1)"
+        )
+    return dict(
+        fields,
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=list(arch.linear_attention_freq),
+        linear_conv_kernel_dim=arch.linear_conv_kernel_dim,
+        linear_key_head_dim=arch.linear_key_head_dim,
+        linear_value_head_dim=arch.linear_value_head_dim,
+        linear_num_key_heads=arch.linear_num_key_heads,
+        linear_num_value_heads=arch.linear_num_value_heads,
+    )
+
+
+class OffsetRMSNorm(torch.nn.Module):
+    """RMSNorm scaled by (1 + weight) in fp32, weight stored zero-centred (Qwen3-Next / Qwen3.5);
+    `zero_centered_gamma=False` (or the config's flag unset) gives the plain `LocalNorm` maths."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-5,
+        zero_centered_gamma: bool | None = None,
+        **_: Any,
+    ):
+        super().__init__()
+        if config.normalization != "RMSNorm":
+            raise ValueError("hybrid (DeltaNet) models need model.normalization=RMSNorm")
+        self.offset = (
+            config.layernorm_zero_centered_gamma
+            if zero_centered_gamma is None
+            else zero_centered_gamma
+        )
+        self.eps = eps
+        self.normalized_shape = (hidden_size,)
+        init = torch.zeros if self.offset else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
+        # Read by megatron-core's finalize_model_grads (see `norms.LocalNorm`).
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dimension of `x`."""
+        if not self.offset:
+            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        y = F.rms_norm(x.float(), self.normalized_shape, None, self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def _deltanet_attention() -> ModuleSpec:
+    return ModuleSpec(
+        module=PortableGatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear,
+            out_norm=ModuleSpec(module=OffsetRMSNorm, params={"zero_centered_gamma": False}),
+            out_proj=RowParallelLinear,
+        ),
+    )
+
+
+def _with_norms(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
+    """`layer` with `OffsetRMSNorm` in every norm slot (input, pre-MLP, Q/K)."""
+    sub = layer.submodules
+    attention = sub.self_attention
+    if config.qk_layernorm and attention.module is not PortableGatedDeltaNet:
+        attention = dataclasses.replace(
+            attention,
+            submodules=dataclasses.replace(
+                attention.submodules, q_layernorm=OffsetRMSNorm, k_layernorm=OffsetRMSNorm
+            ),
+        )
+    sub = dataclasses.replace(
+        sub,
+        input_layernorm=OffsetRMSNorm,
+        pre_mlp_layernorm=OffsetRMSNorm,
+        self_attention=attention,
+    )
+    return dataclasses.replace(layer, submodules=sub)
+
+
+def hybrid_layer_spec(
+    config: TransformerConfig, backend: str, linear: bool, moe: bool
+) -> ModuleSpec:
+    """One layer: full attention (the backend's local spec) or gated DeltaNet, dense or MoE MLP."""
+    layer = extend_local_layer(local_layer_spec(config.normalization, backend), config, moe=moe)
+    if linear:
+        sub = layer.submodules
+        # TE's DeltaNet spec fuses the input norm into in_proj: keep that checkpoint name.
+        keys = {
+            k: v
+            for k, v in (sub.sharded_state_dict_keys_map or {}).items()
+            if "input_layernorm" not in k
+        }
+        keys["input_layernorm."] = "self_attention.in_proj.layer_norm_"
+        sub = dataclasses.replace(
+            sub, self_attention=_deltanet_attention(), sharded_state_dict_keys_map=keys
+        )
+        layer = dataclasses.replace(layer, submodules=sub)
+    return _with_norms(layer, config)
+
+
+def hybrid_block_spec(
+    config: TransformerConfig, backend: str, vp_stage: int | None
+) -> TransformerBlockSubmodules:
+    """This (virtual) pipeline stage's layers, each from its global layer number's kinds."""
+    if backend == "te":
+        # No TE spec is written for these layers yet; the local spec runs everywhere.
+        logger.warning("hybrid DeltaNet model: full-attention layers use sdpa, not te")
+        backend = "sdpa"
+    pattern = config.linear_attention_freq or [0] * config.num_layers
+    moe_freq = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else None
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    layers = []
+    for i in range(first, first + count):
+        moe = bool(config.num_moe_experts) and (moe_freq is None or bool(moe_freq[i]))
+        layers.append(hybrid_layer_spec(config, backend, bool(pattern[i]), moe))
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=OffsetRMSNorm)
+
+
+__all__ = [
+    "OffsetRMSNorm",
+    "hybrid_block_spec",
+    "hybrid_transformer_config",
+    "uses_hybrid_spec",
+]
