@@ -75,7 +75,9 @@ def _check_names(weights: HFWeights, sources: dict[str, Mapping], tied: bool) ->
     where = weights.source_file()
     for name in sorted(needed):
         if name not in weights:
-            raise CheckpointError(f"{where}: tensor {name} is missing from the weights")
+            missing = [n for n in weights.stored(name) if n not in weights.names()]
+            raise CheckpointError(f"{where}: tensor {missing[0]} is missing from the weights")
+    needed = {stored for name in needed for stored in weights.stored(name)}
     unused = sorted(
         n
         for n in weights.names() - needed

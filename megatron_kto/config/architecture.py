@@ -40,7 +40,8 @@ class GPTArchitecture:
     layernorm_epsilon: float = 1e-5
     """Norm epsilon."""
     activation: str = "swiglu"
-    """MLP activation: 'swiglu', 'geglu' (gated tanh-approximated GeLU, Gemma), 'gelu' or 'relu'."""
+    """MLP activation: 'swiglu', 'geglu' (gated tanh-approximated GeLU, Gemma),
+    'quick_geglu' (gated, x·sigmoid(1.702x): GPT-OSS), 'gelu' or 'relu'."""
     position_embedding_type: str = "rope"
     """'rope' or 'learned_absolute'."""
     rotary_base: int = 10000
@@ -50,7 +51,14 @@ class GPTArchitecture:
     rope_scaling: bool = False
     """Llama-3.1-style RoPE frequency scaling."""
     rope_scaling_factor: float = 8.0
-    """Scale factor for rope_scaling."""
+    """Scale factor for rope_scaling (and for YaRN, `position_embedding_type: yarn`)."""
+    yarn_original_max_position_embeddings: int | None = None
+    """YaRN (`position_embedding_type: yarn`, GPT-OSS): the context length the model was trained
+    with before scaling (HF `rope_parameters.original_max_position_embeddings`)."""
+    yarn_beta_fast: float = 32.0
+    """YaRN: rotations per context above which a frequency is kept as is (HF `beta_fast`)."""
+    yarn_beta_slow: float = 1.0
+    """YaRN: rotations per context below which a frequency is fully interpolated (`beta_slow`)."""
     add_bias_linear: bool = False
     """Biases on all linear layers (GPT-2 style)."""
     add_qkv_bias: bool = False
@@ -81,6 +89,14 @@ class GPTArchitecture:
     sqrt(hidden_size)); None means 1."""
     softmax_scale: float | None = None
     """Attention score scale; None means 1/sqrt(head dim) (Gemma: query_pre_attn_scalar^-0.5)."""
+    attention_sinks: bool = False
+    """A learned logit per query head in every softmax denominator (GPT-OSS `self_attn.sinks`;
+    megatron-core's `softmax_type='learnable'`)."""
+    glu_linear_offset: float = 0.0
+    """Added to the linear half of a gated MLP before the product (GPT-OSS: 1.0)."""
+    activation_clamp: float | None = None
+    """Gated MLP clamp (GPT-OSS `swiglu_limit`): the gate half at most this, the linear half
+    within ±this; None: no clamp."""
     sliding_window: int | None = None
     """Sliding-window attention: a query sees itself and the `sliding_window - 1` positions
     before it (HF `sliding_window`); None means full causal attention in every layer."""
@@ -174,8 +190,8 @@ class GPTArchitecture:
 
     @property
     def gated_mlp(self) -> bool:
-        """The MLP's first linear layer holds a gate and an up projection (SwiGLU, GeGLU)."""
-        return self.activation in ("swiglu", "geglu")
+        """The MLP's first linear layer holds a gate and an up projection (SwiGLU, GeGLU, GPT-OSS's clamped quick GeGLU)."""
+        return self.activation in ("swiglu", "geglu", "quick_geglu")
 
     def has_dense_layers(self) -> bool:
         """An MoE model with some dense-MLP layers (`moe_layer_freq` with a 0)."""

@@ -62,7 +62,7 @@ def _check_architecture(m: Any) -> None:
     for key in ("hidden_dropout", "attention_dropout"):
         need(0.0 <= getattr(m, key) < 1.0, f"model.{key}", "must be in [0, 1)")
     _choice(m.normalization, "model.normalization", ("RMSNorm", "LayerNorm"))
-    _choice(m.activation, "model.activation", ("swiglu", "geglu", "gelu", "relu"))
+    _choice(m.activation, "model.activation", ("swiglu", "geglu", "quick_geglu", "gelu", "relu"))
     _choice(
         m.position_embedding_type, "model.position_embedding_type", ("rope", "learned_absolute")
     )

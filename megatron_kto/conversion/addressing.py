@@ -48,14 +48,28 @@ from megatron_kto.conversion.deltanet import (
     hybrid_fill,
     hybrid_reads,
 )
+from megatron_kto.conversion.errors import ConversionError
 
 Kind = Literal[
-    "direct", "qkv", "gated_mlp", "vocab", "gated_qkv", "deltanet_in_proj", "deltanet_conv"
+    "direct",
+    "qkv",
+    "gated_mlp",
+    "vocab",
+    "gated_qkv",
+    "deltanet_in_proj",
+    "deltanet_conv",
+    "interleaved_gated",
+    "interleaved_gated_t",
+    "transposed",
 ]
 #: Hybrid-model kinds (gated attention, gated DeltaNet): layouts and slices in `conversion/deltanet.py`.
 HYBRID = ("gated_qkv", "deltanet_in_proj", "deltanet_conv")
-
-
+#: Kinds whose megatron layout is `gated_mlp`'s (gate rows then up rows) but whose one Hugging
+#: Face tensor interleaves gate and up (GPT-OSS: gate at even, up at odd positions of the last
+#: axis): `interleaved_gated` a [2f] bias, `interleaved_gated_t` an [h, 2f] weight (transposed).
+GATED_KINDS = ("gated_mlp", "interleaved_gated", "interleaved_gated_t")
+#: Kinds read whole (never TP-sliced on read): a rank reads its expert's whole slice.
+WHOLE_READ_KINDS = ("interleaved_gated", "interleaved_gated_t", "transposed")
 Shape = tuple[int, ...]
 
 #: megatron tensor-parallel axis of a weight: 0 column-parallel (output rows), 1 row-parallel
@@ -341,6 +355,8 @@ def expected_hf_shapes(
     if _sharded(entry, size):
         full[entry.tp_axis] *= size
     rest = tuple(full[1:])
+    if entry.kind in ("interleaved_gated_t", "transposed"):
+        return ((full[1], full[0]),)
     if entry.kind == "vocab":
         return ((arch.vocab_size, *rest),)
     if entry.kind == "qkv":
@@ -374,6 +390,11 @@ def shard_reads(
         return (Read(entry.hf[0], 0, start, stop),)
     if not _sharded(entry, size):
         return tuple(Read(name) for name in entry.hf)
+    if entry.kind in WHOLE_READ_KINDS:
+        raise ConversionError(
+            f"{entry.megatron}: expert tensor parallelism is not supported for this family's "
+            "stacked experts; set model.expert_tensor_parallel_size=1"
+        )
     axis = entry.tp_axis
     if entry.kind == "qkv":
         heads, groups, d = head_layout(arch)
@@ -423,8 +444,36 @@ def fill(
     elif entry.kind == "gated_mlp":
         half = out.shape[0] // 2
         out[index * half : (index + 1) * half].copy_(part)
+    elif entry.kind in WHOLE_READ_KINDS:
+        out.copy_(from_stacked(entry.kind, part))
     else:
         out.copy_(part)
+
+
+def from_stacked(kind: str, hf: torch.Tensor) -> torch.Tensor:
+    """The megatron tensor of one expert's slice of a stacked Hugging Face tensor (GPT-OSS):
+    `interleaved_gated_t` [h, 2f] -> fc1 [2f, h] (gate rows, then up rows), `interleaved_gated`
+    [2f] -> [2f] the same way, `transposed` [f, h] -> fc2 [h, f]."""
+    if kind == "transposed":
+        return hf.t()
+    if kind == "interleaved_gated_t":
+        return torch.cat([hf[:, 0::2].t(), hf[:, 1::2].t()], dim=0)
+    if kind == "interleaved_gated":
+        return torch.cat([hf[0::2], hf[1::2]])
+    raise ValueError(f"not a stacked-expert kind: {kind}")
+
+
+def to_stacked(kind: str, megatron: torch.Tensor) -> torch.Tensor:
+    """Inverse of `from_stacked`."""
+    if kind == "transposed":
+        return megatron.t().contiguous()
+    gate, up = megatron.chunk(2, dim=0)
+    if kind == "interleaved_gated_t":
+        gate, up = gate.t(), up.t()
+    out = gate.new_empty(*gate.shape[:-1], 2 * gate.shape[-1])
+    out[..., 0::2] = gate
+    out[..., 1::2] = up
+    return out
 
 
 # ----------------------------------------------------------------------------- reassembly
@@ -443,7 +492,7 @@ def merge_shards(
         local = [n // len(parts) for n in sections]
         pieces = [part.split(local, dim=0) for part in parts]
         return torch.cat([p[i] for i in range(len(local)) for p in pieces], dim=0)
-    if kind == "gated_mlp":
+    if kind in GATED_KINDS:
         halves = [part.chunk(2, dim=0) for part in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(list(parts), dim=axis)
@@ -463,7 +512,7 @@ def shard_of(
         return full
     if sections is not None:
         return torch.cat([part.chunk(size, dim=0)[rank] for part in full.split(list(sections))])
-    if kind == "gated_mlp":
+    if kind in GATED_KINDS:
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]])
     return full.chunk(size, dim=axis)[rank]

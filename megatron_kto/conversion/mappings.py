@@ -19,13 +19,17 @@ from megatron_kto.conversion.addressing import (
     FINAL_NORM,
     LOCAL_NORMS,
     OUTPUT,
+    WHOLE_READ_KINDS,
     Mapping,
+    from_stacked,
     head_layout,
     layer_entries,
+    to_stacked,
 )
 from megatron_kto.conversion.deltanet import HYBRID_KINDS, hybrid_fuse, hybrid_split
 from megatron_kto.conversion.families import Family
 from megatron_kto.conversion.registry import get_family
+from megatron_kto.conversion.stacked import restack
 
 Getter = Callable[[str], torch.Tensor]
 
@@ -137,6 +141,8 @@ def to_megatron(
                 value = fuse_fc1(*tensors)
             elif entry.kind in HYBRID_KINDS:
                 value = hybrid_fuse(entry.kind, tensors, arch)
+            elif entry.kind in WHOLE_READ_KINDS:
+                value = from_stacked(entry.kind, tensors[0])
             else:
                 (value,) = tensors
             yield entry.megatron, value
@@ -162,6 +168,11 @@ def to_hf(
             pipeline stage passes its own layers (global indices) and whether it holds the
             embedding and the head (final norm, output layer).
     """
+    # Expert slices (`name#e`, GPT-OSS) leave as their stacked tensors.
+    yield from restack(_to_hf(get_megatron, arch, norms, family, layers, embedding, head))
+
+
+def _to_hf(get_megatron, arch, norms, family, layers, embedding, head):
     fam = _family(family)
     heads, groups, head_dim = head_layout(arch)
     vocab = arch.vocab_size
@@ -176,6 +187,8 @@ def to_hf(
                 parts = split_fc1(value)
             elif entry.kind in HYBRID_KINDS:
                 parts = hybrid_split(entry.kind, value, arch, len(entry.hf))
+            elif entry.kind in WHOLE_READ_KINDS:
+                parts = (to_stacked(entry.kind, value),)
             else:
                 parts = (value,)
             yield from zip(entry.hf, parts, strict=True)

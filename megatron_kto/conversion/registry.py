@@ -15,6 +15,7 @@ from megatron_kto.conversion.errors import ConversionError
 from megatron_kto.conversion.families import (
     Family,
     gemma3,
+    gpt_oss,
     llama,
     mixtral,
     qwen2,
@@ -26,7 +27,18 @@ from megatron_kto.conversion.families import (
 )
 
 #: Family modules, each defining `FAMILIES: tuple[Family, ...]`, in registration order.
-_MODULES = (llama, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3, qwen3_next, qwen3_5)
+_MODULES = (
+    llama,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+    mixtral,
+    qwen2_moe,
+    gemma3,
+    qwen3_next,
+    qwen3_5,
+    gpt_oss,
+)
 _FAMILIES: dict[str, Family] = {
     family.model_type: family for module in _MODULES for family in module.FAMILIES
 }

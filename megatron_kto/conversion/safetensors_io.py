@@ -19,6 +19,13 @@ from safetensors.torch import save_file
 
 from megatron_kto.console import one_line
 from megatron_kto.conversion.errors import ConversionError
+from megatron_kto.conversion.stacked import (
+    BLOCKS,
+    SCALES,
+    dequantize_mxfp4,
+    mxfp4_shape,
+    split_slice,
+)
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -91,15 +98,42 @@ class HFWeights:
         return set(self._file_of)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._file_of
+        return all(n in self._file_of for n in self.stored(name))
+
+    def stored(self, name: str) -> tuple[str, ...]:
+        """The stored tensors a name reads: itself; for an expert slice (`stacked.expert_slice`)
+        its stacked tensor, or the `_blocks` and `_scales` of an MXFP4 one."""
+        base, expert = split_slice(name)
+        if expert is None or base in self._file_of:
+            return (base,)
+        return (base + BLOCKS, base + SCALES)
+
+    def _slice(self, name: str, expert: int) -> torch.Tensor:
+        path = self._file_of[name]
+        try:
+            with safe_open(path, framework="pt") as handle:
+                return handle.get_slice(name)[expert : expert + 1][0]
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ConversionError(f"{path}: cannot read tensor {name}: {_one_line(e)}") from e
 
     def get(self, name: str) -> torch.Tensor:
-        """One tensor, read from disk now.
+        """One tensor, read from disk now; for an expert slice only that expert's bytes (MXFP4
+        ones dequantised to fp32).
 
         Raises:
             KeyError: no such tensor.
             ConversionError: its file is missing or corrupt.
         """
+        base, expert = split_slice(name)
+        if expert is not None:
+            stored = self.stored(name)
+            if len(stored) == 1:
+                return self._slice(base, expert)
+            blocks, scales = (self._slice(n, expert) for n in stored)
+            try:
+                return dequantize_mxfp4(blocks, scales)
+            except ValueError as e:
+                raise ConversionError(f"{self.source_file(stored[0])}: {base}: {e}") from None
         path = self._file_of[name]
         # A file is opened per tensor: `safe_open` memory-maps it, and the pages read stay in
         # this process's resident memory while the map lives — the whole source model by the end
@@ -124,6 +158,21 @@ class HFWeights:
             KeyError: no such tensor.
             ConversionError: a file is missing or corrupt, or lacks a tensor its index names.
         """
+        names = list(names)
+        slices = {n: split_slice(n) for n in names}
+        stored = {s for n in names for s in self.stored(n)}
+        whole = self._shapes(stored)
+        out = {}
+        for name, (base, expert) in slices.items():
+            if expert is None:
+                out[name] = whole[name]
+            elif base in whole:
+                out[name] = whole[base][1:]
+            else:
+                out[name] = mxfp4_shape(whole[base + BLOCKS])[1:]
+        return out
+
+    def _shapes(self, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
         by_file: dict[Path, list[str]] = {}
         for name in names:
             by_file.setdefault(self._file_of[name], []).append(name)
@@ -157,6 +206,8 @@ class HFWeights:
         """
         if axis is None:
             return self.get(name)
+        if split_slice(name)[1] is not None:
+            return self.get(name).narrow(axis, start, stop - start)
         path = self._file_of[name]
         try:
             with safe_open(path, framework="pt") as handle:

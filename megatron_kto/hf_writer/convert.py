@@ -153,7 +153,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -
         def get(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ConversionError(f"{hf_dir}: tensor {name} is missing from the weights")
-            used.add(name)
+            used.update(weights.stored(name))
             return weights.get(name)
 
         filled = set()

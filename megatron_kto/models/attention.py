@@ -38,6 +38,14 @@ What it keeps from megatron's contract:
   attended in query blocks of W over their windows' keys with one shared band mask
   (`_windowed`: O(s·W) work and memory, not s²; a CP chunk: one band-masked call over the keys
   its window reaches).
+* attention sinks (megatron-core's `softmax_type='learnable'`, GPT-OSS): a learned logit sᵢ per
+  query head joins every softmax denominator, p_j = exp(z_j) / (exp(sᵢ) + Σ_k exp(z_k)), and its
+  value is zero. It is one extra key column, exactly: every call gets a sink position in front —
+  a key with a zero value whose score is sᵢ (an extra channel: queries carry sᵢ / scale, real keys
+  0, the sink key 1) and a dropped query in front of the queries, so query t sees the sink and
+  keys 0..t, which is SDPA's own causal mask on the lengthened call (the fused causal kernel
+  stays usable; explicit masks get the sink column unmasked). The parameter is megatron's
+  `core_attention.softmax_offset` [heads/TP], sharded by heads like megatron's own.
 """
 
 from __future__ import annotations
@@ -49,10 +57,14 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.transformer.utils import (
+    is_layer_window_attention,
+    make_sharded_tensors_for_checkpoint,
+)
 from megatron.core.utils import divide
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -88,7 +100,7 @@ class SDPAttention(MegatronModule):
         """
         super().__init__(config=config)
         unsupported = {
-            "softmax_type != 'vanilla'": config.softmax_type != "vanilla",
+            "softmax_type 'off-by-one'": config.softmax_type == "off-by-one",
             "window_size other than (left, 0) (a non-causal window)": config.window_size is not None
             and (config.window_size[1] != 0 or config.window_size[0] < 0),
         }
@@ -100,6 +112,7 @@ class SDPAttention(MegatronModule):
             )
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.tp_group = pg_collection.tp
         tp_size = pg_collection.tp.size()
         self.cp_group = pg_collection.cp if config.context_parallel_size > 1 else None
         self.layer_number = max(1, layer_number)
@@ -122,6 +135,20 @@ class SDPAttention(MegatronModule):
         )
         self.window: int | None = config.window_size[0] + 1 if windowed else None
         """Keys a query sees (itself included) in this layer; None: full causal attention."""
+        self.softmax_offset: torch.nn.Parameter | None = None
+        if config.softmax_type == "learnable":
+            if self.cp_group is not None:
+                raise ValueError(
+                    "model.context_parallel_size > 1 does not support attention sinks "
+                    "(GPT-OSS) with model.attention_backend=sdpa"
+                )
+            self.softmax_offset = torch.nn.Parameter(
+                torch.empty(self.heads_per_partition, dtype=config.params_dtype)
+            )
+            if config.perform_initialization:
+                config.init_method(self.softmax_offset.data)
+            # Sharded by heads: every TP rank's slice counts in the gradient norm.
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
 
     def forward(
         self,
@@ -277,6 +304,26 @@ class SDPAttention(MegatronModule):
         return attend(dropout_p)
 
     def _sdpa(self, q, k, v, attn_mask, dropout_p, is_causal, native_gqa) -> torch.Tensor:
+        if self.softmax_offset is None:
+            return self._sdpa_call(q, k, v, attn_mask, dropout_p, is_causal, native_gqa)
+        q, k, v, attn_mask = with_sink(q, k, v, attn_mask, self.softmax_offset, self.softmax_scale)
+        out = self._sdpa_call(q, k, v, attn_mask, dropout_p, is_causal, native_gqa)
+        return out[..., 1:, : self.head_dim]
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The sink logits, sharded by heads over TP (megatron's `DotProductAttention` layout)."""
+        if self.softmax_offset is None:
+            return {}
+        return make_sharded_tensors_for_checkpoint(
+            {"softmax_offset": self.softmax_offset},
+            prefix,
+            {"softmax_offset": 0},
+            sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )
+
+    def _sdpa_call(self, q, k, v, attn_mask, dropout_p, is_causal, native_gqa) -> torch.Tensor:
         def attend() -> torch.Tensor:
             return F.scaled_dot_product_attention(
                 q,
@@ -294,6 +341,46 @@ class SDPAttention(MegatronModule):
             return attend()
         with sdpa_kernel(backends):
             return attend()
+
+
+def with_sink(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One SDPA call's inputs with the sink position in front (see the module docstring).
+
+    Args:
+        q: [b, heads, sq, d]; k, v: [b, heads or groups, sk, d].
+        attn_mask: None or additive [.., sq, sk].
+        sinks: [heads] sink logits.
+        scale: the call's softmax scale.
+
+    Returns:
+        q [b, heads, sq + 1, d + c], k and v [b, ., sk + 1, d + c] (c extra channels, 8 so that
+        CUDA kernels keep an aligned head dim; the sink channel first) and the mask
+        [.., sq + 1, sk + 1] (sink column open, the dropped query sees only the sink). The caller
+        keeps the output's positions 1.. and channels ..d.
+    """
+    b, heads, _, d = q.shape
+    extra = 8
+    sink_channel = (sinks / scale).to(q.dtype).view(1, heads, 1, 1).expand(b, heads, q.shape[2], 1)
+    q = torch.cat([q, sink_channel, q.new_zeros(*q.shape[:3], extra - 1)], dim=-1)
+    k = F.pad(k, (0, extra))
+    v = F.pad(v, (0, extra))
+    sink_key = k.new_zeros(*k.shape[:2], 1, d + extra)
+    sink_key[..., d] = 1.0
+    k = torch.cat([sink_key, k], dim=2)
+    v = F.pad(v, (0, 0, 1, 0))
+    q = F.pad(q, (0, 0, 1, 0))
+    if attn_mask is not None:
+        # Sink column open for every query; the dropped front query sees the sink only.
+        attn_mask = F.pad(attn_mask, (1, 0, 1, 0), value=torch.finfo(attn_mask.dtype).min)
+        attn_mask[..., :, 0] = 0.0
+    return q, k, v, attn_mask
 
 
 #: The SDPA kernels this module lets torch choose from on CUDA: not cuDNN's. Measured on an

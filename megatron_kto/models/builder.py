@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.activations import quick_gelu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -46,7 +47,41 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-_ACTIVATIONS = {"swiglu": F.silu, "geglu": gelu_tanh, "gelu": F.gelu, "relu": F.relu}
+_ACTIVATIONS = {
+    "swiglu": F.silu,
+    "geglu": gelu_tanh,
+    "quick_geglu": quick_gelu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+
+
+@dataclass
+class YarnTransformerConfig(TransformerConfig):
+    """`TransformerConfig` with the YaRN fields megatron-core 0.16 reads by `getattr` (its
+    `GPTModel` and attention take them from MLA's config class otherwise)."""
+
+    yarn_rotary_scaling_factor: float = 1.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float | None = None
+    yarn_mscale_all_dim: float | None = None
+    yarn_correction_range_round_to_int: bool = False
+
+
+def _yarn_fields(arch: GPTArchitecture) -> dict:
+    """YaRN's config fields as `transformers` computes them (`truncate: false`: the correction
+    range is not rounded; attention factor 0.1·ln(factor) + 1, megatron's default mscale)."""
+    if arch.position_embedding_type != "yarn":
+        return {}
+    return dict(
+        yarn_rotary_scaling_factor=arch.rope_scaling_factor,
+        yarn_original_max_position_embeddings=arch.yarn_original_max_position_embeddings
+        or arch.encoder_seq_length,
+        yarn_beta_fast=arch.yarn_beta_fast,
+        yarn_beta_slow=arch.yarn_beta_slow,
+    )
 
 
 @dataclass
@@ -101,7 +136,9 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
     bf16, fp16 = layout.precision == "bf16", layout.precision == "16"
     on_gpu = torch.cuda.is_available()
     recompute = layout.activations_checkpoint_granularity
-    return TransformerConfig(
+    yarn = _yarn_fields(arch)
+    return (YarnTransformerConfig if yarn else TransformerConfig)(
+        **yarn,
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -125,6 +162,9 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         layernorm_zero_centered_gamma=arch.zero_centered_norms,
         softmax_scale=arch.softmax_scale,
         activation_func=_ACTIVATIONS[arch.activation],
+        glu_linear_offset=arch.glu_linear_offset,
+        activation_func_clamp_value=arch.activation_clamp,
+        softmax_type="learnable" if arch.attention_sinks else "vanilla",
         init_method_std=arch.init_method_std,
         tensor_model_parallel_size=layout.tensor_model_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,

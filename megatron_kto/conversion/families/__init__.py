@@ -153,13 +153,14 @@ _FEATURES = {
     "linear_attention": ("gated DeltaNet layers", lambda a: a.has_linear_attention()),
     "output_gate": ("gated attention outputs", lambda a: a.attention_output_gate),
     "offset_norms": ("(1 + weight) RMSNorms", lambda a: a.layernorm_zero_centered_gamma),
+    "sinks": ("attention sinks", lambda a: a.attention_sinks),
 }
 
 
 def mismatch(arch: GPTArchitecture, **has: bool) -> str | None:
     """Why `arch` differs from a family that has exactly the features `has` (qkv_bias, qk_norm,
-    moe, shared_expert, dense_layers, gemma, linear_attention, output_gate, offset_norms —
-    absent means False): one phrase, or None when it matches."""
+    moe, shared_expert, dense_layers, gemma, linear_attention, output_gate, offset_norms,
+    sinks — absent means False): one phrase, or None when it matches."""
     if arch.moe_shared_expert_intermediate_size and not arch.moe_shared_expert_gate:
         return "the model has an ungated shared expert"
     for key in _FEATURES:
@@ -252,7 +253,9 @@ def dense_hf_config(
     Raises:
         ConversionError: `arch` is not RMSNorm + a gated MLP without linear biases.
     """
-    if arch.normalization != "RMSNorm" or not arch.gated_mlp or arch.add_bias_linear:
+    gated = arch.gated_mlp and not arch.add_bias_linear
+    gated = gated or (arch.activation, arch.add_bias_linear) == ("quick_geglu", True)
+    if arch.normalization != "RMSNorm" or not gated:
         raise ConversionError(
             "only RMSNorm + SwiGLU/GeGLU models without linear biases export to Hugging Face"
         )
