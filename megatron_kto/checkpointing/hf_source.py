@@ -143,7 +143,7 @@ def _load(weights: HFWeights, arch, family, chunks: list[torch.nn.Module]) -> Lo
                 nbytes = part.numel() * part.element_size()
                 stats.bytes_read += nbytes
                 stats.largest_read = max(stats.largest_read, nbytes)
-                fill(source, arch, param.data, i, part, size)
+                fill(source, arch, param.data, i, part, size, rank)
                 del part  # one slice held at a time
             stats.tensors += 1
     return stats

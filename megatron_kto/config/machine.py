@@ -74,6 +74,7 @@ def attention_choice(cfg: Any, accelerator: Any = None) -> Any:
             head_dim=head_dim_of(m),
             sliding_window=bool(m.sliding_window),
             local_layers_only=local_layers_only_of(m),
+            attention_sinks=bool(m.attention_sinks),
             sequence_parallel=m.sequence_parallel,
             context_parallel_size=m.context_parallel_size,
         )

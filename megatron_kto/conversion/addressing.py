@@ -48,7 +48,6 @@ from megatron_kto.conversion.deltanet import (
     hybrid_fill,
     hybrid_reads,
 )
-from megatron_kto.conversion.errors import ConversionError
 
 Kind = Literal[
     "direct",
@@ -390,11 +389,8 @@ def shard_reads(
         return (Read(entry.hf[0], 0, start, stop),)
     if not _sharded(entry, size):
         return tuple(Read(name) for name in entry.hf)
-    if entry.kind in WHOLE_READ_KINDS:
-        raise ConversionError(
-            f"{entry.megatron}: expert tensor parallelism is not supported for this family's "
-            "stacked experts; set model.expert_tensor_parallel_size=1"
-        )
+    if entry.kind in WHOLE_READ_KINDS:  # one expert's slice, cut by `fill`
+        return (Read(entry.hf[0]),)
     axis = entry.tp_axis
     if entry.kind == "qkv":
         heads, groups, d = head_layout(arch)
@@ -418,9 +414,11 @@ def fill(
     index: int,
     part: torch.Tensor,
     size: int,
+    rank: int = 0,
 ) -> None:
     """Copy slice `index` of `shard_reads` into its place in the rank's shard `out` (cast to
-    `out`'s dtype), so the caller holds one slice at a time and no fused copy.
+    `out`'s dtype), so the caller holds one slice at a time and no fused copy. A stacked
+    expert's slice (`WHOLE_READ_KINDS`) is read whole and rank `rank`'s part of it copied.
 
     The places are `mappings.fuse_qkv`'s and `fuse_fc1`'s layouts (per query group: its query
     heads, its key head, its value head; gate rows then up rows) and `pad_rows`' zero rows past
@@ -444,8 +442,11 @@ def fill(
     elif entry.kind == "gated_mlp":
         half = out.shape[0] // 2
         out[index * half : (index + 1) * half].copy_(part)
-    elif entry.kind in WHOLE_READ_KINDS:
-        out.copy_(from_stacked(entry.kind, part))
+    elif entry.kind in WHOLE_READ_KINDS:  # the whole expert slice: this rank's part of it
+        whole = from_stacked(entry.kind, part)
+        out.copy_(
+            shard_of(whole, entry.tp_axis, entry.kind, rank, size if _sharded(entry, size) else 1)
+        )
     else:
         out.copy_(part)
 

@@ -231,6 +231,7 @@ def attention_choice(arch: GPTArchitecture, layout: ParallelLayout) -> Attention
             head_dim=head_dim_of(arch),
             sliding_window=bool(arch.sliding_window),
             local_layers_only=local_layers_only_of(arch),
+            attention_sinks=arch.attention_sinks,
             sequence_parallel=layout.sequence_parallel,
             context_parallel_size=layout.context_parallel_size,
         )

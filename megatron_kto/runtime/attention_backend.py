@@ -38,6 +38,10 @@ our `cp_comm_type="p2p"` honours a window is not established here, so windows + 
 under `auto` and an error for an explicit `te`. megatron's `local` attention builds its window
 mask on CUDA only and ignores a padding mask with it: refused.
 
+Attention sinks (`model.attention_sinks`, GPT-OSS): `sdpa` computes them (an extra key column,
+`models/attention.py`), checked against `transformers`; `auto` chooses it, an explicit `te` or
+`local` is refused (neither is verified with sinks here), and so is context parallelism.
+
 How `auto` decides: TE when it is usable and one of its fused kernels surely exists for the
 configuration (bf16/fp16, head dim a multiple of 8 up to 128); otherwise `sdpa` — in fp32 TE
 would only have its unfused attention, which materialises the [b, h, s, s] scores, where torch's
@@ -222,6 +226,7 @@ def choose_attention_backend(
     sequence_parallel: bool = False,
     sliding_window: bool = False,
     local_layers_only: bool = False,
+    attention_sinks: bool = False,
     names: SettingNames = CONFIG_NAMES,
 ) -> AttentionChoice:
     """The attention backend for a configuration on a machine.
@@ -238,6 +243,8 @@ def choose_attention_backend(
         sliding_window: some layers attend within a sliding window (`model.sliding_window`).
         local_layers_only: the model's layers exist in the local spec only (Gemma 3's post-norms
             and per-layer RoPE base, `models.gemma_layers`): never TE.
+        attention_sinks: a learned sink logit per head (`model.attention_sinks`, GPT-OSS): only
+            `sdpa` computes them (verified against `transformers`), and not under CP.
         names: how messages spell the settings (config keys by default).
 
     Returns:
@@ -278,6 +285,20 @@ def choose_attention_backend(
             )
         if request == "auto":
             return AttentionChoice("sdpa", "the model's layers are built on the local spec only")
+    if attention_sinks and cp > 1:
+        raise ValueError(
+            f"model.context_parallel_size: attention sinks (model.attention_sinks, GPT-OSS) have "
+            f"no context-parallel attention here (context parallel size {cp}); set "
+            "model.context_parallel_size=1"
+        )
+    if attention_sinks and request in ("te", "local"):
+        raise ValueError(
+            f"{key}: {request!r} is not used for attention sinks (model.attention_sinks, "
+            f"GPT-OSS): only sdpa's sinks are verified against transformers; set "
+            f"{names.set(key, 'sdpa')} (or auto)"
+        )
+    if attention_sinks:
+        return AttentionChoice("sdpa", "attention sinks are computed by sdpa")
     if te is not None and sliding_window and cp > 1:
         te = _TECapability(
             False,
