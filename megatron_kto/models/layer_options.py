@@ -49,6 +49,13 @@ def moe_transformer_config(
             )
         # A dense model's TransformerConfig keeps megatron's default (ETP = TP): nothing to split.
         return {}
+    if arch.add_bias_linear and (expert_tensor_parallel_size or 1) != 1:
+        # megatron-core 0.16 asserts this in TransformerConfig; said here with the key to set.
+        raise ValueError(
+            "model.expert_tensor_parallel_size: experts with biases (GPT-OSS) run only unsplit "
+            "(megatron-core supports MoE biases at expert tensor parallel size 1); set "
+            "model.expert_tensor_parallel_size=1"
+        )
     return dict(
         num_moe_experts=arch.num_moe_experts,
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
