@@ -73,6 +73,11 @@ def _tiny(family: str):
     if family == "mixtral":
         config = transformers.MixtralConfig(**COMMON, num_local_experts=4)
         return config, transformers.MixtralForCausalLM
+    if family == "gpt_oss":
+        config = transformers.GptOssConfig(
+            **{**COMMON, "intermediate_size": 32}, num_local_experts=4, head_dim=16
+        )
+        return config, transformers.GptOssForCausalLM
     extra = dict(
         moe_intermediate_size=32,
         shared_expert_intermediate_size=96,
@@ -91,7 +96,7 @@ def _hf_count(config, model_cls) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"])
 def test_moe_parameter_count_equals_transformers(family):
     config, model_cls = _tiny(family)
     arch = architecture_from_hf(config.to_dict())
@@ -101,8 +106,11 @@ def test_moe_parameter_count_equals_transformers(family):
     # The ranks of one pipeline stage hold it all between them: routed experts split over
     # EP x ETP, the rest over TP (norms, routers and the shared expert's gate replicated).
     experts = arch.num_moe_experts
-    replicated_names = ("layernorm", "router", "gate_weight")
-    for tp, ep, etp in [(2, 1, 2), (1, 2, 1), (2, 2, 1), (2, 4, 2)]:
+    replicated_names = ("layernorm", "router", "gate_weight", "linear_proj.bias")
+    layouts = [(2, 1, 2), (1, 2, 1), (2, 2, 1), (2, 4, 2)]
+    if arch.add_bias_linear:  # biased experts (GPT-OSS) run at ETP 1 only
+        layouts = [(2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 4, 1)]
+    for tp, ep, etp in layouts:
         dims = ParallelDims(tp=tp, dp=8, ep=ep, etp=etp)
         params = chunk_parameters(arch, dims, 0)
         routed = sum(p.numel for p in params if p.expert)
@@ -112,7 +120,8 @@ def test_moe_parameter_count_equals_transformers(family):
         # Only routed experts are marked: E/EP of them per MoE layer, fc1 and fc2 each.
         moe_layers = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
         assert all((".local_experts." in p.name) == p.expert for p in params)
-        assert sum(p.expert for p in params) == 2 * experts // ep * moe_layers
+        per_expert = 4 if arch.add_bias_linear else 2  # fc1 and fc2 (and their biases)
+        assert sum(p.expert for p in params) == per_expert * experts // ep * moe_layers
 
 
 def test_qwen3_30b_a3b_parameter_count():
@@ -146,3 +155,47 @@ def test_moe_model_state_is_exact_and_peak_close(layout):
             assert r["predicted"][key] == r["measured"][key], (layout, r["rank"], key)
         ratio = r["predicted"]["peak"] / r["measured"]["peak"]
         assert abs(ratio - 1) <= TOLERANCE, (layout, r["rank"], ratio)
+
+
+#: GPT-OSS-20B / 120B config.json fields (the published shapes).
+GPT_OSS = dict(
+    model_type="gpt_oss",
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    num_experts_per_tok=4,
+    vocab_size=201088,
+    max_position_embeddings=131072,
+    sliding_window=128,
+    rope_theta=150000.0,
+    rope_scaling={
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    tie_word_embeddings=False,
+)
+
+
+@pytest.mark.parametrize("layers,experts,billions", [(24, 32, 20.9), (36, 128, 116.8)])
+def test_gpt_oss_parameter_counts(layers, experts, billions):
+    """GPT-OSS-20B and -120B on the meta device: `transformers`' count (20.9B, 116.8B: the
+    published "21B" and "117B") is the plan's."""
+    import transformers
+
+    fields = {k: v for k, v in GPT_OSS.items() if k not in ("model_type", "rope_scaling")}
+    config = transformers.GptOssConfig(
+        **fields, num_hidden_layers=layers, num_local_experts=experts
+    )
+    expected = _hf_count(config, transformers.GptOssForCausalLM)
+    arch = architecture_from_hf(
+        {**GPT_OSS, "num_hidden_layers": layers, "num_local_experts": experts}
+    )
+    arch.padded_vocab_size = arch.vocab_size
+    assert total_parameters(arch) == expected
+    assert round(expected / 1e9, 1) == billions

@@ -64,7 +64,9 @@ def _check_architecture(m: Any) -> None:
     _choice(m.normalization, "model.normalization", ("RMSNorm", "LayerNorm"))
     _choice(m.activation, "model.activation", ("swiglu", "geglu", "quick_geglu", "gelu", "relu"))
     _choice(
-        m.position_embedding_type, "model.position_embedding_type", ("rope", "yarn", "learned_absolute")
+        m.position_embedding_type,
+        "model.position_embedding_type",
+        ("rope", "yarn", "learned_absolute"),
     )
     if m.sliding_window is not None:
         need(m.sliding_window >= 1, "model.sliding_window", "must be >= 1 (or null)")

@@ -14,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -88,6 +90,31 @@ def _define_te_gemm_when_absent() -> None:
         moe_utils.te_general_gemm = None
 
 
+class ExpertRowParallelLinear(RowParallelLinear):
+    """megatron-core's `RowParallelLinear` whose output is a fresh tensor, for biased experts.
+
+    megatron-core 0.16.1's `MLP.forward` adds an expert's fc2 bias in place
+    (`output += output_bias * per_token_scale`), but at expert TP 1 (the only size biased experts
+    run at) the linear's reduction returns its input as a view of a custom autograd function,
+    and autograd forbids modifying that in place: every training step with biased experts
+    (GPT-OSS) raised. A copy of the [tokens, hidden] output per expert makes the add legal.
+    """
+
+    def forward(self, input_, *args, **kwargs):  # noqa: D102 — RowParallelLinear's
+        output, bias = super().forward(input_, *args, **kwargs)
+        if bias is not None and torch.is_grad_enabled():
+            output = output.clone()
+        return output, bias
+
+
+def _with_biased_expert_fc2(mlp: ModuleSpec) -> ModuleSpec:
+    """The MoE spec `mlp` with `ExpertRowParallelLinear` as its routed experts' fc2."""
+    experts = mlp.submodules.experts
+    linears = dataclasses.replace(experts.submodules, linear_fc2=ExpertRowParallelLinear)
+    experts = dataclasses.replace(experts, submodules=linears)
+    return dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, experts=experts))
+
+
 def extend_local_layer(spec: ModuleSpec, config: TransformerConfig, moe: bool = True) -> ModuleSpec:
     """`spec` (a local-spec transformer layer) with `LocalNorm` Q/K norms when
     `config.qk_layernorm` and megatron's MoE MLP when `config.num_moe_experts` (and `moe`: False
@@ -111,6 +138,8 @@ def extend_local_layer(spec: ModuleSpec, config: TransformerConfig, moe: bool = 
         mlp = get_moe_module_spec_for_backend(
             LocalSpecProvider(), num_experts=config.num_moe_experts, moe_grouped_gemm=False
         )
+        if config.add_bias_linear:
+            mlp = _with_biased_expert_fc2(mlp)
         keys = {
             k: v for k, v in (layer.sharded_state_dict_keys_map or {}).items() if "pre_mlp" not in k
         }

@@ -244,9 +244,10 @@ class RouterStatistics:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         hidden = args[0]
-        # Recomputed from the router's input, so the gradient reaches the router weights and
-        # the hidden states as in Hugging Face.
-        logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), router.weight)
+        # Recomputed from the router's input, so the gradient reaches the router weights (and
+        # bias: GPT-OSS) and the hidden states as in Hugging Face.
+        bias = getattr(router, "bias", None)
+        logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), router.weight, bias)
         probs, routing_map = output
         counts, prob_sums, tokens = layer_sums(
             logits, routing_map.reshape(logits.shape), self._mask

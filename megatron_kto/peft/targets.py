@@ -87,7 +87,7 @@ def linear_projections(arch: Any) -> dict[str, tuple[str, ...]]:
     """`LINEARS` for this architecture: without a gated MLP (SwiGLU, GeGLU), `linear_fc1` is
     `up_proj` alone."""
     out = dict(LINEARS)
-    if arch.activation not in ("swiglu", "geglu"):
+    if not arch.gated_mlp:
         out["mlp.linear_fc1"] = ("up_proj",)
     return out
 

@@ -81,7 +81,7 @@ def _layout(linear: str, arch: Any) -> FusedLayout:
     if kind == "qkv":
         heads, groups, head_dim = head_layout(arch)
         return FusedLayout("qkv", groups, heads // groups, head_dim)
-    if kind == "gated_mlp" and arch.activation in ("swiglu", "geglu"):
+    if kind == "gated_mlp" and arch.gated_mlp:
         return FusedLayout("fc1")
     return FusedLayout("single")
 

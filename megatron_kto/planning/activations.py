@@ -191,7 +191,7 @@ def layer_bytes(
     if moe:
         total += moe_mlp_bytes(arch, dims, x)
     else:
-        mlp = 5 if arch.activation in ("swiglu", "geglu") else 2
+        mlp = 5 if arch.gated_mlp else 2
         if adapted is not None and "linear_fc2" not in adapted:
             mlp -= 1  # fc2's input, saved only by an fc2 adapter
         total += t * mlp * f // T * e
@@ -230,8 +230,8 @@ def routed_tokens(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs
 def moe_mlp_bytes(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs) -> int:
     """What an MoE layer's MLP saves for its backward for one micro-batch, beyond its input (the
     MoE table of the module docstring)."""
-    if arch.activation != "swiglu":
-        raise ValueError("memory planning of mixture-of-experts layers without SwiGLU")
+    if not arch.gated_mlp:
+        raise ValueError("memory planning of mixture-of-experts layers without a gated MLP")
     e, T = ACT_BYTES[dims.precision], dims.tp
     sp = T if dims.sequence_parallel else 1
     local, k, experts = x.tokens // sp, arch.moe_router_topk, arch.num_moe_experts or 0
@@ -239,6 +239,10 @@ def moe_mlp_bytes(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs
     routed = routed_tokens(arch, dims, x)
     total = local * k * (8 + 4 + 8) + local * experts * (1 + e)
     total += routed * (arch.hidden_size + 6 * f + 1) * e
+    if arch.activation_clamp is not None:
+        # GPT-OSS's unfused clamped GLU keeps the two clamped halves too (an estimate: not
+        # measured against a run, unlike the SwiGLU count above).
+        total += routed * 2 * f * e
     shared = arch.moe_shared_expert_intermediate_size
     if shared:
         total += x.tokens * 5 * shared // T * e
@@ -348,7 +352,7 @@ def activation_bytes(
             head_transient -= arch.padded_vocab(T) // T * h * e
     mlp_weight = 0
     if False in kinds:
-        mlp_weight = (2 if arch.activation in ("swiglu", "geglu") else 1) * f * h // T
+        mlp_weight = (2 if arch.gated_mlp else 1) * f * h // T
     if True in kinds:
         moe_f = arch.moe_ffn_hidden_size or f
         shared = arch.moe_shared_expert_intermediate_size or 0

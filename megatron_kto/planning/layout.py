@@ -130,7 +130,7 @@ def valid_expert_parallel(
     rules `config.validate` enforces for megatron-core 0.16.1: EP divides the experts; at
     ETP = TP, EP divides DP; ETP != TP needs EP > 1, divides the experts' hidden size, is at
     most a node, and ETP x EP divides TP x DP (the experts' grid ETP x EP x expert-DP x PP tiles
-    the same world). A dense model: [(1, None)]."""
+    the same world); biased experts (GPT-OSS) only at ETP 1. A dense model: [(1, None)]."""
     experts = arch.num_moe_experts
     if not experts:
         return [(1, None)]
@@ -146,6 +146,8 @@ def valid_expert_parallel(
                 continue
             if (tp * dp) % (etp * ep) == 0:
                 out.append((ep, etp))
+    if arch.add_bias_linear:  # megatron-core runs biased experts (GPT-OSS) at ETP 1 only
+        out = [(ep, etp) for ep, etp in out if (tp if etp is None else etp) == 1]
     return out
 
 

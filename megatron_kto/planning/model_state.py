@@ -121,30 +121,39 @@ class LoRAShape:
     """1-based layer selection (None: every layer)."""
 
 
-def _mlp_params(h: int, f: int, swiglu: bool, tp: int, prefix: str, expert: bool) -> list[Param]:
-    """A megatron MLP without biases: fc1 [(2 if SwiGLU)·f/TP, h], fc2 [h, f/TP]."""
+def _mlp_params(
+    h: int, f: int, swiglu: bool, tp: int, prefix: str, expert: bool, bias: bool = False
+) -> list[Param]:
+    """A megatron MLP: fc1 [(2 if gated)·f/TP, h], fc2 [h, f/TP], and with `bias` their biases
+    [(2 if gated)·f/TP] and [h]."""
     fc1_rows = (2 if swiglu else 1) * f // tp
-    return [
-        Param(f"{prefix}linear_fc1.weight", fc1_rows * h, expert=expert),
-        Param(f"{prefix}linear_fc2.weight", h * f // tp, expert=expert),
-    ]
+    out = [Param(f"{prefix}linear_fc1.weight", fc1_rows * h, expert=expert)]
+    if bias:
+        out.append(Param(f"{prefix}linear_fc1.bias", fc1_rows, expert=expert))
+    out.append(Param(f"{prefix}linear_fc2.weight", h * f // tp, expert=expert))
+    if bias:
+        out.append(Param(f"{prefix}linear_fc2.bias", h, expert=expert))
+    return out
 
 
 def _moe_params(arch: GPTArchitecture, dims: ParallelDims, prefix: str) -> list[Param]:
     """An MoE layer's MLP (`MoELayer` with the local `SequentialMLP` experts): the router
     [E, h] (replicated), this EP rank's E/EP experts split over ETP, then the shared expert's
     gate [1, h] (replicated) and its TP-split MLP."""
-    if arch.add_bias_linear:
-        raise ValueError("memory planning of mixture-of-experts layers with linear biases")
-    h, swiglu = arch.hidden_size, arch.activation in ("swiglu", "geglu")
+    bias = arch.add_bias_linear
+    if bias and arch.moe_shared_expert_intermediate_size:
+        raise ValueError("memory planning of a shared expert with linear biases")
+    h, swiglu = arch.hidden_size, arch.gated_mlp
     experts = arch.num_moe_experts or 0
     if experts % dims.ep:
         raise ValueError(f"expert parallelism {dims.ep} does not divide the {experts} experts")
     out = [Param(f"{prefix}mlp.router.weight", experts * h)]
+    if bias:  # GPT-OSS: a biased router and biased experts
+        out.append(Param(f"{prefix}mlp.router.bias", experts))
     f = arch.moe_ffn_hidden_size or arch.ffn_hidden_size
     for e in range(experts // dims.ep):
         local = f"{prefix}mlp.experts.local_experts.{e}."
-        out += _mlp_params(h, f, swiglu, dims.expert_tp, local, expert=True)
+        out += _mlp_params(h, f, swiglu, dims.expert_tp, local, expert=True, bias=bias)
     shared = arch.moe_shared_expert_intermediate_size
     if shared:
         if arch.moe_shared_expert_gate:
@@ -162,7 +171,7 @@ def _layer_params(
     groups = arch.num_query_groups or heads
     d = arch.kv_channels or arch.hidden_size // heads
     h, f = arch.hidden_size, arch.ffn_hidden_size
-    fc1_rows = (2 if arch.activation in ("swiglu", "geglu") else 1) * f // tp
+    fc1_rows = (2 if arch.gated_mlp else 1) * f // tp
     norm_bias = arch.normalization == "LayerNorm"
     bias = arch.add_bias_linear
     out: list[Param] = [Param(f"{prefix}input_layernorm.weight", h)]
@@ -176,6 +185,8 @@ def _layer_params(
     )
     if bias or arch.add_qkv_bias:
         out.append(Param(f"{prefix}self_attention.linear_qkv.bias", (heads + 2 * groups) * d // tp))
+    if arch.attention_sinks:  # one logit per query head, split over TP (GPT-OSS)
+        out.append(Param(f"{prefix}self_attention.core_attention.softmax_offset", heads // tp))
     if arch.qk_layernorm:  # one [d] norm shared by the heads (Qwen3)
         out.append(Param(f"{prefix}self_attention.q_layernorm.weight", d))
         out.append(Param(f"{prefix}self_attention.k_layernorm.weight", d))
