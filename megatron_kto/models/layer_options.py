@@ -91,7 +91,9 @@ def _define_te_gemm_when_absent() -> None:
 
 
 class ExpertRowParallelLinear(RowParallelLinear):
-    """megatron-core's `RowParallelLinear` whose output is a fresh tensor, for biased experts.
+    """megatron-core's `RowParallelLinear` for biased experts: a fresh output tensor, and a bias
+    that is not reduced over TP under sequence parallelism and counts in the gradient norm on
+    every TP rank (three megatron-core 0.16.1 bugs with expert biases).
 
     megatron-core 0.16.1's `MLP.forward` adds an expert's fc2 bias in place
     (`output += output_bias * per_token_scale`), but at expert TP 1 (the only size biased experts
@@ -99,6 +101,21 @@ class ExpertRowParallelLinear(RowParallelLinear):
     and autograd forbids modifying that in place: every training step with biased experts
     (GPT-OSS) raised. A copy of the [tokens, hidden] output per expert makes the add legal.
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.bias is not None:
+            # megatron-core 0.16.1 marks every RowParallelLinear bias `sequence_parallel` under
+            # SP, experts' too, so finalize_model_grads all-reduced each local expert's fc2 bias
+            # gradient over TP — summing different experts' (at ETP 1 each TP rank holds its
+            # own): measured TP2 x SP x EP2 step-1 grad norm 1.2857 vs EP2's 1.2753. An
+            # expert's tokens all reach its one rank, so its gradient needs no TP reduction.
+            self.bias.sequence_parallel = False
+            # And megatron-core's expert optimizer skips a parameter as a "TP duplicate" by the
+            # dense TP group's rank: TP rank 1's expert fc2 biases were left out of the gradient
+            # norm (measured 1.2038 vs EP2's 1.2753), though its norm is reduced over the
+            # expert group only. Each rank's experts are its own: count them.
+            self.bias.tensor_model_parallel = True
 
     def forward(self, input_, *args, **kwargs):  # noqa: D102 — RowParallelLinear's
         output, bias = super().forward(input_, *args, **kwargs)
