@@ -8,7 +8,7 @@ large enough that the clamp at 7 cuts).
 Shown, loading the Hugging Face directory directly (`pretrained_checkpoint.restore_from_path`):
 * each row's completion log-prob sum equals `transformers`' to 1e-5 relative at TP=1, TP=2,
   PP=2, EP=2 and TP=2 x EP=2, padded and packed (packed = padded);
-* an MXFP4 checkpoint in the published format (`*_blocks` + E8M0 `*_scales`, config
+* an MXFP4 checkpoint in the published format (into an fp32 and a bf16 model) (`*_blocks` + E8M0 `*_scales`, config
   `quantization_config.quant_method: mxfp4`) loads to exactly the values `transformers`'
   `convert_moe_packed_tensors` dequantises, and at EP=2 each rank reads only its own experts'
   slices;
@@ -95,7 +95,7 @@ def _logp_sums(arch, chunks, pack: bool) -> torch.Tensor:
     return stats[:, 0].double()
 
 
-def _load(hf_dir: Path, tp: int, pp: int, ep: int, rt):
+def _load(hf_dir: Path, tp: int, pp: int, ep: int, rt, precision: str = "32"):
     from megatron_kto.checkpointing.hf_source import load_hf_model
     from megatron_kto.conversion.hf_config import architecture_from_hf
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
@@ -106,6 +106,7 @@ def _load(hf_dir: Path, tp: int, pp: int, ep: int, rt):
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=1,  # biased experts: megatron-core splits them at ETP 1 only
+        precision=precision,
     )
     chunks = build_gpt_chunks(arch, layout, rt.device)
     load_hf_model(hf_dir, chunks)
@@ -151,8 +152,13 @@ def _run_layouts(root: str, layouts: dict) -> dict:
 
 def _single_worker(rank: int, world_size: int, root: str) -> dict:
     from megatron_kto.hf_writer.convert import export_hf, import_hf
+    from megatron_kto.runtime import init_runtime, teardown
 
     out = _run_layouts(root, {"tp1": (1, 1, 1)})
+    rt = init_runtime(1, 1, seed=9)
+    _, chunks = _load(Path(root) / "mxfp4", 1, 1, 1, rt, precision="bf16")
+    out["tp1", "mxfp4_bf16_experts"] = _expert_values(chunks)
+    teardown()
     base = Path(root)
     import_hf(base / "hf", base / "mcore")
     export_hf(base / "mcore", base / "export")
@@ -254,6 +260,18 @@ def test_mxfp4_loads_to_the_dequantised_values(oss):
         assert torch.equal(
             value, _megatron_expert(expected, parsed.layer, parsed.expert, parsed.rest)
         )
+
+
+def test_mxfp4_loads_exactly_into_a_bf16_model(oss):
+    """Every MXFP4 value (an E2M1 number times a power of two) is exact in bf16: a bf16 model
+    holds the dequantised values themselves."""
+    from megatron_kto.conversion.addressing import parse_name
+
+    _, _, expected, results = oss
+    for name, value in results["tp1", "mxfp4_bf16_experts"].items():
+        parsed = parse_name(name)
+        want = _megatron_expert(expected, parsed.layer, parsed.expert, parsed.rest)
+        assert value.dtype == torch.bfloat16 and torch.equal(value.float(), want)
 
 
 def test_mxfp4_at_ep2_each_rank_reads_only_its_experts(oss):
