@@ -328,3 +328,36 @@ def test_mxfp4_blocks_without_scales_is_one_line(oss, tmp_path):
     message = str(info.value)
     assert "\n" not in message
     assert "model.layers.1.mlp.experts.down_proj_scales is missing" in message
+
+
+@pytest.mark.parametrize("kind", ["interleaved_gated_t", "interleaved_gated", "transposed"])
+def test_a_stacked_expert_slice_fills_each_expert_tp_shard(kind):
+    """Pure addressing: an expert's whole slice read once, each of 2 expert-TP ranks copies its
+    part (gate and up halves cut alike) — the shard `shard_of` cuts from the whole tensor, and
+    the shards merge back to it."""
+    from megatron_kto.conversion.addressing import (
+        COLUMN,
+        ROW,
+        Mapping,
+        from_stacked,
+        merge_shards,
+        shard_of,
+        shard_reads,
+    )
+    from megatron_kto.conversion.addressing import fill as fill_shard
+
+    shapes = {"interleaved_gated_t": (6, 8), "interleaved_gated": (8,), "transposed": (4, 6)}
+    axis = ROW if kind == "transposed" else COLUMN
+    entry = Mapping("x", ("mlp.experts.t#1",), kind, axis, expert=True)
+    hf = torch.randn(shapes[kind])
+    whole = from_stacked(kind, hf)
+    parts = []
+    for rank in (0, 1):
+        local = shard_of(whole, axis, kind, rank, 2)
+        (read,) = shard_reads(entry, None, tuple(local.shape), rank, 2)
+        assert read.axis is None  # the whole slice
+        out = torch.empty_like(local)
+        fill_shard(entry, None, out, 0, hf, 2, rank)
+        assert torch.equal(out, local)
+        parts.append(out)
+    assert torch.equal(merge_shards(parts, axis, kind), whole)
