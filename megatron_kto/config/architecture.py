@@ -10,6 +10,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+#: Activations whose MLP input projection holds a gate and an up half (fc1 = [gate; up]).
+GATED_ACTIVATIONS = ("swiglu", "geglu", "quick_geglu")
+
 
 @dataclass
 class GPTArchitecture:
@@ -191,7 +194,7 @@ class GPTArchitecture:
     @property
     def gated_mlp(self) -> bool:
         """The MLP's first linear layer holds a gate and an up projection (SwiGLU, GeGLU, GPT-OSS's clamped quick GeGLU)."""
-        return self.activation in ("swiglu", "geglu", "quick_geglu")
+        return self.activation in GATED_ACTIVATIONS
 
     def has_dense_layers(self) -> bool:
         """An MoE model with some dense-MLP layers (`moe_layer_freq` with a 0)."""

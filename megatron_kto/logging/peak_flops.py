@@ -65,7 +65,7 @@ def model_gemm_shapes(
     d = arch.kv_channels or arch.hidden_size // heads
     g = arch.num_query_groups or heads
     h, f, tp = arch.hidden_size, arch.ffn_hidden_size, tensor_parallel
-    up = 2 * f if arch.gated_mlp else f
+    up = 2 * f if arch.activation in ("swiglu", "geglu", "quick_geglu") else f
     shapes = [
         GemmShape("linear_qkv", rows, h, (heads + 2 * g) * d // tp),
         GemmShape("linear_proj", rows, heads * d // tp, h),

@@ -91,7 +91,9 @@ def moe_flops_per_token(arch: Any) -> float:
     if not experts:
         return 0.0
     h = arch.hidden_size
-    per_hidden = 2 * h * (3 if arch.gated_mlp else 2)  # MLP FLOPs per f
+    per_hidden = (
+        2 * h * (3 if arch.activation in ("swiglu", "geglu", "quick_geglu") else 2)
+    )  # MLP FLOPs per f
     moe = arch.moe_router_topk * per_hidden * (arch.moe_ffn_hidden_size or arch.ffn_hidden_size)
     moe += 2 * h * experts + per_hidden * (arch.moe_shared_expert_intermediate_size or 0)
     moe += 2 * h if arch.moe_shared_expert_gate else 0
@@ -114,7 +116,7 @@ def architecture_flops(arch: Any, padded_vocab: int) -> ModelFlops:
         kv_channels=kv_channels,
         vocab=padded_vocab,
         seq_len=0,
-        swiglu=arch.gated_mlp,
+        swiglu=arch.activation in ("swiglu", "geglu", "quick_geglu"),
     )
     return ModelFlops(
         per_token=float(per_token) + moe_flops_per_token(arch),

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_kto.config.architecture import GATED_ACTIVATIONS
 from megatron_kto.conversion.addressing import LINEAR_MAPPINGS, Mapping
 
 
@@ -87,7 +88,7 @@ def linear_projections(arch: Any) -> dict[str, tuple[str, ...]]:
     """`LINEARS` for this architecture: without a gated MLP (SwiGLU, GeGLU), `linear_fc1` is
     `up_proj` alone."""
     out = dict(LINEARS)
-    if not arch.gated_mlp:
+    if arch.activation not in GATED_ACTIVATIONS:
         out["mlp.linear_fc1"] = ("up_proj",)
     return out
 

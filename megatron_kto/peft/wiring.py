@@ -19,6 +19,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from megatron_kto.config.architecture import GATED_ACTIVATIONS
 from megatron_kto.conversion.addressing import LAYER, ChunkLayout, head_layout
 from megatron_kto.models.builder import unwrap
 from megatron_kto.models.unique_params import counted_here, world_sum
@@ -81,7 +82,7 @@ def _layout(linear: str, arch: Any) -> FusedLayout:
     if kind == "qkv":
         heads, groups, head_dim = head_layout(arch)
         return FusedLayout("qkv", groups, heads // groups, head_dim)
-    if kind == "gated_mlp" and arch.gated_mlp:
+    if kind == "gated_mlp" and arch.activation in GATED_ACTIVATIONS:
         return FusedLayout("fc1")
     return FusedLayout("single")
 
