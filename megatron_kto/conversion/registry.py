@@ -14,6 +14,7 @@ from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.errors import ConversionError
 from megatron_kto.conversion.families import (
     Family,
+    glm4_moe,
     llama,
     mixtral,
     qwen2,
@@ -23,7 +24,7 @@ from megatron_kto.conversion.families import (
 )
 
 #: Family modules, each defining `FAMILIES: tuple[Family, ...]`, in registration order.
-_MODULES = (llama, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe)
+_MODULES = (llama, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, glm4_moe)
 _FAMILIES: dict[str, Family] = {
     family.model_type: family for module in _MODULES for family in module.FAMILIES
 }

@@ -63,6 +63,9 @@ class ParallelLayout:
     ('block'); None means 1."""
     attention_backend: str = "auto"
     """'auto', 'te', 'sdpa' or 'local' (see `layer_specs.py`)."""
+    moe_router_bias_update_rate: float = 0.0
+    """Per-step update rate of the sigmoid routers' expert bias (megatron-core's aux-loss-free
+    balancing, in `finalize_model_grads`); 0 keeps the bias as restored."""
     pack_sequences: bool = False
     """The model will be fed packed (THD) micro-batches (`model.data.pack_sequences`): the
     attention backend must take them ('local' cannot; TE < 2.11 cannot in fp32). Callers that
@@ -143,7 +146,10 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         # No CUDA graphs; megatron's default scope "full" only triggers a deprecation warning.
         cuda_graph_scope=[],
         **moe_transformer_config(
-            arch, layout.expert_model_parallel_size, layout.expert_tensor_parallel_size
+            arch,
+            layout.expert_model_parallel_size,
+            layout.expert_tensor_parallel_size,
+            layout.moe_router_bias_update_rate,
         ),
     )
 
@@ -226,6 +232,22 @@ def build_gpt_chunks(
             model = Float16Module(config, model)
         chunks.append(model)
     return chunks
+
+
+#: The persistent buffers that are model weights: a sigmoid router's expert bias (megatron-core's
+#: `TopKRouter.expert_bias`, HF's `e_score_correction_bias`). Checkpoints hold them (megatron's
+#: state dict) and so do the Hugging Face loader and writer, which read weights off this.
+WEIGHT_BUFFERS = ("router.expert_bias",)
+
+
+def named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A (unwrapped) model's parameters and weight buffers (`WEIGHT_BUFFERS`), by local name,
+    in `named_parameters()` order with the buffers after them."""
+    out: dict[str, torch.Tensor] = dict(model.named_parameters())
+    for name, buffer in model.named_buffers():
+        if name.endswith(WEIGHT_BUFFERS):
+            out[name] = buffer
+    return out
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
