@@ -9,7 +9,8 @@ autograd is on (the training pass: reference, KL and validation passes are not c
 `step_values` sums the [layers, experts] counts of the step over the whole world in one
 fixed-size all-reduce: data-parallel ranks add their own tokens, pipeline stages their own
 layers (zeros elsewhere) and tensor-parallel ranks without sequence parallelism the same tokens
-again, a uniform factor the ratio does not see.
+again, a uniform factor the ratio does not see. Not logged under context parallelism
+(`expert_load`).
 """
 
 from __future__ import annotations
@@ -127,8 +128,12 @@ def add_load_metrics(metrics: dict[str, float], scalars: dict[str, Tensor]) -> d
 
 
 def expert_load(chunks: list[torch.nn.Module]) -> ExpertLoad | None:
-    """The expert-load counter of a mixture-of-experts model's chunks; None for a dense one."""
+    """The expert-load counter of a mixture-of-experts model's chunks; None for a dense one, and
+    under context parallelism, where a forward step sees its rank's reordered share of each row
+    and `token_mask` cannot tell padding from tokens."""
     from megatron.core.utils import get_model_config
 
     config = get_model_config(chunks[0])
-    return ExpertLoad(chunks, config.num_layers) if config.num_moe_experts else None
+    if not config.num_moe_experts or config.context_parallel_size > 1:
+        return None
+    return ExpertLoad(chunks, config.num_layers)
