@@ -394,3 +394,63 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(converted, name):
     assert config["first_k_dense_replace"] == 1 and config["partial_rotary_factor"] == 0.5
     logits, choices = _hf_run(_hf_model(root / name / "export"))
     assert torch.equal(logits, reference[name]["logits"])
+
+
+def _config(**changes) -> dict:
+    config = _hf_configs()["groups"].to_dict()
+    config.update(changes)
+    return config
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"norm_topk_prob": False}, "norm_topk_prob False with num_experts_per_tok 4: megatron"),
+        ({"num_experts_per_tok": 1}, "norm_topk_prob True with num_experts_per_tok 1: megatron"),
+        ({"topk_group": 1}, "topk_group 1: megatron-core ranks groups by their top-(num_experts"),
+        ({"n_group": 3}, "n_group 3 / topk_group 2: the groups must divide the 8 experts"),
+        ({"n_group": 8, "topk_group": 2}, "n_group 8 / topk_group 2: the groups must divide"),
+        ({"first_k_dense_replace": 2}, "first_k_dense_replace 2: must leave at least one of"),
+        ({"n_shared_experts": 0}, "n_shared_experts: 0 is not a positive integer"),
+        ({"partial_rotary_factor": 0.3}, "partial_rotary_factor 0.3: must rotate an even"),
+    ],
+)
+def test_configs_megatron_would_route_differently_are_refused(changes, message):
+    """One line naming the key, for every combination where megatron-core's sigmoid top-k
+    would differ from Hugging Face's (renormalisation, group ranking) or the model cannot be
+    built."""
+    from megatron_kto.conversion.hf_config import ConversionError, architecture_from_hf
+
+    config = _config(**changes)
+    if "partial_rotary_factor" in changes:
+        config["rope_parameters"] = {**config["rope_parameters"], **changes}
+    with pytest.raises(ConversionError) as info:
+        architecture_from_hf(config, "cfg.json")
+    text = str(info.value)
+    assert text.startswith(f"cfg.json: {message}"), text
+    assert "\n" not in text
+
+
+def test_groups_that_limit_nothing_are_not_set_and_scaling_one_is_none():
+    from megatron_kto.conversion.hf_config import architecture_from_hf
+
+    arch = architecture_from_hf(_config(topk_group=4, routed_scaling_factor=1.0))
+    assert arch.moe_router_num_groups is None and arch.moe_router_group_topk is None
+    assert arch.moe_router_topk_scaling_factor is None
+
+
+def test_mtp_tensors_are_skipped_only_when_the_config_has_them():
+    from megatron_kto.conversion.hf_dir import skipped_hf_tensors
+
+    names = ["model.layers.1.mlp.gate.weight", "model.layers.2.eh_proj.weight", "lm_head.weight"]
+    config = _config(num_nextn_predict_layers=1)
+    assert skipped_hf_tensors(config, names) == {"model.layers.2.eh_proj.weight"}
+    assert skipped_hf_tensors(_config(num_nextn_predict_layers=0), names) == set()
+
+
+def test_other_families_do_not_export_a_sigmoid_routed_model():
+    from megatron_kto.conversion.hf_config import architecture_from_hf
+    from megatron_kto.conversion.registry import expressing_types
+
+    arch = architecture_from_hf(_config())
+    assert expressing_types(arch) == ["glm4_moe"]
