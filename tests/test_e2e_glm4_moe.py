@@ -4,11 +4,13 @@ partial rotary, q/k/v biases) -> `python examples/train_gpt_kto.py
 pretrained_checkpoint.restore_from_path=<hf dir> ... exp_manager.save_hf=true` -> `hf/` ->
 `transformers` loads it and generates.
 
-Two runs of two steps: the default keeps the expert bias as the checkpoint has it (frozen: `hf/`
+Runs of two steps: the default keeps the expert bias as the checkpoint has it (frozen: `hf/`
 holds the source's biases bit for bit while the weights moved); `model.moe_router_bias_update_rate`
 turns megatron-core's aux-loss-free update on (every bias moves by a multiple of the rate, at most
 one rate per step). Both log the per-layer expert load (`load_imbalance/layer_<i>`, max / mean
-tokens per expert, in [1, experts]) for the MoE layers only.
+tokens per expert, in [1, experts]) for the MoE layers only. A LoRA run on the attention
+(Hugging Face target names, q/k/v with biases) writes a PEFT adapter that `peft` applies onto
+the source model with the logits of our merged `hf_merged/`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,17 @@ from hf_tiny import make_tokenizer, write_kto_rows
 pytestmark = pytest.mark.e2e
 
 EXPERTS, STEPS, RATE = 4, 2, 0.01
-RUNS = {"frozen": [], "updated": [f"model.moe_router_bias_update_rate={RATE}"]}
+RUNS = {
+    "frozen": [],
+    "updated": [f"model.moe_router_bias_update_rate={RATE}"],
+    "lora": [
+        "model.peft.peft_scheme=lora",
+        "model.peft.lora_tuning.adapter_dim=4",
+        "model.peft.lora_tuning.alpha=16",
+        "model.peft.lora_tuning.target_modules=[q_proj,k_proj,v_proj,o_proj]",
+        "exp_manager.save_hf_merged=true",
+    ],
+}
 
 
 def _make_glm(directory: Path) -> None:
@@ -131,3 +143,19 @@ def test_load_imbalance_is_logged_for_the_moe_layers(walk, name):
         keys = sorted(k for k in row if k.startswith("load_imbalance/"))
         assert keys == ["load_imbalance/layer_1"]  # layer 0 is dense
         assert 1.0 <= row["load_imbalance/layer_1"] <= EXPERTS
+
+
+def test_lora_adapter_applies_in_peft_as_our_merge(walk):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    base = AutoModelForCausalLM.from_pretrained(walk / "hf_in", dtype=torch.float32)
+    with torch.no_grad():
+        before = base(tokens).logits
+        adapted = PeftModel.from_pretrained(base, walk / "lora" / "hf").eval()(tokens).logits
+        merged = AutoModelForCausalLM.from_pretrained(
+            walk / "lora" / "hf_merged", dtype=torch.float32
+        )(tokens).logits
+    assert (adapted - before).abs().max() > 1e-3  # the adapters trained
+    torch.testing.assert_close(adapted, merged, rtol=1e-5, atol=1e-5)
