@@ -10,7 +10,8 @@ changes the routing (checked: zeroing it changes Hugging Face's logits). Shown h
 
 * import (conversion) and the direct Hugging Face load -> our log-probs equal `transformers`' at
   TP=1, and TP=2, EP=2 and PP=2 (one 2-rank run; PP=2 puts the dense and an MoE layer on
-  different stages), within 1e-5 relative;
+  different stages), within 1e-5 relative; at CP=2 (same run; padded and packed rows, the
+  partial rotary applied to each rank's chunks) every row's summed log-probs too;
 * every MoE layer chooses the same experts as Hugging Face for every token;
 * packed rows (THD) give the padded rows' log-probs;
 * export -> safetensors bit-identical to the source, `transformers` loads them with the same
@@ -175,25 +176,42 @@ def _packed_vs_padded(arch, chunk) -> float:
     return (packed.reshape(-1)[: want.numel()] - want).abs().max().item()
 
 
-def _build(arch, tp: int, pp: int, ep: int, rt):
+def _build(arch, tp: int, pp: int, ep: int, rt, cp: int = 1):
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
 
     layout = ParallelLayout(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
+        context_parallel_size=cp,
+        attention_backend="sdpa",
     )
     return build_gpt_chunks(arch, layout, rt.device)
 
 
-def _restore_and_run(path: Path, tp: int, pp: int, ep: int, rt) -> tuple:
+def _restore_and_run(path: Path, tp: int, pp: int, ep: int, rt, cp: int = 1) -> tuple:
     from megatron_kto.checkpointing.model_io import read_architecture
     from megatron_kto.checkpointing.pretrained import restore_pretrained
 
     arch = read_architecture(path)
-    chunks = _build(arch, tp, pp, ep, rt)
+    chunks = _build(arch, tp, pp, ep, rt, cp)
     restore_pretrained(path, chunks)
     return arch, chunks
+
+
+def _row_sums(arch, chunks, pack: bool) -> torch.Tensor:
+    """Each row's summed log-probs (the KTO / DPO passes' statistic), through the schedule; under
+    context parallelism every rank's share is reduced over the CP group."""
+    from megatron_kto.models.forward import LOGP_SUM, eval_mode, forward_sequence_stats
+
+    tokens = _tokens()
+    labels = torch.cat([tokens[:, 1:], torch.full((BATCH, 1), -100)], dim=1)
+    positions = torch.arange(SEQ).expand(BATCH, SEQ).clone()
+    with eval_mode(chunks):
+        stats = forward_sequence_stats(
+            chunks, tokens, labels, positions, BATCH, arch.vocab_size, pack=pack
+        )
+    return stats[:, LOGP_SUM].clone()
 
 
 def _single_worker(rank: int, world_size: int, root: str) -> dict:
@@ -238,6 +256,12 @@ def _layout_worker(rank: int, world_size: int, root: str, layouts: dict) -> dict
             if layout == "ep2":
                 hf = _restore_and_run(Path(root) / name / "hf", tp, pp, ep, rt)
                 out["hf_ep2", name] = _forward(*hf)
+    # Context parallelism: each rank rotates its two chunks of every row (partial rotary).
+    rt = init_runtime(1, 1, seed=9, context_parallel_size=2)
+    for name in MODELS:
+        arch, chunks = _restore_and_run(Path(root) / name / "mcore", 1, 1, 1, rt, cp=2)
+        for pack in (False, True):
+            out["cp2_sums", name, pack] = _row_sums(arch, chunks, pack)
     teardown()
     return out
 
@@ -281,7 +305,11 @@ def converted(tmp_path_factory):
         }
     results = run_multirank(_single_worker, 1, str(root), timeout=600)[0]
     for rank_out in run_multirank(_layout_worker, 2, str(root), LAYOUTS, timeout=600):
-        for key, (logprobs, maps) in rank_out.items():
+        for key, value in rank_out.items():
+            if key[0] == "cp2_sums":
+                results.setdefault(key, value)
+                continue
+            logprobs, maps = value
             entry = results.setdefault(key, (None, []))
             if logprobs is not None:  # the last stage's (TP / EP ranks agree)
                 entry = results[key] = (logprobs, entry[1])
@@ -336,6 +364,18 @@ def test_parallel_logprobs_and_choices_equal_transformers(converted, layout, nam
         assert len(maps) == len(choices)
         for ours, theirs in zip(maps, choices, strict=True):
             assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("name", MODELS)
+def test_context_parallel_row_logprobs_equal_transformers(converted, name, pack):
+    """CP=2 (padded and packed rows): every row's summed log-probs equal Hugging Face's."""
+    _, reference, results = converted
+    want = _reference_logprobs(reference[name]["logits"]).double().sum(1)
+    got = results["cp2_sums", name, pack].double()
+    error = ((got - want).abs() / want.abs()).max().item()
+    print(f"{name} cp2 {'packed' if pack else 'padded'}: max relative |Δ row logp| {error:.2e}")
+    assert error <= RELATIVE
 
 
 @pytest.mark.parametrize("name", MODELS)
