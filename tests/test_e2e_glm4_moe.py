@@ -29,6 +29,10 @@ EXPERTS, STEPS, RATE = 4, 2, 0.01
 RUNS = {
     "frozen": [],
     "updated": [f"model.moe_router_bias_update_rate={RATE}"],
+    "updated_precomputed": [
+        f"model.moe_router_bias_update_rate={RATE}",
+        "model.kto.reference_policy=precomputed",
+    ],
     "lora": [
         "model.peft.peft_scheme=lora",
         "model.peft.lora_tuning.adapter_dim=4",
@@ -133,6 +137,19 @@ def test_bias_update_rate_moves_the_bias_by_the_rate(walk):
     assert deltas.max() <= STEPS * RATE + 1e-6
     steps = deltas / RATE  # whole steps of the rate (fp32 round-off aside)
     assert torch.allclose(steps, steps.round(), atol=1e-3)
+
+
+def test_the_swapped_reference_keeps_the_starting_bias(walk):
+    """With the bias moving, the cpu_swap reference (the default) swaps the starting bias in
+    with the starting weights: its run equals one whose reference log-probs were all computed
+    before training (`precomputed`)."""
+    swapped, precomputed = (
+        read_metrics(walk / "updated"),
+        read_metrics(walk / "updated_precomputed"),
+    )
+    for a, b in zip(swapped, precomputed, strict=True):
+        for key in ("loss", "rewards/chosen", "rewards/rejected", "kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
 
 
 @pytest.mark.parametrize("name", list(RUNS))

@@ -95,6 +95,12 @@ def _check_router(m: Any) -> None:
         f"{m.moe_router_bias_update_rate}: must be >= 0, and > 0 only with an expert bias "
         "(model.moe_router_enable_expert_bias)",
     )
+    need(
+        m.moe_router_bias_update_rate == 0.0 or str(m.peft.peft_scheme) != "lora",
+        "model.moe_router_bias_update_rate",
+        f"{m.moe_router_bias_update_rate}: moving the expert bias changes the base model that "
+        "LoRA's reference (adapters off) shares; train with a frozen bias (0) or without LoRA",
+    )
     groups, picked = m.moe_router_num_groups, m.moe_router_group_topk
     if groups is not None or picked is not None:
         experts = m.num_moe_experts or 0
