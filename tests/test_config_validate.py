@@ -117,6 +117,15 @@ def test_wrong_type_fails_at_composition():
             "model.moe_router_bias_update_rate",
         ),
         (
+            [
+                "model.num_moe_experts=4",
+                "model.moe_router_score_function=sigmoid",
+                "model.moe_aux_loss_coeff=0.01",
+            ],
+            1,
+            "model.moe_aux_loss_coeff",
+        ),
+        (
             ["model.num_moe_experts=4", "model.moe_router_num_groups=3"],
             1,
             "model.moe_router_group_topk",

@@ -101,6 +101,13 @@ def _check_router(m: Any) -> None:
         f"{m.moe_router_bias_update_rate}: moving the expert bias changes the base model that "
         "LoRA's reference (adapters off) shares; train with a frozen bias (0) or without LoRA",
     )
+    need(
+        not (sigmoid and m.moe_aux_loss_coeff),
+        "model.moe_aux_loss_coeff",
+        f"{m.moe_aux_loss_coeff}: the load-balancing loss is Hugging Face's softmax-router "
+        "formula; a sigmoid router (GLM-4.5) has none in transformers — balance it with "
+        "model.moe_router_bias_update_rate, or set 0",
+    )
     groups, picked = m.moe_router_num_groups, m.moe_router_group_topk
     if groups is not None or picked is not None:
         experts = m.num_moe_experts or 0
