@@ -40,6 +40,8 @@ RUNS = {
         "model.peft.lora_tuning.target_modules=[q_proj,k_proj,v_proj,o_proj]",
         "exp_manager.save_hf_merged=true",
     ],
+    # bf16 weights and compute; the sigmoid router in fp32 (`layer_options`).
+    "bf16": ["trainer.precision=bf16"],
     # Two ranks, experts split over them (EP=2 x DP=2): hf/ gathers each rank's experts.
     "frozen_ep2": ["model.expert_model_parallel_size=2"],
 }
@@ -98,7 +100,7 @@ def walk(tmp_path_factory):
                 f"pretrained_checkpoint.restore_from_path={root / 'hf_in'}",
                 f"model.data.data_prefix.train=[{root / 'train.jsonl'}]",
                 "model.data.data_prefix.validation=[]",
-                "trainer.precision=32",
+                *(["trainer.precision=32"] if name != "bf16" else []),
                 f"exp_manager.explicit_log_dir={root / name}",
                 f"trainer.kto.max_steps={STEPS}",
                 "model.global_batch_size=8",
@@ -192,3 +194,11 @@ def test_ep2_hf_output_equals_one_rank(walk):
             continue
         torch.testing.assert_close(two[key], value, rtol=1e-5, atol=1e-6, msg=key)
     assert all(torch.equal(two[k], one[k]) for k in _biases(one))
+
+
+def test_bf16_run_follows_fp32_and_keeps_the_bias(walk):
+    bf16, fp32 = read_metrics(walk / "bf16"), read_metrics(walk / "frozen")
+    for a, b in zip(bf16, fp32, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-2)
+    source, out = _tensors(walk / "hf_in"), _tensors(walk / "bf16" / "hf")
+    assert all(torch.equal(v.float(), source[k].float()) for k, v in _biases(out).items())

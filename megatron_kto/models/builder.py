@@ -230,6 +230,7 @@ def build_gpt_chunks(
         model.to(device)
         if config.bf16 or config.fp16:
             model = Float16Module(config, model)
+            _keep_fp32_expert_bias(model)
         chunks.append(model)
     return chunks
 
@@ -248,6 +249,18 @@ def named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if name.endswith(WEIGHT_BUFFERS):
             out[name] = buffer
     return out
+
+
+def _keep_fp32_expert_bias(model: torch.nn.Module) -> None:
+    """Undo `Float16Module`'s cast of the routers' expert bias to half precision at once.
+
+    megatron-core casts it back to fp32 only at a router's first forward (and before its own
+    state-dict loads); the Hugging Face loader fills the buffer before that, so a bf16 buffer
+    would round `e_score_correction_bias` (measured: 2.3e-4 off in a bf16 run's `hf/`)."""
+    for module in model.modules():
+        keep = getattr(module, "_maintain_float32_expert_bias", None)
+        if keep is not None:
+            keep()
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:

@@ -48,6 +48,9 @@ def moe_transformer_config(
     megatron-core moves it after every step in `finalize_model_grads` by
     `expert_bias_update_rate` x sign(mean load - expert load) (aux-loss-free balancing); the
     default rate 0 keeps it as the checkpoint has it (`model.moe_router_bias_update_rate`).
+    A sigmoid router computes its logits in fp32 whatever the run's precision, as `transformers`
+    does (Glm4Moe keeps `mlp.gate` in fp32): in bf16 a score near 0.5 has a resolution of
+    0.004, coarser than the correction biases that steer the choice.
     """
     if not arch.num_moe_experts:
         if expert_parallel_size != 1:
@@ -68,6 +71,7 @@ def moe_transformer_config(
         moe_router_num_groups=arch.moe_router_num_groups,
         moe_router_group_topk=arch.moe_router_group_topk,
         moe_router_topk_scaling_factor=arch.moe_router_topk_scaling_factor,
+        moe_router_dtype="fp32" if arch.moe_router_score_function == "sigmoid" else None,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="alltoall",
