@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_cli import KTO_SCRIPT, QUIET, read_metrics, run_script
+from e2e_cli import KTO_SCRIPT, QUIET, REPO, read_metrics, run_script
 from hf_tiny import make_tokenizer, write_kto_rows
 
 pytestmark = pytest.mark.e2e
@@ -46,6 +46,8 @@ RUNS = {
     "frozen_ep2": ["model.expert_model_parallel_size=2"],
 }
 NPROC = {"frozen_ep2": 2}
+DPO_SCRIPT = REPO / "examples" / "train_gpt_dpo.py"
+DPO_DATA = REPO / "examples" / "data" / "tiny_dpo" / "train.jsonl"
 
 
 def _make_glm(directory: Path) -> None:
@@ -112,6 +114,24 @@ def walk(tmp_path_factory):
             nproc=NPROC.get(name, 1),
             timeout=600,
         )
+    # DPO (pairs): the same model through the DPO trainer (the dpo loop's own keys).
+    run_script(
+        DPO_SCRIPT,
+        [
+            *QUIET,
+            f"pretrained_checkpoint.restore_from_path={root / 'hf_in'}",
+            f"model.data.data_prefix.train=[{DPO_DATA}]",
+            "model.data.data_prefix.validation=[]",
+            "trainer.precision=32",
+            f"exp_manager.explicit_log_dir={root / 'dpo'}",
+            f"trainer.dpo.max_steps={STEPS}",
+            "model.global_batch_size=4",
+            "model.micro_batch_size=2",
+            "model.optim.lr=1e-2",
+            "exp_manager.save_hf=true",
+        ],
+        timeout=600,
+    )
     return root
 
 
@@ -158,7 +178,7 @@ def test_the_swapped_reference_keeps_the_starting_bias(walk):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", [*RUNS, "dpo"])
 def test_load_imbalance_is_logged_for_the_moe_layers(walk, name):
     rows = read_metrics(walk / name)
     assert len(rows) == STEPS
@@ -202,3 +222,11 @@ def test_bf16_run_follows_fp32_and_keeps_the_bias(walk):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-2)
     source, out = _tensors(walk / "hf_in"), _tensors(walk / "bf16" / "hf")
     assert all(torch.equal(v.float(), source[k].float()) for k, v in _biases(out).items())
+
+
+def test_dpo_run_trains_and_keeps_the_bias(walk):
+    rows = read_metrics(walk / "dpo")
+    assert rows[0]["loss"] == pytest.approx(0.6931472, rel=1e-5)  # policy = reference: log 2
+    source, out = _tensors(walk / "hf_in"), _tensors(walk / "dpo" / "hf")
+    assert all(torch.equal(v, source[k]) for k, v in _biases(out).items())
+    assert any(not torch.equal(out[k], source[k]) for k in out if "experts" in k)
