@@ -79,6 +79,7 @@ def _layout(cfg: Any) -> ParallelLayout:
         activations_checkpoint_num_layers=m.activations_checkpoint_num_layers,
         attention_backend=m.attention_backend,
         pack_sequences=m.data.pack_sequences,
+        moe_router_bias_update_rate=m.moe_router_bias_update_rate,
     )
 
 

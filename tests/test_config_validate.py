@@ -103,6 +103,38 @@ def test_wrong_type_fails_at_composition():
         (["model.num_moe_experts=4", "model.moe_layer_freq=[1,0,1]"], 1, "model.moe_layer_freq"),
         (["model.num_moe_experts=4", "model.moe_layer_freq=[0,0]"], 1, "model.moe_layer_freq"),
         (["model.num_moe_experts=4", "model.moe_layer_freq=[2,1]"], 1, "model.moe_layer_freq"),
+        (["model.moe_router_score_function=top1"], 1, "model.moe_router_score_function"),
+        (
+            ["model.num_moe_experts=4", "model.moe_router_enable_expert_bias=true"],
+            1,
+            "model.moe_router_enable_expert_bias",
+        ),
+        (["model.moe_router_bias_update_rate=0.01"], 1, "model.moe_router_bias_update_rate"),
+        (
+            [
+                "model.num_moe_experts=4",
+                "model.moe_router_score_function=sigmoid",
+                "model.moe_router_enable_expert_bias=true",
+                "model.moe_router_bias_update_rate=0.01",
+                "model.peft.peft_scheme=lora",
+            ],
+            1,
+            "model.moe_router_bias_update_rate",
+        ),
+        (
+            [
+                "model.num_moe_experts=4",
+                "model.moe_router_score_function=sigmoid",
+                "model.moe_aux_loss_coeff=0.01",
+            ],
+            1,
+            "model.moe_aux_loss_coeff",
+        ),
+        (
+            ["model.num_moe_experts=4", "model.moe_router_num_groups=3"],
+            1,
+            "model.moe_router_group_topk",
+        ),
         (
             [
                 "model.pipeline_model_parallel_size=2",

@@ -266,14 +266,19 @@ MOE_KEYS = {
     "moe_expert_capacity_factor": None,
     "moe_pad_expert_input_to_capacity": False,
     "moe_token_drop_policy": "probs",
-    "moe_router_score_function": "softmax",
-    "moe_router_topk_scaling_factor": None,
-    "moe_router_enable_expert_bias": False,
     "moe_router_dtype": None,
     "moe_extended_tp": False,
 }
 #: NeMo's MoE keys that are ours (same name, same meaning), with typical values.
-MOE_SHARED = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01}
+MOE_SHARED = {
+    "num_moe_experts": 4,
+    "moe_router_topk": 2,
+    "moe_aux_loss_coeff": 0.01,
+    "moe_router_score_function": "softmax",
+    "moe_router_topk_scaling_factor": None,
+    "moe_router_enable_expert_bias": False,
+    "moe_router_bias_update_rate": 0.0,
+}
 
 
 def _moe_overrides(keys: dict) -> list[str]:
@@ -306,9 +311,6 @@ def test_moe_keys_are_honoured_or_listed():
         ("moe_input_jitter_eps=0.01", "0.01 is not supported: router input jitter"),
         ("moe_expert_capacity_factor=1.0", "1.0 is not supported: routing is dropless here"),
         ("moe_pad_expert_input_to_capacity=true", "True is not supported: routing is dropless"),
-        ("moe_router_score_function=sigmoid", "'sigmoid' is not supported: routing scores are"),
-        ("moe_router_topk_scaling_factor=2.5", "2.5 is not supported: routing weights are not"),
-        ("moe_router_enable_expert_bias=true", "True is not supported: aux-loss-free expert"),
         ("moe_router_dtype=fp32", "'fp32' is not supported: the router computes in the run's"),
         ("moe_extended_tp=true", "True is not supported: extended tensor parallelism"),
         ("moe_layer_freq=2", "2: give one 1 (MoE) or 0 (dense) per layer, e.g. [1,0,1,0]"),

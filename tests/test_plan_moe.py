@@ -1,7 +1,8 @@
 """The memory plan of mixture-of-experts models against independent references.
 
-* Parameter counts: `transformers`' own Qwen3-MoE (Q/K norms, a dense layer), Mixtral and
-  Qwen2-MoE (a gated shared expert, tied embeddings, a dense layer) built from tiny configs, and
+* Parameter counts: `transformers`' own Qwen3-MoE (Q/K norms, a dense layer), Mixtral,
+  Qwen2-MoE (a gated shared expert, tied embeddings, a dense layer) and GLM-4.5 (ungated shared
+  experts, a dense first layer, q/k/v biases, Q/K norms) built from tiny configs, and
   Qwen3-30B-A3B's real shape built on the meta device (30,532,122,624: the published "30.5B",
   "29.9B non-embedding"), not our formulas; every EP x ETP x TP rank's share adds up to the whole.
 * Model state and peak (`tools/bench_memory_plan.py`: the trainer's own builders on gloo ranks,
@@ -70,6 +71,17 @@ def _tiny(family: str):
     if family == "qwen3_moe":
         extra = dict(moe_intermediate_size=32, num_experts=8, head_dim=16, mlp_only_layers=[1])
         return transformers.Qwen3MoeConfig(**COMMON, **extra), transformers.Qwen3MoeForCausalLM
+    if family == "glm4_moe":  # ungated shared experts, a dense first layer, biases, Q/K norms
+        extra = dict(
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_shared_experts=2,
+            head_dim=16,
+            first_k_dense_replace=1,
+            attention_bias=True,
+            use_qk_norm=True,
+        )
+        return transformers.Glm4MoeConfig(**COMMON, **extra), transformers.Glm4MoeForCausalLM
     if family == "mixtral":
         config = transformers.MixtralConfig(**COMMON, num_local_experts=4)
         return config, transformers.MixtralForCausalLM
@@ -96,7 +108,7 @@ def _hf_count(config, model_cls) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss", "glm4_moe"])
 def test_moe_parameter_count_equals_transformers(family):
     config, model_cls = _tiny(family)
     arch = architecture_from_hf(config.to_dict())

@@ -38,10 +38,10 @@ from megatron_kto.conversion.addressing import (
     shard_reads,
 )
 from megatron_kto.conversion.errors import ConversionError
-from megatron_kto.conversion.hf_dir import read_hf_architecture
+from megatron_kto.conversion.hf_dir import read_hf_architecture, skipped_hf_tensors
 from megatron_kto.conversion.registry import get_family
 from megatron_kto.conversion.safetensors_io import HFWeights
-from megatron_kto.models.builder import unwrap
+from megatron_kto.models.builder import named_weights, unwrap
 
 
 @dataclass
@@ -69,8 +69,11 @@ def _group(expert: bool) -> tuple[int, int]:
     )
 
 
-def _check_names(weights: HFWeights, sources: dict[str, Mapping], tied: bool) -> None:
-    """Every rank checks the whole directory's names (cheap), so all fail alike."""
+def _check_names(
+    weights: HFWeights, sources: dict[str, Mapping], tied: bool, skipped: set[str]
+) -> None:
+    """Every rank checks the whole directory's names (cheap), so all fail alike; `skipped`
+    (multi-token-prediction layers, `hf_dir.skipped_hf_tensors`) are not read."""
     needed = {name for source in sources.values() for name in source.hf}
     where = weights.source_file()
     for name in sorted(needed):
@@ -80,7 +83,7 @@ def _check_names(weights: HFWeights, sources: dict[str, Mapping], tied: bool) ->
     needed = {stored for name in needed for stored in weights.stored(name)}
     unused = sorted(
         n
-        for n in weights.names() - needed
+        for n in weights.names() - needed - skipped
         if not n.endswith(IGNORED_HF_SUFFIXES)
         and not n.startswith(IGNORED_HF_PREFIXES)
         and not (tied and n == OUTPUT.hf[0])
@@ -102,17 +105,19 @@ def load_hf_model(hf_dir: str | Path, chunks: list[torch.nn.Module]) -> LoadStat
         config, arch = read_hf_architecture(hf_dir, warn=lambda line: None)  # warned at resolve
         family = get_family(config.get("model_type"))
         weights = HFWeights(hf_dir, family.weight_prefixes)
-        return _load(weights, arch, family, chunks)
+        return _load(weights, arch, family, chunks, skipped_hf_tensors(config, weights.names()))
     except ConversionError as e:
         raise CheckpointError(str(e)) from None
 
 
-def _load(weights: HFWeights, arch, family, chunks: list[torch.nn.Module]) -> LoadStats:
+def _load(
+    weights: HFWeights, arch, family, chunks: list[torch.nn.Module], skipped: set[str]
+) -> LoadStats:
     models = [unwrap(chunk) for chunk in chunks]
-    params = [dict(model.named_parameters()) for model in models]
+    params = [named_weights(model) for model in models]
     norms = norm_names({n for p in params for n in p})
     sources = megatron_sources(arch, norms, family)
-    _check_names(weights, sources, arch.share_embeddings_and_output_weights)
+    _check_names(weights, sources, arch.share_embeddings_and_output_weights, skipped)
     plan = []
     for model, named in zip(models, params, strict=True):
         layout = ChunkLayout.of(model)

@@ -126,6 +126,19 @@ class GPTArchitecture:
     """Which layers of an MoE model are MoE layers: one 1 (MoE) or 0 (a dense MLP of
     `ffn_hidden_size`) per layer, megatron-core's list form (HF Qwen-MoE `mlp_only_layers` /
     `decoder_sparse_step`); None means every layer (of a model with `num_moe_experts`)."""
+    moe_router_score_function: str = "softmax"
+    """Router scores: 'softmax' (Qwen-MoE, Mixtral) or 'sigmoid' (GLM-4.5, DeepSeek-V3: each
+    expert's sigmoid score, the top-k renormalised to sum to 1)."""
+    moe_router_enable_expert_bias: bool = False
+    """A per-expert bias added to the sigmoid scores for the choice of experts only (HF
+    `e_score_correction_bias`, megatron-core's `expert_bias` buffer)."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing: experts form this many equal groups (HF `n_group`); None: none."""
+    moe_router_group_topk: int | None = None
+    """Groups each token may pick experts from (HF `topk_group`), ranked by the sum of their
+    top-(topk / group_topk) scores; None: no group limit."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Routing weights are multiplied by this (HF `routed_scaling_factor`); None: 1."""
 
     linear_attention_freq: list[int] | None = None
     """Which layers are gated DeltaNet (linear attention) layers: one 1 (DeltaNet) or 0 (full

@@ -128,8 +128,9 @@ def _fp32_router_in_fp32(value: Any, cfg: DictConfig, algorithm: str) -> bool:
 
 
 #: NeMo's MoE model keys (megatron-core TransformerConfig names) our schema does not have. Our MoE
-#: layers are megatron-core's MoELayer with softmax top-k routing, dropless, no z-loss, jitter or
-#: expert bias, and Hugging Face's load-balancing loss (`model.moe_aux_loss_coeff`).
+#: layers are megatron-core's MoELayer with top-k routing (softmax, or sigmoid with the router
+#: keys of the schema: score function, expert bias and its update rate, groups, scaling),
+#: dropless, no z-loss or jitter, and Hugging Face's load-balancing loss (`model.moe_aux_loss_coeff`).
 MOE_RULES: dict[str, Rule] = {
     "model.moe_router_load_balancing_type": Rule(
         "no_effect",
@@ -161,17 +162,6 @@ MOE_RULES: dict[str, Rule] = {
     "model.moe_expert_capacity_factor": Rule("no_effect", _DROPLESS, accept=_is(None)),
     "model.moe_pad_expert_input_to_capacity": Rule("no_effect", _DROPLESS, accept=_is(False, None)),
     "model.moe_token_drop_policy": Rule("no_effect", _DROPLESS),
-    "model.moe_router_score_function": Rule(
-        "no_effect", "routing scores are a softmax", accept=_is("softmax", None)
-    ),
-    "model.moe_router_topk_scaling_factor": Rule(
-        "no_effect", "routing weights are not scaled", accept=_is(None, 1, 1.0)
-    ),
-    "model.moe_router_enable_expert_bias": Rule(
-        "no_effect",
-        "aux-loss-free expert-bias routing is not implemented",
-        accept=_is(False, None),
-    ),
     "model.moe_router_dtype": Rule(
         "no_effect",
         "the router computes in the run's precision (fp32 only in an fp32 run)",

@@ -385,6 +385,10 @@ class ModelConfig(ArchitectureFields):
     linears are split over, independently of the attention's TP. None = the same as
     tensor_model_parallel_size. The experts' grid ETP x EP x expert-DP x PP spans the same world,
     so ETP x EP must divide world / PP, and ETP the experts' hidden size."""
+    moe_router_bias_update_rate: float = 0.0
+    """NeMo's key: per-step update of a sigmoid router's expert bias (megatron-core's
+    aux-loss-free load balancing: bias += rate x sign(mean load - expert load), in
+    finalize_model_grads); 0 (default) keeps the bias as the checkpoint has it."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs TP > 1); batches are right-padded to a multiple of TP."""
     attention_backend: str = "auto"

@@ -88,6 +88,48 @@ def _check_architecture(m: Any) -> None:
             f"{pattern}: expected one 1 (MoE) or 0 (dense) per layer ({m.num_layers} layers), "
             "at least one 1",
         )
+    _check_router(m)
+
+
+def _check_router(m: Any) -> None:
+    """The sigmoid-routing keys (GLM-4.5, DeepSeek-V3) against each other, before megatron-core's
+    asserts."""
+    _choice(m.moe_router_score_function, "model.moe_router_score_function", ("softmax", "sigmoid"))
+    sigmoid = m.moe_router_score_function == "sigmoid"
+    need(
+        sigmoid or not m.moe_router_enable_expert_bias,
+        "model.moe_router_enable_expert_bias",
+        "needs model.moe_router_score_function: sigmoid",
+    )
+    need(
+        m.moe_router_bias_update_rate >= 0.0
+        and (m.moe_router_enable_expert_bias or m.moe_router_bias_update_rate == 0.0),
+        "model.moe_router_bias_update_rate",
+        f"{m.moe_router_bias_update_rate}: must be >= 0, and > 0 only with an expert bias "
+        "(model.moe_router_enable_expert_bias)",
+    )
+    need(
+        m.moe_router_bias_update_rate == 0.0 or str(m.peft.peft_scheme) != "lora",
+        "model.moe_router_bias_update_rate",
+        f"{m.moe_router_bias_update_rate}: moving the expert bias changes the base model that "
+        "LoRA's reference (adapters off) shares; train with a frozen bias (0) or without LoRA",
+    )
+    need(
+        not (sigmoid and m.moe_aux_loss_coeff),
+        "model.moe_aux_loss_coeff",
+        f"{m.moe_aux_loss_coeff}: the load-balancing loss is Hugging Face's softmax-router "
+        "formula; a sigmoid router (GLM-4.5) has none in transformers — balance it with "
+        "model.moe_router_bias_update_rate, or set 0",
+    )
+    groups, picked = m.moe_router_num_groups, m.moe_router_group_topk
+    if groups is not None or picked is not None:
+        experts = m.num_moe_experts or 0
+        need(
+            bool(groups and picked) and experts % groups == 0 and picked <= groups,
+            "model.moe_router_group_topk",
+            f"{picked} of model.moe_router_num_groups {groups}: both must be set, the groups "
+            f"must divide the {experts} experts and group_topk <= num_groups",
+        )
 
 
 def _check_optimizer(o: Any) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -135,4 +136,29 @@ def read_hf_architecture(
     where = hf_dir / CONFIG
     config = read_json(where, "a Hugging Face model directory needs config.json")
     config = language_config(config, str(where), warn)
-    return config, model_architecture(config, str(where))
+    arch = model_architecture(config, str(where))
+    mtp = mtp_layers(config)
+    if mtp:
+        (warn or logger.warning)(
+            f"{hf_dir}: num_nextn_predict_layers={mtp}: multi-token-prediction layers "
+            f"(model.layers.{arch.num_layers} on, where the weights have them) are skipped: "
+            "not loaded, trained or written to hf/"
+        )
+    return config, arch
+
+
+def mtp_layers(config: dict[str, Any]) -> int:
+    """Multi-token-prediction layers a checkpoint may hold after its decoder layers (GLM-4.5,
+    DeepSeek-V3: `num_nextn_predict_layers`, stored as `model.layers.{num_hidden_layers + i}`)."""
+    value = config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) or 0
+    return value if isinstance(value, int) and value > 0 else 0
+
+
+def skipped_hf_tensors(config: dict[str, Any], names: set[str] | list[str]) -> set[str]:
+    """The tensors of `names` that loading skips: those of the multi-token-prediction layers
+    (`mtp_layers`; any layer index >= `num_hidden_layers`)."""
+    if not mtp_layers(config):
+        return set()
+    layers = config["num_hidden_layers"]
+    pattern = re.compile(r"model\.layers\.(\d+)\.")
+    return {n for n in names if (m := pattern.match(n)) and int(m.group(1)) >= layers}

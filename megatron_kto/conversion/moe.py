@@ -69,10 +69,12 @@ def expert_mappings(
     return tuple(entries)
 
 
-def shared_expert_mappings(hf_prefix: str, hf_gate: str) -> tuple[Mapping, ...]:
-    """A gated shared expert (megatron's `SharedExpertMLP` with `moe_shared_expert_gate`): its
-    SwiGLU MLP under `hf_prefix` (`gate_proj`/`up_proj`/`down_proj`) and the [1, hidden] gate
-    `hf_gate`; output = sigmoid(x · gate) · mlp(x) on both sides."""
+def shared_expert_mappings(hf_prefix: str, hf_gate: str | None) -> tuple[Mapping, ...]:
+    """A shared expert (megatron's `SharedExpertMLP`): its SwiGLU MLP under `hf_prefix`
+    (`gate_proj`/`up_proj`/`down_proj`) and, when gated (`moe_shared_expert_gate`), the
+    [1, hidden] gate `hf_gate`: output = sigmoid(x · gate) · mlp(x) on both sides. `hf_gate`
+    None: ungated (GLM-4.5, DeepSeek-V3), output = mlp(x)."""
+    gate = () if hf_gate is None else (Mapping("mlp.shared_experts.gate_weight", (hf_gate,)),)
     return (
         Mapping(
             "mlp.shared_experts.linear_fc1.weight",
@@ -83,8 +85,7 @@ def shared_expert_mappings(hf_prefix: str, hf_gate: str) -> tuple[Mapping, ...]:
         Mapping(
             "mlp.shared_experts.linear_fc2.weight", (f"{hf_prefix}.down_proj.weight",), tp_axis=ROW
         ),
-        Mapping("mlp.shared_experts.gate_weight", (hf_gate,)),
-    )
+    ) + gate
 
 
 def routing_fields(

@@ -15,6 +15,7 @@ from megatron_kto.conversion.errors import ConversionError
 from megatron_kto.conversion.families import (
     Family,
     gemma3,
+    glm4_moe,
     gpt_oss,
     llama,
     mixtral,
@@ -38,6 +39,7 @@ _MODULES = (
     qwen3_next,
     qwen3_5,
     gpt_oss,
+    glm4_moe,
 )
 _FAMILIES: dict[str, Family] = {
     family.model_type: family for module in _MODULES for family in module.FAMILIES

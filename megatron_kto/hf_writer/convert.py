@@ -35,7 +35,12 @@ from megatron_kto.conversion.addressing import (
     norm_names,
 )
 from megatron_kto.conversion.hf_config import ConversionError, hf_config_from_architecture
-from megatron_kto.conversion.hf_dir import CONFIG, looks_like_hf_dir, read_hf_architecture
+from megatron_kto.conversion.hf_dir import (
+    CONFIG,
+    looks_like_hf_dir,
+    read_hf_architecture,
+    skipped_hf_tensors,
+)
 from megatron_kto.conversion.hf_dir import read_json as _read_json
 from megatron_kto.conversion.mappings import to_hf, to_megatron
 from megatron_kto.conversion.registry import default_model_type, get_family
@@ -144,10 +149,11 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -
     weights = HFWeights(hf_dir, get_family(config["model_type"]).weight_prefixes)
     # Input is validated above; megatron-core is imported only now, so bad input fails fast.
     from megatron_kto.checkpointing.model_io import save_model
+    from megatron_kto.models.builder import named_weights
 
     with staged_output(out_dir) as tmp:
         model = _single_process_model(arch, dtype)
-        params = dict(model.named_parameters())
+        params = named_weights(model)
         used: set[str] = set()
 
         def get(name: str) -> torch.Tensor:
@@ -174,7 +180,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -
             raise ConversionError(f"{hf_dir}: no source for megatron parameters {missing[:4]}")
         unused = sorted(
             n
-            for n in weights.names() - used
+            for n in weights.names() - used - skipped_hf_tensors(config, weights.names())
             if not n.endswith(IGNORED_HF_SUFFIXES)
             and not n.startswith(IGNORED_HF_PREFIXES)
             and not (n == OUTPUT.hf[0] and arch.share_embeddings_and_output_weights)

@@ -35,7 +35,7 @@ from megatron_kto.conversion.addressing import (
 )
 from megatron_kto.conversion.deltanet import tp_sections
 from megatron_kto.conversion.mappings import layer_table
-from megatron_kto.models.builder import unwrap
+from megatron_kto.models.builder import named_weights, unwrap
 from megatron_kto.models.tp_gather import gather_tp
 
 #: The entries of the tensors outside the transformer layers, by megatron name.
@@ -61,7 +61,7 @@ class StageTensors:
             layout = ChunkLayout.of(model)
             layers += layout.layers
             self._experts = self._experts or layout.experts
-            for name, param in model.named_parameters():
+            for name, param in named_weights(model).items():
                 self._params[str(layout.to_global(name))] = param
         self.norms = norm_names(list(self._params))
         self.table: dict[str, Mapping] = layer_table(arch, self.norms, family)

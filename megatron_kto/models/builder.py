@@ -112,6 +112,9 @@ class ParallelLayout:
     ('block'); None means 1."""
     attention_backend: str = "auto"
     """'auto', 'te', 'sdpa' or 'local' (see `layer_specs.py`)."""
+    moe_router_bias_update_rate: float = 0.0
+    """Per-step update rate of the sigmoid routers' expert bias (megatron-core's aux-loss-free
+    balancing, in `finalize_model_grads`); 0 keeps the bias as restored."""
     pack_sequences: bool = False
     """The model will be fed packed (THD) micro-batches (`model.data.pack_sequences`): the
     attention backend must take them ('local' cannot; TE < 2.11 cannot in fp32). Callers that
@@ -205,7 +208,10 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         # No CUDA graphs; megatron's default scope "full" only triggers a deprecation warning.
         cuda_graph_scope=[],
         **moe_transformer_config(
-            arch, layout.expert_model_parallel_size, layout.expert_tensor_parallel_size
+            arch,
+            layout.expert_model_parallel_size,
+            layout.expert_tensor_parallel_size,
+            layout.moe_router_bias_update_rate,
         ),
         # Gated DeltaNet / gated attention / offset norms (Qwen3-Next, Qwen3.5): models/hybrid.py
         **hybrid_transformer_config(arch, layout.context_parallel_size),
@@ -298,6 +304,7 @@ def build_gpt_chunks(
         model.to(device)
         if config.bf16 or config.fp16:
             model = Float16Module(config, model)
+            _keep_fp32_expert_bias(model)
         chunks.append(model)
     return chunks
 
@@ -330,6 +337,34 @@ def _scale_output(multiplier: float):
         return output * torch.tensor(multiplier, dtype=output.dtype, device=output.device)
 
     return hook
+
+
+#: The persistent buffers that are model weights: a sigmoid router's expert bias (megatron-core's
+#: `TopKRouter.expert_bias`, HF's `e_score_correction_bias`). Checkpoints hold them (megatron's
+#: state dict) and so do the Hugging Face loader and writer, which read weights off this.
+WEIGHT_BUFFERS = ("router.expert_bias",)
+
+
+def named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A (unwrapped) model's parameters and weight buffers (`WEIGHT_BUFFERS`), by local name,
+    in `named_parameters()` order with the buffers after them."""
+    out: dict[str, torch.Tensor] = dict(model.named_parameters())
+    for name, buffer in model.named_buffers():
+        if name.endswith(WEIGHT_BUFFERS):
+            out[name] = buffer
+    return out
+
+
+def _keep_fp32_expert_bias(model: torch.nn.Module) -> None:
+    """Undo `Float16Module`'s cast of the routers' expert bias to half precision at once.
+
+    megatron-core casts it back to fp32 only at a router's first forward (and before its own
+    state-dict loads); the Hugging Face loader fills the buffer before that, so a bf16 buffer
+    would round `e_score_correction_bias` (measured: 2.3e-4 off in a bf16 run's `hf/`)."""
+    for module in model.modules():
+        keep = getattr(module, "_maintain_float32_expert_bias", None)
+        if keep is not None:
+            keep()
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:

@@ -36,6 +36,7 @@ from megatron_kto.losses.metrics import (
     dpo_metric_sums,
     reference_free_metric_sums,
 )
+from megatron_kto.models.expert_load import add_load_metrics, expert_load
 from megatron_kto.models.forward import (
     LABEL_WEIGHTS,
     LOGIT_SUM,
@@ -141,6 +142,7 @@ class MegatronGPTDPOModel:
         self.metrics = dpo_metric_set(names)
         coeff = settings.router_aux_loss_coeff
         self.router_stats = RouterStatistics(chunks, coeff) if coeff else None
+        self.expert_load = expert_load(chunks)
 
     def label_weights(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """LD-DPO's per-position weights of the chosen and rejected rows ([B, T] each), or None
@@ -311,22 +313,27 @@ class MegatronGPTDPOModel:
             if self.router_stats is not None:
                 step = announce_micro_batches(step, self.router_stats)
                 micro = [append_final_tokens(b) for b in micro]
+            if self.expert_load is not None:
+                step = announce_micro_batches(step, self.expert_load)
             reported = run_schedule(self.chunks, micro, step, forward_only=False, pack=pack)
         local = torch.stack([r["sums"] for r in reported]).sum(0) if reported else None
         sums = broadcast_from_last_stage(
             local, (self.metrics.size,), torch.float64, batch["chosen"].device
         )
         data_parallel_all_reduce(sums)
+        scalars: dict[str, torch.Tensor] = {}
         if self.router_stats is not None and not forward_only:
             values = self.router_stats.step_values()  # on every stage
-            return sums, aux_scalars(values, s.router_aux_loss_coeff)
-        return sums, {}
+            scalars.update(aux_scalars(values, s.router_aux_loss_coeff))
+        if self.expert_load is not None and not forward_only:
+            scalars.update(self.expert_load.step_values(batch["chosen"].device))
+        return sums, scalars
 
     def finalize_metrics(
         self, sums: torch.Tensor, scalars: dict[str, torch.Tensor]
     ) -> dict[str, float]:
         """Metrics (TRL names) from (possibly accumulated) sums."""
-        return add_aux_metrics(self.metrics.finalize(sums), scalars)
+        return add_load_metrics(add_aux_metrics(self.metrics.finalize(sums), scalars), scalars)
 
     def get_loss_and_metrics(
         self, batch: Batch, forward_only: bool

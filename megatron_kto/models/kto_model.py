@@ -26,6 +26,7 @@ import torch
 from megatron_kto.losses._common import per_token_mean
 from megatron_kto.losses.kto import kl_reference_point, kto_total_loss, uses_kl_reference_point
 from megatron_kto.losses.metrics import KTO_METRICS, finalize_kto_metrics, kto_metric_sums
+from megatron_kto.models.expert_load import add_load_metrics, expert_load
 from megatron_kto.models.forward import (
     LOGIT_SUM,
     LOGP_SUM,
@@ -108,6 +109,7 @@ class MegatronGPTKTOModel:
         self.settings = settings
         coeff = settings.router_aux_loss_coeff
         self.router_stats = RouterStatistics(chunks, coeff) if coeff else None
+        self.expert_load = expert_load(chunks)
 
     def forward_logprobs(
         self, batch: Batch, chunks: list[torch.nn.Module], micro_batch_size: int | None = None
@@ -259,6 +261,8 @@ class MegatronGPTKTOModel:
             if self.router_stats is not None:
                 step = announce_micro_batches(step, self.router_stats)
                 micro = [append_final_tokens(b) for b in micro]
+            if self.expert_load is not None:
+                step = announce_micro_batches(step, self.expert_load)
             reported = run_schedule(self.chunks, micro, step, forward_only=False, pack=pack)
         local = torch.stack([r["sums"] for r in reported]).sum(0) if reported else None
         device = batch["samples"].device
@@ -268,13 +272,16 @@ class MegatronGPTKTOModel:
         if self.router_stats is not None and not forward_only:
             values = self.router_stats.step_values()  # on every stage
             scalars.update(aux_scalars(values, s.router_aux_loss_coeff))
+        if self.expert_load is not None and not forward_only:
+            scalars.update(self.expert_load.step_values(device))
         return sums, scalars
 
     @staticmethod
     def finalize_metrics(sums: torch.Tensor, scalars: dict[str, torch.Tensor]) -> dict[str, float]:
         """Metrics (TRL names) from (possibly accumulated) sums; `scalars["kl"]` is the z₀ used
         (its mean over the batches when accumulated). The step's one device->host read."""
-        return add_aux_metrics(finalize_kto_metrics(sums, scalars["kl"]), scalars)
+        metrics = add_aux_metrics(finalize_kto_metrics(sums, scalars["kl"]), scalars)
+        return add_load_metrics(metrics, scalars)
 
     def get_loss_and_metrics(
         self, batch: Batch, forward_only: bool

@@ -26,7 +26,10 @@ from megatron_kto.models.norms import LocalNorm
 
 
 def moe_transformer_config(
-    arch: GPTArchitecture, expert_parallel_size: int, expert_tensor_parallel_size: int | None = None
+    arch: GPTArchitecture,
+    expert_parallel_size: int,
+    expert_tensor_parallel_size: int | None = None,
+    expert_bias_update_rate: float = 0.0,
 ) -> dict[str, Any]:
     """The `TransformerConfig` fields of an architecture's MoE layers (empty when dense).
 
@@ -40,8 +43,16 @@ def moe_transformer_config(
     megatron's formula is per layer and divides by top-k, while Hugging Face's
     `load_balancing_loss_func` averages token fractions and router probabilities over all layers'
     tokens jointly, so it cannot be reproduced from megatron's per-layer losses; ours comes from
-    hooks on these routers (`models.router_stats`). The router is deterministic (no jitter, no
-    expert bias).
+    hooks on these routers (`models.router_stats`). The router is deterministic (no jitter).
+
+    Sigmoid routing (GLM-4.5, DeepSeek-V3) may carry an expert bias (`expert_bias`, a persistent
+    fp32 buffer: HF's `e_score_correction_bias`) that only steers the choice of experts.
+    megatron-core moves it after every step in `finalize_model_grads` by
+    `expert_bias_update_rate` x sign(mean load - expert load) (aux-loss-free balancing); the
+    default rate 0 keeps it as the checkpoint has it (`model.moe_router_bias_update_rate`).
+    A sigmoid router computes its logits in fp32 whatever the run's precision, as `transformers`
+    does (Glm4Moe keeps `mlp.gate` in fp32): in bf16 a score near 0.5 has a resolution of
+    0.004, coarser than the correction biases that steer the choice.
     """
     if not arch.num_moe_experts:
         if expert_parallel_size != 1:
@@ -63,7 +74,13 @@ def moe_transformer_config(
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
         moe_router_topk=arch.moe_router_topk,
         moe_router_pre_softmax=arch.moe_router_pre_softmax,
-        moe_router_score_function="softmax",
+        moe_router_score_function=arch.moe_router_score_function,
+        moe_router_enable_expert_bias=arch.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=expert_bias_update_rate,
+        moe_router_num_groups=arch.moe_router_num_groups,
+        moe_router_group_topk=arch.moe_router_group_topk,
+        moe_router_topk_scaling_factor=arch.moe_router_topk_scaling_factor,
+        moe_router_dtype="fp32" if arch.moe_router_score_function == "sigmoid" else None,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="alltoall",

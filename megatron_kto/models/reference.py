@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from megatron_kto.models.builder import unwrap
+from megatron_kto.models.builder import named_weights, unwrap
 from megatron_kto.models.training_setup import finish_param_sync
 
 ForwardFn = Callable[[list[torch.nn.Module]], torch.Tensor]
@@ -39,12 +39,12 @@ class ReferencePolicy(Protocol):
 
 
 def _tensors(chunks: list[torch.nn.Module]) -> list[torch.Tensor]:
-    # Parameters and floating buffers (e.g. rotary inv_freq is recomputed, but norms' buffers
-    # would not be): the exact set that defines the forward function.
+    # Parameters and the buffers that are weights (`builder.WEIGHT_BUFFERS`: a sigmoid router's
+    # expert bias, which `model.moe_router_bias_update_rate` moves during training): the set
+    # that defines the forward function (rotary inv_freq is recomputed, not stored state).
     out: list[torch.Tensor] = []
     for chunk in chunks:
-        module = unwrap(chunk)
-        out.extend(p.data for p in module.parameters())
+        out.extend(t.data for t in named_weights(unwrap(chunk)).values())
     return out
 
 

@@ -136,6 +136,10 @@ _FEATURES = {
         "a gated shared expert",
         lambda a: bool(a.moe_shared_expert_intermediate_size) and a.moe_shared_expert_gate,
     ),
+    "ungated_shared_expert": (
+        "an ungated shared expert",
+        lambda a: bool(a.moe_shared_expert_intermediate_size) and not a.moe_shared_expert_gate,
+    ),
     "dense_layers": ("dense layers between MoE layers", lambda a: a.has_dense_layers()),
     "gemma": (
         "Gemma's layers (post-norms, (1 + w) norms, GeGLU, scaled embeddings or scores, "
@@ -154,15 +158,19 @@ _FEATURES = {
     "output_gate": ("gated attention outputs", lambda a: a.attention_output_gate),
     "offset_norms": ("(1 + weight) RMSNorms", lambda a: a.layernorm_zero_centered_gamma),
     "sinks": ("attention sinks", lambda a: a.attention_sinks),
+    "sigmoid_router": (
+        "sigmoid routing",
+        lambda a: bool(a.num_moe_experts) and a.moe_router_score_function == "sigmoid",
+    ),
+    "partial_rotary": ("partial rotary embeddings", lambda a: a.rotary_percent != 1.0),
 }
 
 
 def mismatch(arch: GPTArchitecture, **has: bool) -> str | None:
     """Why `arch` differs from a family that has exactly the features `has` (qkv_bias, qk_norm,
-    moe, shared_expert, dense_layers, gemma, linear_attention, output_gate, offset_norms,
-    sinks — absent means False): one phrase, or None when it matches."""
-    if arch.moe_shared_expert_intermediate_size and not arch.moe_shared_expert_gate:
-        return "the model has an ungated shared expert"
+    moe, shared_expert, ungated_shared_expert, dense_layers, gemma, linear_attention, output_gate,
+    offset_norms, sinks, sigmoid_router, partial_rotary — absent means False): one phrase, or None
+    when it matches."""
     for key in _FEATURES:
         wanted = has.get(key, False)
         label, test = _FEATURES[key]
