@@ -157,9 +157,6 @@ class GPTArchitecture:
     attention_output_gate: bool = False
     """Full attention's output scaled by sigmoid of a per-head gate projected with the queries
     (Qwen3-Next / Qwen3.5 gated attention)."""
-    layernorm_zero_centered_gamma: bool = False
-    """RMSNorms (layer, final, Q/K) scale by (1 + weight), weights stored zero-centred
-    (Qwen3-Next / Qwen3.5); the DeltaNet output norm keeps a plain weight."""
 
     def __post_init__(self) -> None:
         if self.moe_layer_freq is not None:  # plain ints (a config gives a ListConfig)

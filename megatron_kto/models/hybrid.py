@@ -8,8 +8,9 @@ megatron-core's `linear_attention_freq`: 1 DeltaNet, 0 full attention).
 * Full attention layers: megatron-core's `SelfAttention` (ours: `PackedRoPESelfAttention`) with
   `attention_output_gate` (per query group [queries | gates | key | value] in `linear_qkv`; the
   output times sigmoid(gate) before `linear_proj`), partial RoPE (`rotary_percent`) and Q/K norms.
-* Norms: with `layernorm_zero_centered_gamma` (Qwen's (1 + weight) RMSNorm) every layer, final and
-  Q/K norm is `OffsetRMSNorm`; the DeltaNet output norm keeps a plain weight.
+* Norms: with `zero_centered_norms` (Qwen's (1 + weight) RMSNorm, megatron's
+  `layernorm_zero_centered_gamma`) every layer, final and Q/K norm is `norms.LocalNorm` scaling by
+  (1 + weight); the DeltaNet output norm keeps a plain weight.
 
 Context parallelism is refused: nothing splits a DeltaNet recurrence over ranks yet.
 """
@@ -20,8 +21,6 @@ import dataclasses
 import logging
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -36,13 +35,14 @@ from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.models.gated_delta_net import PortableGatedDeltaNet
 from megatron_kto.models.layer_options import extend_local_layer
 from megatron_kto.models.layer_specs import local_layer_spec
+from megatron_kto.models.norms import LocalNorm
 
 logger = logging.getLogger(__name__)
 
 
 def uses_hybrid_spec(arch: GPTArchitecture) -> bool:
     """Whether `arch` is built by `hybrid_block_spec` (DeltaNet layers or Qwen's offset norms)."""
-    return arch.has_linear_attention() or arch.layernorm_zero_centered_gamma
+    return arch.has_linear_attention() or arch.attention_output_gate
 
 
 def hybrid_transformer_config(arch: GPTArchitecture, context_parallel_size: int) -> dict[str, Any]:
@@ -55,7 +55,6 @@ def hybrid_transformer_config(arch: GPTArchitecture, context_parallel_size: int)
         return {}
     fields: dict[str, Any] = dict(
         attention_output_gate=arch.attention_output_gate,
-        layernorm_zero_centered_gamma=arch.layernorm_zero_centered_gamma,
     )
     if not arch.has_linear_attention():
         return fields
@@ -77,67 +76,32 @@ def hybrid_transformer_config(arch: GPTArchitecture, context_parallel_size: int)
     )
 
 
-class OffsetRMSNorm(torch.nn.Module):
-    """RMSNorm scaled by (1 + weight) in fp32, weight stored zero-centred (Qwen3-Next / Qwen3.5);
-    `zero_centered_gamma=False` (or the config's flag unset) gives the plain `LocalNorm` maths."""
-
-    def __init__(
-        self,
-        config: TransformerConfig,
-        hidden_size: int,
-        eps: float = 1e-5,
-        zero_centered_gamma: bool | None = None,
-        **_: Any,
-    ):
-        super().__init__()
-        if config.normalization != "RMSNorm":
-            raise ValueError("hybrid (DeltaNet) models need model.normalization=RMSNorm")
-        self.offset = (
-            config.layernorm_zero_centered_gamma
-            if zero_centered_gamma is None
-            else zero_centered_gamma
-        )
-        self.eps = eps
-        self.normalized_shape = (hidden_size,)
-        init = torch.zeros if self.offset else torch.ones
-        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
-        # Read by megatron-core's finalize_model_grads (see `norms.LocalNorm`).
-        self.weight.sequence_parallel = config.sequence_parallel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise the last dimension of `x`."""
-        if not self.offset:
-            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
-        y = F.rms_norm(x.float(), self.normalized_shape, None, self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
-
-
 def _deltanet_attention() -> ModuleSpec:
     return ModuleSpec(
         module=PortableGatedDeltaNet,
         submodules=GatedDeltaNetSubmodules(
             in_proj=ColumnParallelLinear,
-            out_norm=ModuleSpec(module=OffsetRMSNorm, params={"zero_centered_gamma": False}),
+            out_norm=ModuleSpec(module=LocalNorm, params={"zero_centered_gamma": False}),
             out_proj=RowParallelLinear,
         ),
     )
 
 
 def _with_norms(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
-    """`layer` with `OffsetRMSNorm` in every norm slot (input, pre-MLP, Q/K)."""
+    """`layer` with `LocalNorm` in every norm slot (input, pre-MLP, Q/K)."""
     sub = layer.submodules
     attention = sub.self_attention
     if config.qk_layernorm and attention.module is not PortableGatedDeltaNet:
         attention = dataclasses.replace(
             attention,
             submodules=dataclasses.replace(
-                attention.submodules, q_layernorm=OffsetRMSNorm, k_layernorm=OffsetRMSNorm
+                attention.submodules, q_layernorm=LocalNorm, k_layernorm=LocalNorm
             ),
         )
     sub = dataclasses.replace(
         sub,
-        input_layernorm=OffsetRMSNorm,
-        pre_mlp_layernorm=OffsetRMSNorm,
+        input_layernorm=LocalNorm,
+        pre_mlp_layernorm=LocalNorm,
         self_attention=attention,
     )
     return dataclasses.replace(layer, submodules=sub)
@@ -180,11 +144,10 @@ def hybrid_block_spec(
     for i in range(first, first + count):
         moe = bool(config.num_moe_experts) and (moe_freq is None or bool(moe_freq[i]))
         layers.append(hybrid_layer_spec(config, backend, bool(pattern[i]), moe))
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=OffsetRMSNorm)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LocalNorm)
 
 
 __all__ = [
-    "OffsetRMSNorm",
     "hybrid_block_spec",
     "hybrid_transformer_config",
     "uses_hybrid_spec",

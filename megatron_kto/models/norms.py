@@ -33,7 +33,7 @@ class LocalNorm(torch.nn.Module):
         hidden_size: int,
         eps: float = 1e-5,
         persist_layer_norm: bool = False,
-        zero_centered_gamma: bool = False,
+        zero_centered_gamma: bool | None = None,
         normalization: str | None = None,
     ):
         """
@@ -42,15 +42,19 @@ class LocalNorm(torch.nn.Module):
             hidden_size: size of the normalised (last) dimension.
             eps: added to the variance.
             persist_layer_norm: Apex kernel option; must be False here.
-            zero_centered_gamma: scale by `1 + weight` (RMSNorm only); so does
-                `config.layernorm_zero_centered_gamma`.
+            zero_centered_gamma: scale by `1 + weight` (RMSNorm only); None: as
+                `config.layernorm_zero_centered_gamma` says.
             normalization: overrides `config.normalization` (megatron's builders may pass it).
         """
         super().__init__()
         kind = normalization or config.normalization
         if kind not in ("RMSNorm", "LayerNorm"):
             raise ValueError(f"model.normalization must be 'RMSNorm' or 'LayerNorm', got {kind!r}")
-        self.zero_centered = zero_centered_gamma or config.layernorm_zero_centered_gamma
+        self.zero_centered = (
+            config.layernorm_zero_centered_gamma
+            if zero_centered_gamma is None
+            else zero_centered_gamma
+        )
         if self.zero_centered and kind != "RMSNorm":
             raise ValueError("zero-centered gamma is supported by LocalNorm for RMSNorm only")
         self.kind = kind

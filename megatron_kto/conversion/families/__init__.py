@@ -142,11 +142,9 @@ _FEATURES = {
     ),
     "dense_layers": ("dense layers between MoE layers", lambda a: a.has_dense_layers()),
     "gemma": (
-        "Gemma's layers (post-norms, (1 + w) norms, GeGLU, scaled embeddings or scores, "
-        "a local RoPE base)",
+        "Gemma's layers (post-norms, GeGLU, scaled embeddings or scores, a local RoPE base)",
         lambda a: (
             a.post_norms
-            or a.zero_centered_norms
             or a.activation == "geglu"
             or a.embedding_multiplier is not None
             or a.softmax_scale is not None
@@ -156,7 +154,7 @@ _FEATURES = {
     ),
     "linear_attention": ("gated DeltaNet layers", lambda a: a.has_linear_attention()),
     "output_gate": ("gated attention outputs", lambda a: a.attention_output_gate),
-    "offset_norms": ("(1 + weight) RMSNorms", lambda a: a.layernorm_zero_centered_gamma),
+    "offset_norms": ("(1 + weight) RMSNorms", lambda a: a.zero_centered_norms),
     "sinks": ("attention sinks", lambda a: a.attention_sinks),
     "sigmoid_router": (
         "sigmoid routing",

@@ -194,7 +194,7 @@ def gemma3_config(arch: GPTArchitecture, config: dict[str, Any]) -> dict[str, An
 
 
 def _cannot_express(arch: GPTArchitecture) -> str | None:
-    reason = mismatch(arch, qkv_bias=False, qk_norm=True, moe=False, gemma=True)
+    reason = mismatch(arch, qkv_bias=False, qk_norm=True, moe=False, gemma=True, offset_norms=True)
     if reason:
         return reason
     exact = {

@@ -92,6 +92,7 @@ def _cannot_express(moe: bool):
             linear_attention=True,
             output_gate=True,
             offset_norms=True,
+            partial_rotary=arch.rotary_percent != 1.0,
         )
 
     return check

@@ -11,7 +11,7 @@ everywhere when `num_experts` is 0).
   megatron's `linear_qkv` with `attention_output_gate`; Q/K norms; partial RoPE
   (`partial_rotary_factor` -> `rotary_percent`).
 * Every RMSNorm except DeltaNet's output norm scales by (1 + weight): stored as is, computed by
-  `models.hybrid.OffsetRMSNorm` (`layernorm_zero_centered_gamma`).
+  `models.norms.LocalNorm` (`zero_centered_norms`).
 * MTP (multi-token prediction) layers, `mtp.*` tensors of the released checkpoints, are not
   used by training here: import skips them (with a note) and export writes none.
 """
@@ -136,7 +136,7 @@ def hybrid_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
         linear_attention_freq=layer_pattern(config, where),
         qk_layernorm=True,
         attention_output_gate=True,
-        layernorm_zero_centered_gamma=True,
+        zero_centered_norms=True,
         rotary_percent=float(partial),
         kv_channels=config.get("head_dim") or 256,
     )
@@ -211,6 +211,7 @@ def _cannot_express(arch: GPTArchitecture) -> str | None:
         linear_attention=True,
         output_gate=True,
         offset_norms=True,
+        partial_rotary=arch.rotary_percent != 1.0,
     )
 
 
