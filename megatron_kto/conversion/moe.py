@@ -88,6 +88,20 @@ def shared_expert_mappings(hf_prefix: str, hf_gate: str | None) -> tuple[Mapping
     ) + gate
 
 
+def gated_shared_expert_config(arch: GPTArchitecture) -> dict[str, Any]:
+    """config.json fields of routed experts (softmax, top-k) with a gated shared expert and dense
+    layers from `sparse_layer_fields` (Qwen2-MoE, Qwen3-Next)."""
+    return dict(
+        num_experts=arch.num_moe_experts,
+        num_experts_per_tok=arch.moe_router_topk,
+        moe_intermediate_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
+        shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
+        norm_topk_prob=not arch.moe_router_pre_softmax,
+        router_aux_loss_coef=arch.moe_aux_loss_coeff,
+        **sparse_layer_fields(arch),
+    )
+
+
 def routing_fields(
     config: dict[str, Any], where: str, experts_key: str, renormalise: bool, ffn_key: str
 ) -> dict[str, Any]:

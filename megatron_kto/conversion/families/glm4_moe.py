@@ -19,14 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_kto.config.architecture import GPTArchitecture
-from megatron_kto.conversion.addressing import (
-    Mapping,
-    attention_mappings,
-    dense_mlp_mappings,
-)
+from megatron_kto.conversion.addressing import Mapping
 from megatron_kto.conversion.errors import ConversionError
 from megatron_kto.conversion.families import Family, dense_architecture, mismatch
-from megatron_kto.conversion.moe import expert_mappings, routing_fields, shared_expert_mappings
+from megatron_kto.conversion.families.qwen3_moe import layer_mappings as routed_mappings
+from megatron_kto.conversion.moe import routing_fields, shared_expert_mappings
 
 #: transformers' Glm4MoeConfig default (`__post_init__`), for configs that do not state it.
 DEFAULT_PARTIAL_ROTARY = 0.5
@@ -38,19 +35,11 @@ def layer_mappings(arch: GPTArchitecture, norms: dict[str, str]) -> tuple[Mappin
     """Attention (biases, Q/K norms as the architecture has them), then the router, its expert
     bias, the routed experts and the ungated shared expert — or, for a dense layer (`arch`
     without experts), the dense MLP."""
-    if not arch.num_moe_experts:
-        return attention_mappings(arch) + dense_mlp_mappings()
-    routed = expert_mappings(
-        arch,
-        norms,
-        "mlp.gate.weight",
-        "mlp.experts.{e}.gate_proj.weight",
-        "mlp.experts.{e}.up_proj.weight",
-        "mlp.experts.{e}.down_proj.weight",
-    )
+    if not arch.num_moe_experts:  # Qwen3-MoE's names, as for its routed part
+        return routed_mappings(arch, norms)
     bias = (Mapping("mlp.router.expert_bias", ("mlp.gate.e_score_correction_bias",)),)
     shared = shared_expert_mappings("mlp.shared_experts", None)
-    return attention_mappings(arch) + routed + bias + shared
+    return routed_mappings(arch, norms) + bias + shared
 
 
 def _positive_int(config: dict[str, Any], key: str, where: str, default: int) -> int:

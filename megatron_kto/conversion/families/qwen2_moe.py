@@ -14,9 +14,9 @@ from megatron_kto.conversion.errors import ConversionError
 from megatron_kto.conversion.families import Family, dense_architecture, mismatch
 from megatron_kto.conversion.families.qwen3_moe import layer_mappings as routed_mappings
 from megatron_kto.conversion.moe import (
+    gated_shared_expert_config,
     routing_fields,
     shared_expert_mappings,
-    sparse_layer_fields,
     sparse_layers,
 )
 
@@ -57,16 +57,7 @@ def _architecture(config: dict[str, Any], where: str) -> GPTArchitecture:
 
 def _config(arch: GPTArchitecture, config: dict[str, Any]) -> dict[str, Any]:
     config.pop("num_local_experts", None)
-    config.update(
-        qkv_bias=arch.add_qkv_bias,
-        num_experts=arch.num_moe_experts,
-        num_experts_per_tok=arch.moe_router_topk,
-        moe_intermediate_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
-        shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
-        norm_topk_prob=not arch.moe_router_pre_softmax,
-        router_aux_loss_coef=arch.moe_aux_loss_coeff,
-        **sparse_layer_fields(arch),
-    )
+    config.update(qkv_bias=arch.add_qkv_bias, **gated_shared_expert_config(arch))
     return config
 
 

@@ -26,7 +26,7 @@ from megatron_kto.conversion.addressing import COLUMN, PROJ_WEIGHT, ROW, Mapping
 from megatron_kto.conversion.errors import ConversionError
 from megatron_kto.conversion.families import Family, dense_architecture, mismatch
 from megatron_kto.conversion.families.qwen2_moe import layer_mappings as qwen2_moe_mappings
-from megatron_kto.conversion.moe import routing_fields, sparse_layer_fields, sparse_layers
+from megatron_kto.conversion.moe import gated_shared_expert_config, routing_fields, sparse_layers
 
 logger = logging.getLogger(__name__)
 
@@ -188,15 +188,7 @@ def _config(arch: GPTArchitecture, config: dict[str, Any]) -> dict[str, Any]:
     if not arch.num_moe_experts:
         config.update(num_experts=0, mlp_only_layers=[], decoder_sparse_step=1)
         return config
-    config.update(
-        num_experts=arch.num_moe_experts,
-        num_experts_per_tok=arch.moe_router_topk,
-        moe_intermediate_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
-        shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
-        norm_topk_prob=not arch.moe_router_pre_softmax,
-        router_aux_loss_coef=arch.moe_aux_loss_coeff,
-        **sparse_layer_fields(arch),
-    )
+    config.update(gated_shared_expert_config(arch))
     return config
 
 
