@@ -323,7 +323,9 @@ def te_spec_models(attention: str = "sdpa") -> Iterator[None]:
 
     layer = te_layer_spec(attention)
 
-    def block_spec(config, normalization, backend, vp_stage):
+    def block_spec(config, normalization, backend, vp_stage, extras=None):
+        # Gemma's layer extras (post-norms, per-layer RoPE) have no TE layer: TE is refused for them.
+        assert extras is None or not any(vars(extras).values()), "TE stand-in: no layer extras"
         # The final norm: megatron would pick TENorm with TE; ours has the same parameters.
         count = get_num_layers_to_build(config, vp_stage=vp_stage)
         return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=LocalNorm)
