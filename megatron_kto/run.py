@@ -252,7 +252,8 @@ def run_alignment(cfg: Any, algorithm: str) -> TrainerState:
             if not is_peer_failure(e):
                 raise
             peers_alive = False
-            raise peer_lost(kept_line(log_dir / "checkpoints")) from None
+            kept = kept_line(log_dir / "checkpoints")
+            raise peer_lost(kept, e, cfg.trainer.distributed_timeout_minutes) from None
         finally:
             teardown(barrier=peers_alive)
 

@@ -46,15 +46,22 @@ def wait_for_step(proc: subprocess.Popen, run: Path, step: int, timeout: float =
         time.sleep(0.1)
 
 
-def torchrun(args: list[str], logs: Path, *options: str) -> subprocess.Popen:
+def torchrun(
+    args: list[str], logs: Path, *options: str, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     """`torchrun --standalone --nproc_per_node=2 OPTIONS ARGS` in the background, each rank's
-    streams under `logs` (`<attempt>/<rank>/stderr.log`)."""
+    streams under `logs` (`<attempt>/<rank>/stderr.log`); `env` is added to the environment."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         "--log-dir", str(logs), "--redirects", "3", *options, *args,
     ]  # fmt: skip
     return subprocess.Popen(
-        cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd,
+        cwd=REPO,
+        env={**cli_env(), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

@@ -16,7 +16,13 @@ from megatron_kto.checkpointing import files
 from megatron_kto.checkpointing.disk_space import write_failure_line
 from megatron_kto.logging.metrics_logger import MetricsLogger
 from megatron_kto.runtime.disk import NO_SPACE, free_bytes, no_space_cause, size
-from megatron_kto.runtime.peers import lost_peer_line, reporting_rank
+from megatron_kto.runtime.peers import (
+    is_peer_failure,
+    is_timeout,
+    lost_peer_line,
+    reporting_rank,
+    stuck_line,
+)
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
@@ -103,6 +109,44 @@ def test_the_metrics_logger_keeps_a_failed_write(tmp_path, monkeypatch):
 def test_the_dead_rank_line_and_who_says_it(dead, line, reporter):
     assert lost_peer_line(dead, 4) == f"{line}; the other ranks stopped"
     assert reporting_rank(dead, 4) == reporter
+
+
+#: gloo's words, as tests/test_distributed_timeout.py provokes them; NCCL's watchdog's, as
+#: torch's ProcessGroupNCCL.cpp writes them.
+GLOO_TIMEOUT = (
+    "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+    "6000ms for recv operation to complete"
+)
+NCCL_TIMEOUT = (
+    "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE,"
+    " NumelIn=1, NumelOut=1, Timeout(ms)=6000) ran for 6002 milliseconds before timing out."
+)
+
+
+@pytest.mark.parametrize("words", [GLOO_TIMEOUT, NCCL_TIMEOUT])
+def test_a_collective_timeout_is_a_peer_failure(words):
+    import torch.distributed as dist
+
+    wrapped = RuntimeError("step failed")
+    wrapped.__cause__ = dist.DistBackendError(words)
+    assert is_timeout(wrapped) and is_peer_failure(wrapped)
+    assert not is_timeout(RuntimeError("Connection reset by peer"))
+
+
+@pytest.mark.parametrize(
+    "stuck, steps, line, reporter",
+    [
+        ([1], {0: 7, 1: 7}, "rank 1 of 4 stopped answering at step 7 (its process is", 0),
+        ([0, 2], {1: 3, 0: 2, 2: 3}, "ranks 0, 2 of 4 stopped answering at steps 2, 3 (their", 1),
+        ([3], {0: 1}, "rank 3 of 4 stopped answering before its first step (its process", 0),
+        ([], {}, "every rank timed out waiting for the others after", 0),
+    ],
+)
+def test_the_stuck_rank_line_and_who_says_it(stuck, steps, line, reporter):
+    said = stuck_line(stuck, steps, 4, 0.5)
+    assert said.startswith(line), said
+    assert "trainer.distributed_timeout_minutes=0.5" in said
+    assert reporting_rank(stuck, 4) == reporter
 
 
 def test_a_tensorboard_write_that_fails_is_kept_too(tmp_path):

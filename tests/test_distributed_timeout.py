@@ -1,6 +1,7 @@
 """`trainer.distributed_timeout_minutes` reaches the process groups: a collective that a peer
 never joins fails after the configured timeout (3 s here), not after megatron-core's or torch's
-30 minutes — on the default group and on a megatron-core group (TP) alike. One 2-rank run, ~8 s.
+30 minutes — on the default group and on a megatron-core group (TP) alike — with words that
+`runtime.peers.is_timeout` recognises. One 2-rank run, ~8 s.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def _worker(rank: int, world_size: int) -> list[tuple[float, str]]:
     from megatron.core import parallel_state
 
     from megatron_kto.runtime.distributed import init_runtime
+    from megatron_kto.runtime.peers import is_timeout
 
     if nccl_order._RECORDER is not None:  # a peer that never joins is this test's point
         nccl_order._RECORDER.untraceable = "rank 1 skips the collectives on purpose"
@@ -37,6 +39,7 @@ def _worker(rank: int, world_size: int) -> list[tuple[float, str]]:
             message = "finished"
         except RuntimeError as e:
             message = str(e)
+            assert is_timeout(e), message  # what run.py names the stuck rank after
         waits.append((time.monotonic() - started, message))
     return waits
 

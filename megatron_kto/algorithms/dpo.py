@@ -31,6 +31,7 @@ from megatron_kto.models.forward import data_parallel_all_reduce, eval_mode
 from megatron_kto.models.reference import holding
 from megatron_kto.models.schedule import Batch, to_device
 from megatron_kto.models.training_setup import zero_grads
+from megatron_kto.runtime.peers import mark_step
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -404,6 +405,7 @@ class DPOTrainer:
             batches = self.augment_dataloader(self.train_loader(s.epoch, done_in_epoch))
             started = time.monotonic()
             for batch in batches:
+                mark_step(s.step + 1)  # where a rank stuck in this step stopped (timeouts)
                 metrics = self.train_single_step(batch, started)
                 s.step += 1
                 s.consumed_samples += loop.global_batch_size
