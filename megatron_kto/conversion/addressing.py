@@ -43,11 +43,8 @@ from typing import Any, Literal, Protocol
 import torch
 
 from megatron_kto.config.architecture import GPTArchitecture
-from megatron_kto.conversion.deltanet import (
-    hybrid_expected_shapes,
-    hybrid_fill,
-    hybrid_reads,
-)
+from megatron_kto.conversion.deltanet import hybrid_expected_shapes, hybrid_fill, hybrid_reads
+from megatron_kto.conversion.stacked import INTERLEAVED_KINDS, WHOLE_READ_KINDS, from_stacked
 
 Kind = Literal[
     "direct",
@@ -63,12 +60,8 @@ Kind = Literal[
 ]
 #: Hybrid-model kinds (gated attention, gated DeltaNet): layouts and slices in `conversion/deltanet.py`.
 HYBRID = ("gated_qkv", "deltanet_in_proj", "deltanet_conv")
-#: Kinds whose megatron layout is `gated_mlp`'s (gate rows then up rows) but whose one Hugging
-#: Face tensor interleaves gate and up (GPT-OSS: gate at even, up at odd positions of the last
-#: axis): `interleaved_gated` a [2f] bias, `interleaved_gated_t` an [h, 2f] weight (transposed).
-GATED_KINDS = ("gated_mlp", "interleaved_gated", "interleaved_gated_t")
-#: Kinds read whole (never TP-sliced on read): a rank reads its expert's whole slice.
-WHOLE_READ_KINDS = ("interleaved_gated", "interleaved_gated_t", "transposed")
+#: Kinds with `gated_mlp`'s megatron layout (gate rows then up rows); stacked kinds: `stacked.py`.
+GATED_KINDS = ("gated_mlp", *INTERLEAVED_KINDS)
 Shape = tuple[int, ...]
 
 #: megatron tensor-parallel axis of a weight: 0 column-parallel (output rows), 1 row-parallel
@@ -449,32 +442,6 @@ def fill(
         )
     else:
         out.copy_(part)
-
-
-def from_stacked(kind: str, hf: torch.Tensor) -> torch.Tensor:
-    """The megatron tensor of one expert's slice of a stacked Hugging Face tensor (GPT-OSS):
-    `interleaved_gated_t` [h, 2f] -> fc1 [2f, h] (gate rows, then up rows), `interleaved_gated`
-    [2f] -> [2f] the same way, `transposed` [f, h] -> fc2 [h, f]."""
-    if kind == "transposed":
-        return hf.t()
-    if kind == "interleaved_gated_t":
-        return torch.cat([hf[:, 0::2].t(), hf[:, 1::2].t()], dim=0)
-    if kind == "interleaved_gated":
-        return torch.cat([hf[0::2], hf[1::2]])
-    raise ValueError(f"not a stacked-expert kind: {kind}")
-
-
-def to_stacked(kind: str, megatron: torch.Tensor) -> torch.Tensor:
-    """Inverse of `from_stacked`."""
-    if kind == "transposed":
-        return megatron.t().contiguous()
-    gate, up = megatron.chunk(2, dim=0)
-    if kind == "interleaved_gated_t":
-        gate, up = gate.t(), up.t()
-    out = gate.new_empty(*gate.shape[:-1], 2 * gate.shape[-1])
-    out[..., 0::2] = gate
-    out[..., 1::2] = up
-    return out
 
 
 # ----------------------------------------------------------------------------- reassembly

@@ -19,17 +19,14 @@ from megatron_kto.conversion.addressing import (
     FINAL_NORM,
     LOCAL_NORMS,
     OUTPUT,
-    WHOLE_READ_KINDS,
     Mapping,
-    from_stacked,
     head_layout,
     layer_entries,
-    to_stacked,
 )
 from megatron_kto.conversion.deltanet import HYBRID_KINDS, hybrid_fuse, hybrid_split
 from megatron_kto.conversion.families import Family
 from megatron_kto.conversion.registry import get_family
-from megatron_kto.conversion.stacked import restack
+from megatron_kto.conversion.stacked import WHOLE_READ_KINDS, from_stacked, restack, to_stacked
 
 Getter = Callable[[str], torch.Tensor]
 

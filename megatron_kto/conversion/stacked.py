@@ -21,6 +21,12 @@ from collections.abc import Iterable, Iterator
 import torch
 
 SEP = "#"
+#: Stacked kinds whose one Hugging Face tensor interleaves gate and up (gate at even, up at odd
+#: positions of the last axis), megatron's layout being gate rows then up rows:
+#: `interleaved_gated` a [2f] bias, `interleaved_gated_t` an [h, 2f] weight (transposed).
+INTERLEAVED_KINDS = ("interleaved_gated", "interleaved_gated_t")
+#: Kinds read whole (never TP-sliced on read): a rank reads its expert's whole slice.
+WHOLE_READ_KINDS = (*INTERLEAVED_KINDS, "transposed")
 BLOCKS, SCALES = "_blocks", "_scales"
 #: E2M1 values of the 16 nibbles (sign bit 3, two exponent bits, one mantissa bit).
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -103,3 +109,29 @@ def _flush(
             raise ValueError(f"{base}: expert slices {sorted(parts)} are not 0..{len(parts) - 1}")
         yield base, torch.stack([parts[e] for e in range(len(parts))])
     order.clear()
+
+
+def from_stacked(kind: str, hf: torch.Tensor) -> torch.Tensor:
+    """The megatron tensor of one expert's slice of a stacked Hugging Face tensor (GPT-OSS):
+    `interleaved_gated_t` [h, 2f] -> fc1 [2f, h] (gate rows, then up rows), `interleaved_gated`
+    [2f] -> [2f] the same way, `transposed` [f, h] -> fc2 [h, f]."""
+    if kind == "transposed":
+        return hf.t()
+    if kind == "interleaved_gated_t":
+        return torch.cat([hf[:, 0::2].t(), hf[:, 1::2].t()], dim=0)
+    if kind == "interleaved_gated":
+        return torch.cat([hf[0::2], hf[1::2]])
+    raise ValueError(f"not a stacked-expert kind: {kind}")
+
+
+def to_stacked(kind: str, megatron: torch.Tensor) -> torch.Tensor:
+    """Inverse of `from_stacked`."""
+    if kind == "transposed":
+        return megatron.t().contiguous()
+    gate, up = megatron.chunk(2, dim=0)
+    if kind == "interleaved_gated_t":
+        gate, up = gate.t(), up.t()
+    out = gate.new_empty(*gate.shape[:-1], 2 * gate.shape[-1])
+    out[..., 0::2] = gate
+    out[..., 1::2] = up
+    return out

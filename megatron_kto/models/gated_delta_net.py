@@ -1,7 +1,7 @@
 """megatron-core's gated DeltaNet layer, runnable without `fla` / `causal_conv1d` and on packed rows.
 
 `megatron.core.ssm.gated_delta_net.GatedDeltaNet` (0.16.1) refuses to construct without `fla`,
-places its parameters with `torch.cuda.current_device()` and raises on packed micro-batches.
+allocates its parameters on the current CUDA device and raises on packed micro-batches.
 `PortableGatedDeltaNet` keeps its parameters, their names, shapes and tensor-parallel layout,
 and its `sharded_state_dict` (so checkpoints are megatron's), and replaces construction and the
 forward: the short convolution and the gated delta rule are ours (`models/delta_rule.py`), and a
