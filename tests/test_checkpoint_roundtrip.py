@@ -6,8 +6,8 @@ those 2 steps bit for bit, as must the original run reloading the checkpoint int
 already advanced, optimizer and scheduler. Both megatron optimizers are covered; the distributed
 one is also saved before its first step, and with bf16 parameters (fp32 main weights).
 
-The second half proves each megatron-core 0.16.1 workaround in `optimizer_state.py` /
-`manager.py` is needed: with the workaround switched off, the same resume fails or diverges.
+The second half proves each megatron-core 0.16.1 workaround in `optimizer_state.py`
+is needed: with the workaround switched off, the same resume fails or diverges.
 """
 
 from __future__ import annotations
@@ -108,9 +108,8 @@ def _without(root: Path, workaround: str) -> dict:
         "_load_distributed": lambda opt, state: opt.load_state_dict(state),
         "load_scheduler_state": lambda scheduler, state: scheduler.load_state_dict(state),
     }
-    module = manager_mod if workaround == "load_scheduler_state" else optimizer_state
-    original = getattr(module, workaround)
-    setattr(module, workaround, disabled[workaround])
+    original = getattr(optimizer_state, workaround)
+    setattr(optimizer_state, workaround, disabled[workaround])
     try:
         run = build_run(1, 1, True, seed=7, dropout=0.1)
         if workaround == "load_scheduler_state":
@@ -123,7 +122,7 @@ def _without(root: Path, workaround: str) -> dict:
             return {"error": str(e)}
         return {"run": run}
     finally:
-        setattr(module, workaround, original)
+        setattr(optimizer_state, workaround, original)
 
 
 def _worker(rank: int, world_size: int, tmp: str) -> dict:

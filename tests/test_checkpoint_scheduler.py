@@ -12,7 +12,7 @@ import logging
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_kto.checkpointing.manager import load_scheduler_state
+from megatron_kto.checkpointing.optimizer_state import load_scheduler_state
 
 
 def _scheduler(max_lr: float, decay_steps: int) -> OptimizerParamScheduler:

@@ -23,162 +23,40 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-KTO = REPO / "examples" / "train_gpt_kto.py"
-TOOLS = REPO / "tools"
-TOKENIZER = REPO / "examples" / "data" / "tokenizer" / "tiny_sp.model"
-TRAIN = REPO / "examples" / "data" / "tiny_kto" / "train.jsonl"
-VALIDATION = REPO / "examples" / "data" / "tiny_kto" / "validation.jsonl"
+from acceptance_moe import moe, moe_pp
+from acceptance_runner import (
+    KTO,
+    REPO,
+    TOKENIZER,
+    TOOLS,
+    TRAIN,
+    VALIDATION,
+    CheckFailed,
+    Context,
+    Skip,
+    backend_overrides,
+    check_resumed,
+    figures,
+    format_figures,
+    launch,
+    read_metrics,
+    train,
+    two_ranks,
+    worst_logp_difference,
+)  # fmt: skip
 
-
-class CheckFailed(Exception):
-    """A check's one-line reason for FAIL."""
-
-
-class Skip(Exception):
-    """A check's one-line reason for SKIP."""
-
-
-@dataclass
-class Context:
-    """What the machine has and where the checks write."""
-
-    work: Path
-    cuda: bool
-    gpus: int
-    transformer_engine: bool
-    steps: int
-    timeout: float
-    runs: dict[str, Path] = field(default_factory=dict)
-    """Run directories of passed checks, for the checks that build on them."""
-    deadline: float | None = None
-    """`time.monotonic()` by which the running check must end (its budget), None: no budget."""
-
-
-def launch(ctx: Context, name: str, args: list[str], nproc: int = 1) -> str:
-    """Run a script from the repository root; its output goes to `<work>/<name>.log`.
-
-    Returns:
-        The output (stdout and stderr together).
-
-    Raises:
-        CheckFailed: non-zero exit or timeout, with the last error-looking line.
-    """
-    prefix = [sys.executable]
-    if nproc > 1:
-        prefix += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if not ctx.cuda:
-        env["CUDA_VISIBLE_DEVICES"] = ""  # --cpu on a GPU machine: the CPU path for real
-    log = ctx.work / f"{name}.log"
-    timeout, why = ctx.timeout, f"timed out after --timeout {ctx.timeout:.0f} s"
-    if ctx.deadline is not None and ctx.deadline - time.monotonic() < timeout:
-        timeout, why = max(1.0, ctx.deadline - time.monotonic()), "ran over the check's budget"
-    try:
-        proc = subprocess.run(
-            [*prefix, *map(str, args)], cwd=REPO, env=env, text=True, timeout=timeout,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout or ""
-        log.write_text(out.decode(errors="replace") if isinstance(out, bytes) else out)
-        raise CheckFailed(f"{Path(args[0]).name}: {why} ({log})") from None
-    log.write_text(proc.stdout)
-    if proc.returncode != 0:
-        lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
-        errors = [ln for ln in lines if "error" in ln.lower()] or lines or ["(no output)"]
-        raise CheckFailed(f"exit {proc.returncode}: {errors[-1].strip()[:200]} ({log})")
-    return proc.stdout
-
-
-def read_metrics(run_dir: Path, split: str = "train") -> list[dict[str, Any]]:
-    """The `split` rows of a run's metrics.jsonl, in file order."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        raise CheckFailed(f"{path}: not written")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r.get("split") == split]
-
-
-def figures(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Median tokens/s and MFU (when the run reported one) and the highest peak memory; the
-    first row is left out of the medians when there are others (start-up, compilation)."""
-    timed = rows[1:] or rows
-    out: dict[str, float] = {}
-    for key in ("tokens_per_sec", "mfu"):
-        values = [r[key] for r in timed if r.get(key) is not None]
-        if values:
-            out[key] = statistics.median(values)
-    memory = [r["peak_memory_gb"] for r in rows if r.get("peak_memory_gb") is not None]
-    if memory:
-        out["peak_memory_gb"] = max(memory)
-    return out
-
-
-def format_figures(values: dict[str, float]) -> str:
-    parts = []
-    if "tokens_per_sec" in values:
-        parts.append(f"tokens/s {values['tokens_per_sec']:,.0f}")
-    parts.append(f"MFU {values['mfu']:.1%}" if "mfu" in values else "MFU - (no known peak)")
-    if "peak_memory_gb" in values:
-        parts.append(f"peak memory {values['peak_memory_gb']:.2f} GiB")
-    return ", ".join(parts)
-
-
-def check_trained(rows: list[dict[str, Any]], last_step: int) -> None:
-    """A run trained to `last_step` with finite losses, each step logged once, in order."""
-    steps = [r["step"] for r in rows]
-    if not steps or steps[-1] != last_step:
-        raise CheckFailed(f"metrics end at step {steps[-1] if steps else None}, not {last_step}")
-    if steps != sorted(set(steps)):
-        raise CheckFailed(f"steps logged out of order or twice: {steps}")
-    bad = [r["step"] for r in rows if not math.isfinite(r.get("loss", math.nan))]
-    if bad:
-        raise CheckFailed(f"non-finite loss at steps {bad}")
-
-
-def check_resumed(output: str, rows: list[dict[str, Any]], first: int, total: int) -> None:
-    """The rerun resumed from step `first` (it said so), trained on to `total`, and the steps
-    after the checkpoint continue its sample count."""
-    if f"resumed from step {first}" not in output:
-        raise CheckFailed(f"the rerun did not report 'resumed from step {first}'")
-    check_trained(rows, total)
-    by_step = {r["step"]: r for r in rows}
-    if first not in by_step or first + 1 not in by_step:
-        raise CheckFailed(f"steps {first} and {first + 1} must both be logged")
-    per_step = by_step[first]["consumed_samples"] / first
-    if by_step[first + 1]["consumed_samples"] != round(per_step * (first + 1)):
-        raise CheckFailed("consumed_samples restarted instead of continuing from the checkpoint")
-
-
-def train(ctx: Context, name: str, overrides: list[str], nproc: int = 1, saves: int = 1) -> str:
-    """A bundled-example KTO run of `ctx.steps` steps with `saves` checkpoints, the last at its
-    end; returns its figures line."""
-    run_dir = ctx.work / name
-    args = [
-        KTO,
-        f"exp_manager.explicit_log_dir={run_dir}",
-        f"trainer.kto.max_steps={ctx.steps}",
-        f"trainer.kto.save_interval={max(1, ctx.steps // saves)}",
-        f"trainer.kto.val_check_interval={ctx.steps}",
-        *overrides,
-    ]
-    launch(ctx, name, args, nproc)
-    check_trained(read_metrics(run_dir), ctx.steps)
-    ctx.runs[name] = run_dir
-    return format_figures(figures(read_metrics(run_dir)))
+# The checks' shared pieces (Context, launch, CheckFailed, ...) are this module's too.
+__all__ = ["BUDGETS", "CHECKS", "CheckFailed", "Context", "Skip", "check_resumed", "figures",
+           "format_figures", "launch", "main", "read_metrics", "run_checks", "summary_exit_code",
+           "train"]  # fmt: skip
 
 
 # --- the checks: each returns its figures line (or "") and raises CheckFailed / Skip ----------
@@ -278,7 +156,7 @@ def conversion(ctx: Context) -> str:
         "--max-length", max_length, "--per-example", per_example, "--no-cache",
     ])  # fmt: skip
     ours = [json.loads(line)["policy_logps"] for line in per_example.read_text().splitlines()]
-    worst = _worst_logp_difference(ctx, root / "export", ours, max_length)
+    worst = worst_logp_difference(ctx, root / "export", ours, max_length)
     tolerance = 1e-3 if ctx.cuda else 1e-4
     if not ours or worst > tolerance:
         raise CheckFailed(f"exported model's log-probs differ from ours: rel {worst:.2e}")
@@ -286,134 +164,10 @@ def conversion(ctx: Context) -> str:
     return f"{len(ours)} examples, largest relative log-prob difference {worst:.1e}"
 
 
-def _worst_logp_difference(ctx: Context, hf_dir: Path, ours: list[float], max_length: int) -> float:
-    """Largest relative difference between `ours` (the eval tool's per-example policy log-probs
-    on the validation set) and the completion log-probs `transformers` computes in fp32 with
-    the model in `hf_dir`."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from megatron_kto.data.dataset import build_kto_dataset
-    from megatron_kto.data.tokenizers import load_tokenizer
-
-    tok = load_tokenizer("sentencepiece", str(TOKENIZER))
-    device = "cuda" if ctx.cuda else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(hf_dir).float().to(device).eval()
-    dataset, _ = build_kto_dataset([str(VALIDATION)], tok, max_length, use_cache=False)
-    worst = 0.0
-    with torch.no_grad():
-        for i, expected in enumerate(ours):
-            prompt, completion = list(dataset[i]["prompt_ids"]), list(dataset[i]["completion_ids"])
-            tokens = torch.tensor([prompt + completion], device=device)
-            logp = torch.log_softmax(model(tokens).logits[0, :-1].double(), dim=-1)
-            got = logp.gather(-1, tokens[0, 1:, None])[len(prompt) - 1 :].sum().item()
-            worst = max(worst, abs(got - expected) / max(abs(expected), 1e-6))
-    return worst
-
-
-def moe(ctx: Context) -> str:
-    """A tiny Qwen3-MoE trained straight from its Hugging Face directory (bf16 on CUDA: TE's
-    grouped experts when TE imports, else megatron's local experts; EP=2 when 2 GPUs exist),
-    writing hf/; the eval tool then loads the checkpoint in the local spec in fp32 (SequentialMLP
-    experts: a TE-grouped checkpoint crosses layouts) and its log-probs equal `transformers`' on
-    the written hf/."""
-    root, max_length = ctx.work / "moe", 64
-    ep = 2 if ctx.gpus >= 2 else 1
-    run_dir = root / "run"
-    launch(ctx, "moe_train", [
-        *_moe_run_args(ctx, _tiny_moe_hf(ctx), run_dir, max_length),
-        f"model.expert_model_parallel_size={ep}", "exp_manager.save_hf=true",
-    ], nproc=ep)  # fmt: skip
-    rows = _check_aux_loss(read_metrics(run_dir), ctx.steps)
-    per_example = root / "eval.jsonl"
-    launch(ctx, "moe_eval", [
-        TOOLS / "eval_kto_rewards.py", "--policy", run_dir / "checkpoints", "--data", VALIDATION,
-        "--max-length", max_length, "--per-example", per_example, "--no-cache",
-        "--precision", "32", "--attention-backend", "sdpa",
-    ])  # fmt: skip
-    ours = [json.loads(line)["policy_logps"] for line in per_example.read_text().splitlines()]
-    worst = _worst_logp_difference(ctx, run_dir / "hf", ours, max_length)
-    tolerance = 1e-3 if ctx.cuda else 1e-4
-    if not ours or worst > tolerance:
-        raise CheckFailed(f"hf/ log-probs differ from the eval tool's: rel {worst:.2e}")
-    experts = "TE grouped" if ctx.transformer_engine else "local"
-    return (
-        f"EP={ep}, {experts} experts; {format_figures(figures(rows))}; eval (local spec, fp32) "
-        f"= transformers on hf/ to {worst:.1e}"
-    )
-
-
-def _tiny_moe_hf(ctx: Context) -> Path:
-    """A tiny random Qwen3-MoE's Hugging Face directory (4 experts, top-2, router load-balancing
-    loss 0.01) with the bundled tokenizer's vocabulary, written once under `<work>/moe/hf`."""
-    hf_dir = ctx.work / "moe" / "hf"
-    if (hf_dir / "config.json").exists():
-        return hf_dir
-    if importlib.util.find_spec("transformers") is None:
-        raise Skip("transformers is not installed")
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from megatron_kto.data.tokenizers import load_tokenizer
-
-    hf_logging.disable_progress_bar()
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-        num_experts_per_tok=2, vocab_size=load_tokenizer("sentencepiece", str(TOKENIZER)).vocab_size,
-        max_position_embeddings=128, initializer_range=0.1, router_aux_loss_coef=0.01,
-    )  # fmt: skip
-    Qwen3MoeForCausalLM(config).save_pretrained(hf_dir)
-    return hf_dir
-
-
-def _moe_run_args(ctx: Context, hf_dir: Path, run_dir: Path, max_length: int = 64) -> list:
-    """The entry script and overrides of a KTO run of `ctx.steps` steps from `hf_dir` (bf16 on
-    CUDA, fp32 on the CPU), global batch 8 in micro-batches of 2."""
-    return [
-        KTO, f"pretrained_checkpoint.restore_from_path={hf_dir}",
-        f"model.data.data_prefix.train=[{TRAIN}]", "model.data.data_prefix.validation=[]",
-        "model.tokenizer.library=sentencepiece", f"model.tokenizer.model={TOKENIZER}",
-        f"trainer.precision={'bf16' if ctx.cuda else 32}", f"exp_manager.explicit_log_dir={run_dir}",
-        f"trainer.kto.max_steps={ctx.steps}", "model.global_batch_size=8",
-        "model.micro_batch_size=2", f"model.data.max_length={max_length}",
-    ]  # fmt: skip
-
-
-def _check_aux_loss(rows: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
-    """An MoE run trained to `steps` and logged a finite, positive router aux loss each step."""
-    check_trained(rows, steps)
-    if not all(math.isfinite(r.get("aux_loss", math.nan)) and r["aux_loss"] > 0 for r in rows):
-        raise CheckFailed("aux_loss not logged (finite, > 0) at every step")
-    return rows
-
-
-def _two_ranks(ctx: Context, what: str) -> int:
-    """2: the processes a multi-rank check runs (2 GPUs, or 2 gloo ranks on the CPU).
-
-    Raises:
-        Skip: on CUDA with fewer than 2 GPUs.
-    """
-    if ctx.cuda and ctx.gpus < 2:
-        raise Skip(f"{what} needs 2 GPUs; this machine has {ctx.gpus}")
-    return 2
-
-
-def _backend(ctx: Context) -> tuple[list[str], str]:
-    """Overrides for Transformer Engine's layer spec when it imports (bf16), else the local spec
-    with SDPA (bf16 on CUDA, fp32 on the CPU); and the words for it."""
-    if ctx.transformer_engine:
-        return ["model.attention_backend=te", "trainer.precision=bf16"], "TE spec"
-    precision = "bf16" if ctx.cuda else "32"
-    return ["model.attention_backend=sdpa", f"trainer.precision={precision}"], "local spec (SDPA)"
-
-
 def lora(ctx: Context) -> str:
     """LoRA rank 8 on every projection of the bundled example, the adapters-off reference: step
     1's policy is the reference (B starts at 0), so its loss is 0.5 and z0 is 0 exactly."""
-    overrides, spec = _backend(ctx)
+    overrides, spec = backend_overrides(ctx)
     lora_args = [
         "model.peft.peft_scheme=lora", "model.peft.lora_tuning.adapter_dim=8",
         "model.peft.lora_tuning.target_modules=[all]",
@@ -452,23 +206,10 @@ def distributed_optimizer(ctx: Context) -> str:
     return f"DP={dp}, overlapped grad reduce + param gather; resumed; {figures_line}"
 
 
-def moe_pp(ctx: Context) -> str:
-    """The tiny Qwen3-MoE at PP=2 (one layer per stage) with the router load-balancing loss on:
-    its statistics are shared between the stages, the logged aux loss is the whole model's."""
-    ranks = _two_ranks(ctx, "PP=2")
-    run_dir = ctx.work / "moe_pp"
-    launch(ctx, "moe_pp", [
-        *_moe_run_args(ctx, _tiny_moe_hf(ctx), run_dir), "model.pipeline_model_parallel_size=2",
-    ], nproc=ranks)  # fmt: skip
-    rows = _check_aux_loss(read_metrics(run_dir), ctx.steps)
-    experts = "TE grouped" if ctx.transformer_engine else "local"
-    return f"PP=2, {experts} experts, aux loss {rows[-1]['aux_loss']:.4f}; {format_figures(figures(rows))}"
-
-
 def context_parallel(ctx: Context) -> str:
     """The bundled example at CP=2: every row split over two ranks."""
-    ranks = _two_ranks(ctx, "CP=2")
-    overrides, spec = _backend(ctx)
+    ranks = two_ranks(ctx, "CP=2")
+    overrides, spec = backend_overrides(ctx)
     return f"CP=2, {spec}: " + train(
         ctx, "context_parallel", [*overrides, "model.context_parallel_size=2"], nproc=ranks
     )
@@ -476,7 +217,7 @@ def context_parallel(ctx: Context) -> str:
 
 def pipeline(ctx: Context) -> str:
     """The bundled example at PP=2 (one layer per stage)."""
-    ranks = _two_ranks(ctx, "PP=2")
+    ranks = two_ranks(ctx, "PP=2")
     overrides = [
         "model.pipeline_model_parallel_size=2",
         f"trainer.precision={'bf16' if ctx.cuda else 32}",
@@ -544,7 +285,7 @@ def restart(ctx: Context) -> str:
     """`torchrun --max-restarts 1` with rank 1 killed (SIGKILL) after the first checkpoint: the
     restarted workers form their process groups again (NCCL on 2 GPUs, gloo with --cpu),
     resume from that checkpoint and finish."""
-    ranks = _two_ranks(ctx, "a restart of 2 ranks")
+    ranks = two_ranks(ctx, "a restart of 2 ranks")
     run_dir, total, save = ctx.work / "restart", max(4, ctx.steps), max(2, ctx.steps // 2)
     log = ctx.work / "restart.log"
     args = [KTO, f"exp_manager.explicit_log_dir={run_dir}", f"trainer.kto.max_steps={total}",

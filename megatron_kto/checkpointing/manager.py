@@ -18,18 +18,12 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
-import socket
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import package_info, parallel_state
-from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedBase, is_main_replica
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_kto.checkpointing import files, optimizer_state, rng
@@ -37,15 +31,6 @@ from megatron_kto.checkpointing.adapter_files import (
     BASE_FILE,
     adapter_sharded_state_dict,
     check_same_base,
-)
-from megatron_kto.checkpointing.disk_space import (
-    NO_SPACE,
-    directory_bytes,
-    filesystem_id,
-    free_bytes,
-    no_space_cause,
-    size,
-    write_failure_line,
 )
 from megatron_kto.checkpointing.errors import CheckpointError
 from megatron_kto.checkpointing.model_io import (
@@ -55,6 +40,7 @@ from megatron_kto.checkpointing.model_io import (
     write_architecture,
 )
 from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir, restore_pretrained
+from megatron_kto.checkpointing.save_space import check_space, save_failure
 from megatron_kto.checkpointing.spec_compat import load_module_state, load_sharded
 from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.console import error_summary
@@ -71,36 +57,6 @@ REQUIRED_TRAINER_KEYS = ("epoch", "consumed_samples")
 
 class _Incompatible(CheckpointError):
     """The checkpoint is intact but cannot be loaded into this run; older ones would not be either."""
-
-
-@dataclass(frozen=True)
-class _Space:
-    """A save's size estimate and the least free space a rank has for it (bytes)."""
-
-    needed: int
-    free: int
-
-
-def _tensor_bytes(sharded: dict[str, Any]) -> int:
-    """Bytes of the tensors this rank writes in a dist_checkpointing save of `sharded`: the main
-    replicas of its `ShardedTensor`s (replicas on other ranks are written once, by their main
-    replica's rank)."""
-    total = 0
-    for value in nested_values(sharded):
-        data = getattr(value, "data", None)
-        if isinstance(value, ShardedBase) and torch.is_tensor(data):
-            if is_main_replica(getattr(value, "replica_id", 0)):
-                total += data.numel() * data.element_size()
-    return total
-
-
-def _innermost(error: BaseException) -> BaseException:
-    """The first per-rank failure a torch `CheckpointException` carries, else `error`."""
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        return first[0] if isinstance(first, tuple) else first
-    return error
 
 
 def current_layout() -> dict[str, int | None]:
@@ -143,35 +99,6 @@ def _describe(layout: dict[str, Any], kind: str | None) -> str:
         + (f" ETP={etp}" if (etp := _saved(layout, "expert_tensor_parallel_size")) != tp else "")
     )
     return f"{text}, {kind or 'no'} optimizer"
-
-
-def load_scheduler_state(scheduler: Any, state: dict[str, Any]) -> None:
-    """Set an `OptimizerParamScheduler` (fresh or already stepped) to a saved state.
-
-    Workaround: `OptimizerParamScheduler.load_state_dict()` (megatron-core 0.16.1) ends with
-    `self.step(increment=num_steps)`, i.e. it *adds* the saved step count to the current one;
-    loading into a scheduler that has already stepped (a fallback after a failed load, or a
-    reload within one process) would overshoot. Start from 0.
-    """
-    current = scheduler.state_dict()
-    changed = {
-        k: (state[k], v)
-        for k, v in current.items()
-        if k != "num_steps" and k in state and state[k] != v
-    }
-    if changed and (not dist.is_initialized() or dist.get_rank() == 0):
-        # megatron-core keeps the checkpoint's values (use_checkpoint_opt_param_scheduler);
-        # say so, or a changed model.optim.* or max_steps would be ignored without a word.
-        logger.warning(
-            "the LR schedule of this run differs from the checkpoint's (%s); resuming with the "
-            "checkpoint's schedule, as megatron-core does",
-            ", ".join(f"{k}: checkpoint {a}, config {b}" for k, (a, b) in sorted(changed.items())),
-        )
-    scheduler.num_steps = 0
-    scheduler.load_state_dict(state)
-    # load_state_dict sets the LR/WD before it reads the checkpoint's weight-decay settings;
-    # re-apply so the param groups reflect all of them.
-    scheduler.step(increment=0)
 
 
 class CheckpointManager:
@@ -272,7 +199,7 @@ class CheckpointManager:
             sharded["optimizer"] = optimizer_state.sharded_state_dict(optimizer, model_sd, False)
         # Before anything is written: a save that cannot fit stops here, whole, instead of
         # failing part-way through megatron-core's writers.
-        space = self._space_check(step, tmp, sharded)
+        space = check_space(self.root, self._group, self._rank, step, tmp, sharded)
 
         error: BaseException | None = None
         if self._rank == 0:
@@ -282,7 +209,7 @@ class CheckpointManager:
             except OSError as e:
                 error = e
         if not self._all_ok(error is None):
-            raise self._failed(tmp, step, error, space)
+            raise save_failure(self.root, self._rank, tmp, step, error, space)
 
         try:
             save_sharded(sharded, tmp)
@@ -297,7 +224,7 @@ class CheckpointManager:
             except OSError as e:
                 error = e
         if not self._all_ok(error is None):
-            raise self._failed(tmp, step, error, space)
+            raise save_failure(self.root, self._rank, tmp, step, error, space)
 
         if self._rank == 0:
             try:
@@ -308,7 +235,9 @@ class CheckpointManager:
             except OSError as e:
                 error = e
         if not self._all_ok(error is None):
-            raise self._failed(tmp if tmp.exists() else final, step, error, space)
+            raise save_failure(
+                self.root, self._rank, tmp if tmp.exists() else final, step, error, space
+            )
         self._last_saved_step = step
         return final
 
@@ -351,83 +280,6 @@ class CheckpointManager:
         write_architecture(tmp, arch)
         if self.lora_base is not None:
             files.write_json(tmp / BASE_FILE, self.lora_base)
-
-    def _space_check(self, step: int, tmp: Path, sharded: dict[str, Any]) -> _Space:
-        """How many bytes this save writes and how much space is free for it; stops the save
-        before it writes anything when it cannot fit, and warns when the save after it will not.
-
-        Each rank's writers write the tensor bytes of its main replicas. Ranks of one host on one
-        file system (same device number) certainly share it: they need the sum of their bytes
-        there, and when the whole job is on one file system, at least the size of the newest
-        checkpoint (small files and shard headers included). Tensor bytes are a lower bound on
-        the save, so a file system with less free space than that would fail the save for
-        certain: stopping before it costs nothing and leaves no partial files. Ranks on other
-        hosts may share a network file system or not; for them the total is only a warning.
-
-        Raises:
-            CheckpointError: on every rank, when some file system cannot hold its part.
-        """
-        host = zlib.crc32(socket.gethostname().encode())
-        info = torch.tensor(
-            [_tensor_bytes(sharded), free_bytes(self.root), host, filesystem_id(self.root)],
-            dtype=torch.int64,
-        )
-        every = [torch.zeros_like(info) for _ in range(dist.get_world_size(self._group))]
-        dist.all_gather(every, info, group=self._group)
-        groups: dict[tuple[int, int], list[int]] = {}
-        for written, free, *where in (t.tolist() for t in every):
-            group = groups.setdefault(tuple(where), [0, free])
-            group[0] += written
-            group[1] = min(group[1], free)
-        total = sum(int(t[0]) for t in every)
-        if len(groups) == 1:
-            name, _ = files.read_latest(self.root)
-            if name is not None:
-                total = max(total, directory_bytes(self.root / name))
-            groups = {key: [total, free] for key, (_, free) in groups.items()}
-        needed, free = max(groups.values(), key=lambda g: g[0] - g[1])
-        space = _Space(needed, free)
-        if free < needed:
-            raise CheckpointError(
-                write_failure_line(
-                    tmp, f"the checkpoint of step {step}", NO_SPACE, self.root, needed, free
-                )
-            )
-        least = min(free for _, free in groups.values())
-        if least - total < total and self._rank == 0:
-            # Old checkpoints are pruned only after the new one is complete.
-            logger.warning(
-                "low disk space: %s free on %s after the checkpoint of step %d; the next one "
-                "needs ~%s more — free space before then or the run will stop at that save",
-                size(max(0, least - total)),
-                self.root,
-                step,
-                size(total),
-            )
-        return space
-
-    def _failed(
-        self, where: Path, step: int, error: BaseException | None, space: _Space
-    ) -> CheckpointError:
-        """The error every rank raises for a failed save (the line is rank 0's to print); the
-        partial `.tmp` is removed — every rank has left the save, so nothing writes into it."""
-        if self._rank != 0:
-            return CheckpointError(f"{where}: the save failed (rank 0 says why)")
-        if error is None:
-            cause = "failed on another rank"
-        else:
-            # What is left to write, for an error that names no cause: the tensors minus the
-            # bytes already in the partial directory.
-            left = space.needed - directory_bytes(where)
-            cause = no_space_cause(error, self.root, left) or error_summary(_innermost(error))
-        if where.name.endswith(files.TMP_SUFFIX):
-            shutil.rmtree(where, ignore_errors=True)
-        free = free_bytes(self.root)
-        return CheckpointError(
-            write_failure_line(
-                where, f"the checkpoint of step {step}", cause, self.root, space.needed, free
-            )
-        )
 
     @staticmethod
     def _trainer_record(step: int, trainer_state: dict[str, Any]) -> dict[str, Any]:
@@ -626,7 +478,7 @@ class CheckpointManager:
             optimizer_state.load_state_dict(optimizer, loaded["optimizer"])
 
         if scheduler is not None:
-            load_scheduler_state(scheduler, plan["scheduler"])
+            optimizer_state.load_scheduler_state(scheduler, plan["scheduler"])
         if plan["rng"] is not None:
             rng.restore(plan["rng"])
         elif self._rank == 0:

@@ -24,14 +24,18 @@ fails without each of them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_kto.checkpointing.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 #: Passed to `MegatronOptimizer.sharded_state_dict` for save and load alike.
 SHARDING_METADATA = {
@@ -165,3 +169,32 @@ def load_state_dict(optimizer: Any, loaded: Any) -> None:
         else:
             opt.load_state_dict(part)
     untie_steps(optimizer)
+
+
+def load_scheduler_state(scheduler: Any, state: dict[str, Any]) -> None:
+    """Set an `OptimizerParamScheduler` (fresh or already stepped) to a saved state.
+
+    Workaround: `OptimizerParamScheduler.load_state_dict()` (megatron-core 0.16.1) ends with
+    `self.step(increment=num_steps)`, i.e. it *adds* the saved step count to the current one;
+    loading into a scheduler that has already stepped (a fallback after a failed load, or a
+    reload within one process) would overshoot. Start from 0.
+    """
+    current = scheduler.state_dict()
+    changed = {
+        k: (state[k], v)
+        for k, v in current.items()
+        if k != "num_steps" and k in state and state[k] != v
+    }
+    if changed and (not dist.is_initialized() or dist.get_rank() == 0):
+        # megatron-core keeps the checkpoint's values (use_checkpoint_opt_param_scheduler);
+        # say so, or a changed model.optim.* or max_steps would be ignored without a word.
+        logger.warning(
+            "the LR schedule of this run differs from the checkpoint's (%s); resuming with the "
+            "checkpoint's schedule, as megatron-core does",
+            ", ".join(f"{k}: checkpoint {a}, config {b}" for k, (a, b) in sorted(changed.items())),
+        )
+    scheduler.num_steps = 0
+    scheduler.load_state_dict(state)
+    # load_state_dict sets the LR/WD before it reads the checkpoint's weight-decay settings;
+    # re-apply so the param groups reflect all of them.
+    scheduler.step(increment=0)
