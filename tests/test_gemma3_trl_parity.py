@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_tiny import make_tokenizer, write_kto_rows
-from trl_harness import assert_same_trajectory, import_start, our_kto_trajectory, trl_kto_trajectory
+from hf_tiny import make_tokenizer
+from trl_harness import check_trajectory, prepare_trajectory
 
 pytestmark = pytest.mark.e2e
 trl = pytest.importorskip("trl")
 
-ROWS, WINDOW = 64, 8
+WINDOW = 8
 
 
 def _make_gemma(directory: Path) -> None:
@@ -63,16 +63,9 @@ def _make_gemma(directory: Path) -> None:
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gemma3_trl")
-    _make_gemma(root / "hf")
-    write_kto_rows(root / "train.jsonl", 0, ROWS)
-    start = import_start(root)
-    return root, trl_kto_trajectory(root, aux=False), start
+    return prepare_trajectory(tmp_path_factory.mktemp("gemma3_trl"), _make_gemma, aux=False)
 
 
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])
 def test_trajectory_equals_trl(prepared, pack):
-    root, trl_run, start = prepared
-    metrics, ours = our_kto_trajectory(root, "packed" if pack else "padded", pack)
-    moving = ("norm.weight", "proj.weight", "embed_tokens.weight")
-    assert_same_trajectory(metrics, ours, trl_run, start, moving=moving)
+    check_trajectory(prepared, pack, moving=("norm.weight", "proj.weight", "embed_tokens.weight"))

@@ -19,13 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_tiny import make_tokenizer, write_kto_rows
-from trl_harness import assert_same_trajectory, import_start, our_kto_trajectory, trl_kto_trajectory
+from hf_tiny import make_tokenizer
+from trl_harness import check_trajectory, prepare_trajectory
 
 pytestmark = pytest.mark.e2e
 trl = pytest.importorskip("trl")
-
-ROWS = 64
 
 
 def _make_glm(directory: Path) -> None:
@@ -68,17 +66,12 @@ def _make_glm(directory: Path) -> None:
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    root = tmp_path_factory.mktemp("glm_trl")
-    _make_glm(root / "hf")
-    write_kto_rows(root / "train.jsonl", 0, ROWS)
-    start = import_start(root)
-    return root, trl_kto_trajectory(root, aux=False), start
+    return prepare_trajectory(tmp_path_factory.mktemp("glm_trl"), _make_glm, aux=False)
 
 
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])
 def test_trajectory_equals_trl(prepared, pack):
-    root, trl_run, start = prepared
-    metrics, ours = our_kto_trajectory(root, "packed" if pack else "padded", pack)
-    assert_same_trajectory(metrics, ours, trl_run, start, moving=("mlp.gate.weight",))
+    ours = check_trajectory(prepared, pack, moving=("mlp.gate.weight",))
+    _, _, start = prepared
     biases = [k for k in ours if k.endswith("e_score_correction_bias")]
     assert biases and all(torch.equal(ours[k], start[k]) for k in biases)  # frozen on both sides

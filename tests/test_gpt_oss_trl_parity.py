@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_tiny import make_tokenizer, write_kto_rows
+from hf_tiny import make_tokenizer
 from test_gpt_oss import _hf_config
-from trl_harness import assert_same_trajectory, import_start, our_kto_trajectory, trl_kto_trajectory
+from trl_harness import check_trajectory, prepare_trajectory
 
 pytestmark = pytest.mark.e2e
 trl = pytest.importorskip("trl")
 
-AUX_COEF, ROWS = 0.1, 64
+AUX_COEF = 0.1
 
 
 def _make_hf(directory: Path) -> None:
@@ -43,16 +43,9 @@ def _make_hf(directory: Path) -> None:
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpt_oss_trl")
-    _make_hf(root / "hf")
-    write_kto_rows(root / "train.jsonl", 0, ROWS)
-    start = import_start(root)
-    return root, trl_kto_trajectory(root, aux=True), start
+    return prepare_trajectory(tmp_path_factory.mktemp("gpt_oss_trl"), _make_hf, aux=True)
 
 
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])
 def test_trajectory_equals_trl(prepared, pack):
-    root, trl_run, start = prepared
-    metrics, ours = our_kto_trajectory(root, "packed" if pack else "padded", pack)
-    moving = ("router.weight", "sinks", "gate_up_proj")
-    assert_same_trajectory(metrics, ours, trl_run, start, moving=moving)
+    check_trajectory(prepared, pack, moving=("router.weight", "sinks", "gate_up_proj"))

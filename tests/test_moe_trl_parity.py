@@ -21,26 +21,22 @@ agree to fp32 round-off, and the weights must have moved well beyond it.
 from __future__ import annotations
 
 import pytest
-from hf_tiny import make_hf_qwen3_moe, write_kto_rows
-from trl_harness import assert_same_trajectory, import_start, our_kto_trajectory, trl_kto_trajectory
+from hf_tiny import make_hf_qwen3_moe
+from trl_harness import check_trajectory, prepare_trajectory
 
 pytestmark = pytest.mark.e2e
 trl = pytest.importorskip("trl")
 
-AUX_COEF, ROWS = 0.1, 64
+AUX_COEF = 0.1
 
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_trl")
-    make_hf_qwen3_moe(root / "hf", AUX_COEF)
-    write_kto_rows(root / "train.jsonl", 0, ROWS)
-    start = import_start(root)
-    return root, trl_kto_trajectory(root, aux=True), start
+    return prepare_trajectory(
+        tmp_path_factory.mktemp("moe_trl"), lambda d: make_hf_qwen3_moe(d, AUX_COEF), aux=True
+    )
 
 
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])
 def test_trajectory_equals_trl(prepared, pack):
-    root, trl_run, start = prepared
-    metrics, ours = our_kto_trajectory(root, "packed" if pack else "padded", pack)
-    assert_same_trajectory(metrics, ours, trl_run, start, moving=("mlp.gate.weight",))
+    check_trajectory(prepared, pack, moving=("mlp.gate.weight",))

@@ -211,6 +211,27 @@ def our_kto_trajectory(root: Path, name: str, pack: bool) -> tuple[list[dict], d
     return read_metrics(log_dir), {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def prepare_trajectory(root: Path, make_hf, aux: bool) -> tuple[Path, tuple, dict]:
+    """A trajectory test's module fixture: `make_hf(root / "hf")` writes the model (and its
+    tokenizer), 64 KTO rows go to `root/train.jsonl`, the model is imported (`import_start`) and
+    TRL's run made: (root, `trl_kto_trajectory`'s result, the starting state dict)."""
+    from hf_tiny import write_kto_rows
+
+    make_hf(root / "hf")
+    write_kto_rows(root / "train.jsonl", 0, 64)
+    start = import_start(root)
+    return root, trl_kto_trajectory(root, aux), start
+
+
+def check_trajectory(prepared: tuple, pack: bool, moving: tuple[str, ...]) -> dict:
+    """Our run (packed or padded) against `prepare_trajectory`'s TRL run
+    (`assert_same_trajectory`); returns our exported state dict."""
+    root, trl_run, start = prepared
+    metrics, ours = our_kto_trajectory(root, "packed" if pack else "padded", pack)
+    assert_same_trajectory(metrics, ours, trl_run, start, moving)
+    return ours
+
+
 def import_start(root: Path) -> dict:
     """Import `root/hf` into `root/mcore` with `tools/convert_checkpoint.py`; returns the HF
     model's starting fp32 state dict (to show the weights moved)."""
