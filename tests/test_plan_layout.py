@@ -127,6 +127,14 @@ def test_bf16_model_state_bytes_per_parameter():
     assert (state.weights, state.gradients, state.optimizer) == (2 * n, 4 * n, 12 * n)
 
 
+def _first_row(out: subprocess.CompletedProcess) -> list[str]:
+    """The cells of the tool's first (recommended) table row."""
+    first = next(
+        line for line in out.stdout.splitlines() if line.startswith("| ") and "TP" not in line
+    )
+    return [c.strip() for c in first.strip("|").split("|")]
+
+
 def _run_tool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(REPO / "tools" / "plan_layout.py"), *args],
@@ -141,10 +149,7 @@ def test_8b_on_8x80gb_fits_and_recommendation_is_within_memory(tmp_path):
     out = _run_tool("--hf-config", str(tmp_path), "--gpus", "8", "--gpu-memory", "80GB")
     assert out.returncode == 0, out.stderr
     assert "recommended: the first row" in out.stdout
-    first = next(
-        line for line in out.stdout.splitlines() if line.startswith("| ") and "TP" not in line
-    )
-    cells = [c.strip() for c in first.strip("|").split("|")]
+    cells = _first_row(out)
     tp, pp, dp, peak = int(cells[0]), int(cells[1]), int(cells[2]), float(cells[8])
     assert tp * pp * dp == 8 and peak < 80e9 / 2**30
     # The plan of that row, recomputed independently of the tool's table, fits too.
@@ -234,10 +239,7 @@ def test_8b_lora_on_one_24gb_gpu_fits(tmp_path):
     out = _run_tool(*args, "--lora-rank", "16")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "recommended: the first row" in out.stdout and "adapters_off" in out.stdout
-    first = next(
-        line for line in out.stdout.splitlines() if line.startswith("| ") and "TP" not in line
-    )
-    peak = float([c.strip() for c in first.strip("|").split("|")][8])
+    peak = float(_first_row(out)[8])
     # Above the bf16 base weights alone (2 bytes per parameter), below the usable 24 GB.
     assert 2 * 8.03e9 / 2**30 < peak < (0.92 * 24e9 - 1.5 * 2**30) / 2**30
     bad = _run_tool(*args, "--lora-rank", "16", "--lora-targets", "nope")
@@ -276,10 +278,7 @@ def test_moe_model_plans_its_experts(tmp_path):
     out = _run_tool(*args)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "128 experts of 768 (top-8)" in out.stdout and "| EP | ETP |" in out.stdout
-    first = next(
-        line for line in out.stdout.splitlines() if line.startswith("| ") and "TP" not in line
-    )
-    cells = [c.strip() for c in first.strip("|").split("|")]
+    cells = _first_row(out)
     tp, pp, dp, peak = int(cells[0]), int(cells[1]), int(cells[2]), float(cells[8])
     ep, etp = int(cells[11]), int(cells[12])
     assert tp * pp * dp == 8 and 128 % ep == 0 and (tp * dp) % (ep * etp) == 0
@@ -308,8 +307,5 @@ def test_gpt_oss_20b_lora_fits_one_80gb_gpu(tmp_path):
     out = _run_tool(*args, "--lora-rank", "16")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "32 experts of 2880 (top-4)" in out.stdout and "LoRA rank 16 on attention" in out.stdout
-    first = next(
-        line for line in out.stdout.splitlines() if line.startswith("| ") and "TP" not in line
-    )
-    peak = float([c.strip() for c in first.strip("|").split("|")][8])
+    peak = float(_first_row(out)[8])
     assert 2 * 20.9e9 / 2**30 < peak <= (0.92 * 80e9 - 1.5 * 2**30) / 2**30
