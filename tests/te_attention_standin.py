@@ -13,8 +13,12 @@ context_parallel}.py` at tag v2.9; a violation raises `TEContractError` naming w
   `sbhd`/`bshd` 4-D, `thd` 3-D with a `padding*` mask and int32 `cu_seqlens_q/kv` of one shape;
 * under CP (`attn_forward_func_with_cp`): `thd` only with `cp_comm_type="p2p"` and with
   `cu_seqlens_*_padded`; every (padded) sequence a multiple of 2·CP, the local token count
-  their sum / CP; `sbhd`/`bshd` local length even and no padding mask; no sliding window, no
-  attention bias;
+  their sum / CP; `sbhd`/`bshd` local length even and no padding mask; no sliding window
+  (`attn_forward_func_with_cp` asserts one only with `cp_comm_type` "a2a" or "all_gather", TE
+  2.9–2.12), no attention bias;
+* sliding windows: `window_size` (left, 0) or the no-window (-1, 0) / None, from the constructor
+  or the call; a query at position i of its sequence sees keys i − left .. i ("in [i + s_k − s_q
+  − left, i + s_k − s_q + right] inclusive", `utils.get_full_mask`, self-attention: s_k = s_q);
 * masks: only the causal kinds GPT uses (`causal`, `padding_causal`) are modelled here.
 
 The computation is TE's "DualChunkSwap" layout read back (`context_parallel.py`, the docstring
@@ -206,7 +210,11 @@ class DotProductAttention(torch.nn.Module):
         _require(mask in MODELLED_MASKS, f"mask type {mask!r} is not modelled here")
         _require(fmt in ("sbhd", "bshd", "thd"), f"qkv_format {fmt!r}")
         window = window_size if window_size is not None else self.window_size
-        _require(window in (None, (-1, 0)), f"sliding window {window} is not modelled")
+        window = None if window == (-1, 0) else window
+        _require(
+            window is None or (window[0] >= 0 and window[1] == 0),
+            f"sliding window {window} is not modelled (only (left, 0))",
+        )
         _require(
             core_attention_bias_type == "no_bias" and core_attention_bias is None,
             "attention bias is not modelled",
@@ -216,6 +224,11 @@ class DotProductAttention(torch.nn.Module):
             raise NotImplementedError("the TE attention stand-in has no dropout")
         cp = self.cp_group.size() if self.cp_group is not None else 1
         rank = self.cp_group.rank() if self.cp_group is not None else 0
+        _require(
+            window is None or cp == 1 or self.cp_comm_type in ("a2a", "all_gather"),
+            f"Context parallelism does not support sliding window attention with "
+            f"cp_comm_type={self.cp_comm_type!r}",
+        )
         if fmt == "thd":
             starts, lengths, real = self._thd_segments(
                 q, attention_mask, mask, cp, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
@@ -244,9 +257,11 @@ class DotProductAttention(torch.nn.Module):
                 "padded_lengths": list(lengths),
                 "real_lengths": list(real),
                 "local_tokens": q3.shape[0],
+                "window_size": window,
             }
         )
-        out = self._attend(q3, k3, v3, starts, lengths, real, cp, rank)
+        left = window[0] if window is not None else None
+        out = self._attend(q3, k3, v3, starts, lengths, real, cp, rank, left)
         if fmt == "thd":
             return out
         rows_out = out.view(rows, local, -1)
@@ -294,8 +309,9 @@ class DotProductAttention(torch.nn.Module):
         )
         return bounds[:-1], lengths, real
 
-    def _attend(self, q, k, v, starts, lengths, real, cp, rank) -> torch.Tensor:
-        """[t, h·d]: local queries over the whole sequences' keys (module docstring)."""
+    def _attend(self, q, k, v, starts, lengths, real, cp, rank, left=None) -> torch.Tensor:
+        """[t, h·d]: local queries over the whole sequences' keys (module docstring); with
+        `left`, only the keys at most `left` positions before the query."""
         device = q.device
         if cp > 1:
             gathered = [
@@ -323,6 +339,8 @@ class DotProductAttention(torch.nn.Module):
             & is_real[None, :]
             & is_real[q_pos][:, None]
         )
+        if left is not None:
+            visible &= offset[None, :] >= q_off[:, None] - left
         groups = q.shape[1] // k.shape[1]
         k, v = (t.repeat_interleave(groups, dim=1).float() for t in (k, v))
         scores = torch.einsum("qhd,khd->hqk", q.float(), k) * self.softmax_scale

@@ -138,3 +138,24 @@ def test_the_backend_decision_for_windows():
         choose_attention_backend("te", accelerator=te, context_parallel_size=2, **common)
     with pytest.raises(ValueError, match=r"^model\.attention_backend: 'local' .*sliding-window"):
         choose_attention_backend("local", accelerator=Accelerator(cuda=False), **common)
+
+
+def test_te_fused_window_needs_no_attention_dropout():
+    """TE 2.9–2.12 fuse a (left, 0) window in cuDNN only without attention dropout, in
+    flash-attn 2.3+ either way: with dropout and no flash-attn `auto` keeps SDPA and says why;
+    an explicit te still runs (unfused, unpacked) — packed on 2.9 nothing does."""
+    te = Accelerator(cuda=True, transformer_engine="2.9.0")
+    common = dict(precision="bf16", head_dim=64, sliding_window=True, attention_dropout=0.1)
+    auto = choose_attention_backend("auto", accelerator=te, packed=True, **common)
+    assert auto.backend == "sdpa" and "without attention dropout" in auto.reason
+    assert choose_attention_backend("te", accelerator=te, packed=False, **common).backend == "te"
+    with pytest.raises(ValueError, match=r"^model\.attention_backend: 'te' cannot run"):
+        choose_attention_backend("te", accelerator=te, packed=True, **common)
+    flash = Accelerator(cuda=True, transformer_engine="2.9.0", flash_attn=True)
+    assert (
+        choose_attention_backend("auto", accelerator=flash, packed=True, **common).backend == "te"
+    )
+    no_window = {**common, "sliding_window": False}
+    assert (
+        choose_attention_backend("auto", accelerator=te, packed=True, **no_window).backend == "te"
+    )

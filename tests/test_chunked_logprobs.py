@@ -10,6 +10,11 @@ layer equals the full-logits path in values and gradients.
   each gradient tensor's largest entry.
 * A bf16 weight outside megatron DDP gets its gradient summed in fp32 and rounded once.
 * `hidden_states_output` really skips the output layer and always restores the model.
+* Memory (torch's CPU allocator, `planning.measure.AllocationTrace`): the chunked head's peak
+  over its forward + backward holds one chunk's logits and the weight gradient, so it does not
+  grow with the number of scored tokens beyond their [N, H] hidden-state gradient, while full
+  logits grow by 3 x N x V floats (`tools/bench_logprobs.py --vocab 262144` shows it at
+  Gemma 3's vocabulary).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from megatron_kto.models.logprobs import IGNORE_INDEX
 from megatron_kto.models.output_head import hidden_states_output
 from megatron_kto.models.schedule import run_schedule, split_micro_batches, to_device
 from megatron_kto.models.training_setup import wrap_ddp
+from megatron_kto.planning.measure import AllocationTrace
 from megatron_kto.runtime import init_runtime, teardown
 
 VOCAB, PADDED = 100, 128
@@ -233,3 +239,40 @@ def test_dpo_step_equal_with_chunked_logprobs(runtime):
     for name, want in g0.items():
         scale = want.abs().max().item()
         assert scale > 0 and (g3[name] - want).abs().max().item() <= TOL * scale, name
+
+
+def _head_peaks(cases: list[tuple[int, int | None]], vocab: int, hidden: int) -> list[int]:
+    """Bytes the output head's forward + backward adds at its peak, per (tokens, chunk) case
+    (chunked, or full logits with `log_softmax` when chunk is None), in one allocator trace."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(vocab, hidden, generator=g, requires_grad=True)
+    with AllocationTrace() as trace:
+        for tokens, chunk in cases:
+            h = torch.randn(tokens, hidden, generator=g, requires_grad=True)
+            target = torch.randint(0, vocab, (tokens,), generator=g)
+            with trace.window():
+                if chunk is None:
+                    logp = torch.log_softmax(h @ w.t(), -1).gather(1, target[:, None])[:, 0]
+                else:
+                    logp, _ = chunked_token_logprobs(h, w, target, chunk, vocab)
+                logp.sum().backward()
+                del logp
+            del h, target
+            w.grad = None
+    return [peak - start for start, peak in trace.windows]
+
+
+def test_chunked_head_peak_is_flat_in_the_scored_tokens():
+    """V 2048, H 16, chunks of 32, N = 128 and 1024 scored tokens. Chunked: the peak is the
+    weight gradient (V·H·4 B, 0.125 MiB) plus a chunk's fp32 logits and their softmax (2·c·V·4,
+    0.5 MiB), so going from N to 8N adds only per-token terms — the [N, H] hidden-state gradient
+    and a few fp32 values per token (≤ H·4 + 32 B each). Full logits: the [N, V] logits, their
+    log-softmax and its gradient (≥ 3·N·V·4 B, 24 MiB at N = 1024) — the test fails for a head
+    that keeps [N, V]."""
+    vocab, hidden, chunk, small, large = 2048, 16, 32, 128, 1024
+    small_peak, large_peak, full = _head_peaks(
+        [(small, chunk), (large, chunk), (large, None)], vocab, hidden
+    )
+    assert large_peak - small_peak <= (large - small) * (hidden * 4 + 32)
+    assert large_peak <= vocab * 4 * (hidden + 3 * chunk) + large * (hidden * 4 + 32)
+    assert full >= 3 * large * vocab * 4 > 20 * large_peak

@@ -127,6 +127,14 @@ def test_bf16_model_state_bytes_per_parameter():
     assert (state.weights, state.gradients, state.optimizer) == (2 * n, 4 * n, 12 * n)
 
 
+def _first_row(out: subprocess.CompletedProcess) -> list[str]:
+    """The cells of the tool's first (recommended) table row."""
+    first = next(
+        line for line in out.stdout.splitlines() if line.startswith("| ") and "TP" not in line
+    )
+    return [c.strip() for c in first.strip("|").split("|")]
+
+
 def _run_tool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(REPO / "tools" / "plan_layout.py"), *args],
@@ -141,10 +149,7 @@ def test_8b_on_8x80gb_fits_and_recommendation_is_within_memory(tmp_path):
     out = _run_tool("--hf-config", str(tmp_path), "--gpus", "8", "--gpu-memory", "80GB")
     assert out.returncode == 0, out.stderr
     assert "recommended: the first row" in out.stdout
-    first = next(
-        line for line in out.stdout.splitlines() if line.startswith("| ") and "TP" not in line
-    )
-    cells = [c.strip() for c in first.strip("|").split("|")]
+    cells = _first_row(out)
     tp, pp, dp, peak = int(cells[0]), int(cells[1]), int(cells[2]), float(cells[8])
     assert tp * pp * dp == 8 and peak < 80e9 / 2**30
     # The plan of that row, recomputed independently of the tool's table, fits too.
@@ -234,10 +239,7 @@ def test_8b_lora_on_one_24gb_gpu_fits(tmp_path):
     out = _run_tool(*args, "--lora-rank", "16")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "recommended: the first row" in out.stdout and "adapters_off" in out.stdout
-    first = next(
-        line for line in out.stdout.splitlines() if line.startswith("| ") and "TP" not in line
-    )
-    peak = float([c.strip() for c in first.strip("|").split("|")][8])
+    peak = float(_first_row(out)[8])
     # Above the bf16 base weights alone (2 bytes per parameter), below the usable 24 GB.
     assert 2 * 8.03e9 / 2**30 < peak < (0.92 * 24e9 - 1.5 * 2**30) / 2**30
     bad = _run_tool(*args, "--lora-rank", "16", "--lora-targets", "nope")
@@ -268,7 +270,7 @@ def test_moe_model_plans_its_experts(tmp_path):
     parameter's bf16 weight and fp32 gradient and its 12 bytes of Adam state live on some rank
     (nothing replicated counted), so the busiest GPU holds at least 18 x 30.5e9 / 8 bytes — a
     plan that treated the model as dense (its 6144-wide dense MLP, ~4.5B parameters) could not
-    reach that. The recommendation names its EP and ETP; LoRA of an MoE model is refused."""
+    reach that. The recommendation names its EP and ETP; LoRA on its experts is refused."""
     from test_plan_moe import QWEN3_30B_A3B
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
@@ -276,14 +278,34 @@ def test_moe_model_plans_its_experts(tmp_path):
     out = _run_tool(*args)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "128 experts of 768 (top-8)" in out.stdout and "| EP | ETP |" in out.stdout
-    first = next(
-        line for line in out.stdout.splitlines() if line.startswith("| ") and "TP" not in line
-    )
-    cells = [c.strip() for c in first.strip("|").split("|")]
+    cells = _first_row(out)
     tp, pp, dp, peak = int(cells[0]), int(cells[1]), int(cells[2]), float(cells[8])
     ep, etp = int(cells[11]), int(cells[12])
     assert tp * pp * dp == 8 and 128 % ep == 0 and (tp * dp) % (ep * etp) == 0
     assert 18 * 30.5e9 / 8 / 2**30 <= peak <= (0.92 * 80e9 - 1.5 * 2**30) / 2**30
-    bad = _run_tool(*args, "--lora-rank", "8")
+    bad = _run_tool(*args, "--lora-rank", "8", "--lora-targets", "all")
     lines = bad.stderr.splitlines()
-    assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --lora-rank")
+    assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --lora-targets")
+    assert "experts take no adapters" in lines[0]
+
+
+def test_gpt_oss_20b_lora_fits_one_80gb_gpu(tmp_path):
+    """GPT-OSS-20B (its published config.json fields, MXFP4 quantization_config included) with
+    LoRA rank 16 on 1 x 80 GB: the tool plans adapters on the attention, the recommendation fits,
+    and its peak holds at least the bf16 base weights (20.9e9 x 2 bytes: the experts dequantised,
+    not MXFP4's 4.25 bits)."""
+    from test_plan_moe import GPT_OSS
+
+    config = {
+        **GPT_OSS,
+        "num_hidden_layers": 24,
+        "num_local_experts": 32,
+        "quantization_config": {"quant_method": "mxfp4"},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = ("--hf-config", str(tmp_path), "--gpus", "1", "--gpu-memory", "80GB")
+    out = _run_tool(*args, "--lora-rank", "16")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "32 experts of 2880 (top-4)" in out.stdout and "LoRA rank 16 on attention" in out.stdout
+    peak = float(_first_row(out)[8])
+    assert 2 * 20.9e9 / 2**30 < peak <= (0.92 * 80e9 - 1.5 * 2**30) / 2**30

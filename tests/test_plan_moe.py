@@ -211,3 +211,74 @@ def test_gpt_oss_parameter_counts(layers, experts, billions):
     arch.padded_vocab_size = arch.vocab_size
     assert total_parameters(arch) == expected
     assert round(expected / 1e9, 1) == billions
+
+
+def _gpt_oss_layer(experts: int, local: int) -> int:
+    """One GPT-OSS layer from the published shapes (h 2880, 64 query heads and 8 KV heads of 64,
+    experts of 2880) on a rank holding `local` of its `experts`: q [4096, 2880] + 4096, k and v
+    [512, 2880] + 512 each, o [2880, 4096] + 2880, 64 sinks, two norms of 2880, the router
+    [E, 2880] + E (every expert's row on every rank), and per local expert gate/up [5760, 2880]
+    + 5760 and down [2880, 2880] + 2880."""
+    h = 2880
+    attention = (h * 4096 + 4096) + 2 * (h * 512 + 512) + (4096 * h + h) + 64
+    expert = (h * 5760 + 5760) + (2880 * h + h)
+    return attention + 2 * h + (experts * h + experts) + local * expert
+
+
+#: LoRA rank 16 on q/k/v/o of one GPT-OSS layer: r·(in + out) per projection.
+GPT_OSS_ADAPTERS = 16 * ((2880 + 4096) + 2 * (2880 + 512) + (4096 + 2880))
+EMBEDDING = 201088 * 2880
+
+
+def _gpt_oss_arch(layers: int, experts: int):
+    arch = architecture_from_hf(
+        {**GPT_OSS, "num_hidden_layers": layers, "num_local_experts": experts}
+    )
+    arch.padded_vocab_size = arch.vocab_size
+    return arch
+
+
+def test_gpt_oss_20b_lora_model_state_by_hand():
+    """GPT-OSS-20B, LoRA rank 16 on the attention (an MoE model's experts take no adapters), bf16,
+    one rank: every base weight frozen at 2 bytes (the MXFP4 experts dequantised to bf16 — 20.9B x
+    2 = 41.8 GB, not MXFP4's ~13 GB), only the adapters get an fp32 gradient (4 bytes) and Adam
+    state with an fp32 main copy (12 bytes). Figures from the published shapes, not the plan's
+    formulas."""
+    from megatron_kto.planning.model_state import LoRAShape, model_state
+
+    base = 24 * _gpt_oss_layer(32, 32) + 2 * EMBEDDING + 2880  # untied embedding/output, final norm
+    adapters = 24 * GPT_OSS_ADAPTERS
+    assert (round(base / 1e9, 1), adapters) == (20.9, 7_962_624)
+    lora = LoRAShape(16, ("attention",))
+    state = model_state(_gpt_oss_arch(24, 32), ParallelDims(precision="bf16"), lora=lora)
+    assert state.parameters == base + adapters
+    assert (state.weights, state.gradients, state.optimizer) == (
+        2 * (base + adapters),
+        4 * adapters,
+        12 * adapters,
+    )
+    with pytest.raises(ValueError, match="experts take no adapters"):
+        model_state(_gpt_oss_arch(24, 32), ParallelDims(), lora=LoRAShape(16, ("all",)))
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_gpt_oss_120b_rank_state_over_ep_by_hand(lora):
+    """GPT-OSS-120B at PP 4 x DP 2 with EP 2, bf16, no distributed optimizer: pipeline rank 0
+    holds the embedding and 9 layers, each with 64 of the 128 experts (EP halves them; nothing
+    else is split). Full fine-tuning: 2 + 4 + 12 bytes per parameter (bf16 weight, fp32 gradient,
+    Adam moments and fp32 main copy). LoRA rank 16 on the attention: 2 bytes per frozen
+    parameter, 2 + 4 + 12 per adapter."""
+    from megatron_kto.planning.model_state import LoRAShape, model_state
+
+    base = EMBEDDING + 9 * _gpt_oss_layer(128, 64)
+    adapters = 9 * GPT_OSS_ADAPTERS if lora else 0
+    dims = ParallelDims(pp=4, dp=2, ep=2, precision="bf16")
+    shape = LoRAShape(16, ("attention",)) if lora else None
+    state = model_state(_gpt_oss_arch(36, 128), dims, pp_rank=0, lora=shape)
+    trained = adapters if lora else base
+    assert state.parameters == base + adapters
+    assert (state.weights, state.gradients, state.optimizer) == (
+        2 * (base + adapters),
+        4 * trained,
+        12 * trained,
+    )

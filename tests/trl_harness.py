@@ -145,3 +145,126 @@ def trl_optimizer_overrides(lr: float, eps: float) -> list[str]:
         "model.optim.betas=[0.9,0.999]",
         "model.optim.weight_decay=0.0",
     ]
+
+
+# The KTO trajectory tests' common run: 8 steps of one 8-row micro-batch, β 0.1, constant lr 1e-3,
+# Adam ε 1e-5 (see `test_e2e_lora.py`), gradient clip 1.0; fp32 on both sides.
+STEPS, BATCH, BETA, LR, EPS, CLIP = 8, 8, 0.1, 1e-3, 1e-5, 1.0
+LOSS_RTOL = 1e-5
+WEIGHT_ATOL = 2e-6
+
+
+def trl_kto_trajectory(root: Path, aux: bool) -> tuple[list[float], list[float], dict]:
+    """TRL's run from `root/hf` over `root/train.jsonl`: (step losses, step aux losses — empty
+    unless `aux`, which must match TRL's own `aux_loss_enabled` — final state dict)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = kl_aligned_dataset(root / "train.jsonl", BATCH)
+    model = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(root / "hf")
+    args = kto_args(root / "trl", batch=BATCH, steps=STEPS, lr=LR, eps=EPS, clip=CLIP, beta=BETA)
+    trainer = in_order_trainer()(
+        model=model, args=args, train_dataset=data, processing_class=tokenizer
+    )
+    assert trainer.aux_loss_enabled == aux
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return [e["loss"] for e in logged], [e["aux_loss"] for e in logged if aux], state
+
+
+def our_kto_trajectory(root: Path, name: str, pack: bool) -> tuple[list[dict], dict]:
+    """Our run of `examples/train_gpt_kto.py` from the imported `root/mcore` with the same data,
+    order and optimizer as `trl_kto_trajectory`, exported to `root/<name>_hf`: (metrics rows,
+    the exported model's fp32 state dict)."""
+    import torch
+    from e2e_cli import KTO_SCRIPT, QUIET, REPO, read_metrics, run_script
+    from transformers import AutoModelForCausalLM
+
+    log_dir = root / name
+    run_script(
+        KTO_SCRIPT,
+        [
+            *QUIET,
+            f"pretrained_checkpoint.restore_from_path={root / 'mcore'}",
+            f"model.data.data_prefix.train=[{root / 'train.jsonl'}]",
+            "model.data.data_prefix.validation=[]",
+            "model.data.shuffle=false",
+            "model.data.max_length=128",
+            f"model.data.pack_sequences={str(pack).lower()}",
+            "trainer.precision=32",
+            f"exp_manager.explicit_log_dir={log_dir}",
+            f"trainer.kto.max_steps={STEPS}",
+            f"trainer.kto.gradient_clip_val={CLIP}",
+            f"model.global_batch_size={BATCH}",
+            f"model.micro_batch_size={BATCH}",
+            f"model.kto.ref_policy_kl_penalty={BETA}",
+            *trl_optimizer_overrides(LR, EPS),
+        ],
+        timeout=900,
+    )
+    out = root / f"{name}_hf"
+    tool = REPO / "tools" / "convert_checkpoint.py"
+    run_script(tool, ["export", "--ckpt", str(log_dir), "--out", str(out)])
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    return read_metrics(log_dir), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def prepare_trajectory(root: Path, make_hf, aux: bool) -> tuple[Path, tuple, dict]:
+    """A trajectory test's module fixture: `make_hf(root / "hf")` writes the model (and its
+    tokenizer), 64 KTO rows go to `root/train.jsonl`, the model is imported (`import_start`) and
+    TRL's run made: (root, `trl_kto_trajectory`'s result, the starting state dict)."""
+    from hf_tiny import write_kto_rows
+
+    make_hf(root / "hf")
+    write_kto_rows(root / "train.jsonl", 0, 64)
+    start = import_start(root)
+    return root, trl_kto_trajectory(root, aux), start
+
+
+def check_trajectory(prepared: tuple, pack: bool, moving: tuple[str, ...]) -> dict:
+    """Our run (packed or padded) against `prepare_trajectory`'s TRL run
+    (`assert_same_trajectory`); returns our exported state dict."""
+    root, trl_run, start = prepared
+    metrics, ours = our_kto_trajectory(root, "packed" if pack else "padded", pack)
+    assert_same_trajectory(metrics, ours, trl_run, start, moving)
+    return ours
+
+
+def import_start(root: Path) -> dict:
+    """Import `root/hf` into `root/mcore` with `tools/convert_checkpoint.py`; returns the HF
+    model's starting fp32 state dict (to show the weights moved)."""
+    import torch
+    from e2e_cli import REPO, run_script
+    from transformers import AutoModelForCausalLM
+
+    tool = REPO / "tools" / "convert_checkpoint.py"
+    run_script(tool, ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "mcore")])
+    start = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).state_dict()
+    return {k: v.clone() for k, v in start.items()}
+
+
+def assert_same_trajectory(metrics, ours, trl_run, start, moving: tuple[str, ...]) -> None:
+    """Step losses (and aux losses where TRL logs them) to `LOSS_RTOL`, every final weight to
+    `WEIGHT_ATOL`, and the tensors whose names end with `moving` moved well beyond it."""
+    import pytest
+
+    trl_losses, trl_aux, trl_state = trl_run
+    losses = [r["loss"] for r in metrics]
+    print(f"\nours loss {losses}\ntrl  loss {trl_losses}")
+    assert len(losses) == len(trl_losses) == STEPS
+    if trl_aux:
+        aux = [r["aux_loss"] for r in metrics]
+        print(f"ours aux {aux}\ntrl  aux {trl_aux}")
+        assert aux == pytest.approx(trl_aux, rel=LOSS_RTOL)
+    else:
+        assert all("aux_loss" not in r for r in metrics)
+    assert losses == pytest.approx(trl_losses, rel=LOSS_RTOL)
+    assert ours.keys() == trl_state.keys()
+    worst = max((ours[k] - trl_state[k]).abs().max().item() for k in ours)
+    moved = {k: (trl_state[k] - start[k]).abs().max().item() for k in ours}
+    print(f"weights: max |ours - trl| {worst:.1e}; smallest move {min(moved.values()):.1e}")
+    assert worst <= WEIGHT_ATOL
+    named = [k for k in ours if k.endswith(moving)]
+    assert named and all(moved[k] > 100 * WEIGHT_ATOL for k in named)

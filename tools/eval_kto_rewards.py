@@ -243,6 +243,7 @@ def choose_attention(settings: dict[str, Any]):
             head_dim=head_dim_of(arch),
             sliding_window=bool(arch.sliding_window),
             local_layers_only=local_layers_only_of(arch),
+            attention_sinks=bool(arch.attention_sinks),
             context_parallel_size=settings["context_parallel_size"],
             names=SettingNames("--attention-backend", "--precision", packing=None),
         )

@@ -4,15 +4,15 @@
     python tools/plan_layout.py --hf-config config.json --gpus 1 --gpu-memory 24GB --seq 2048
     python tools/plan_layout.py --hf-config config.json --gpus 1 --gpu-memory 24GB --lora-rank 16
 
-Reads a Hugging Face config.json (a file or the directory holding it; Llama / Mistral / Qwen2 /
-Qwen3, and the mixture-of-experts Qwen3-MoE / Mixtral / Qwen2-MoE), enumerates every valid
-TP / PP / DP (× EP / ETP for an MoE model) × micro-batch × recomputation × reference strategy for
-a KTO run (a LoRA run with `--lora-rank`: adapters on `--lora-targets`, reference adapters-off
-or precomputed; not for MoE models, refused with exit code 2), and prints the fastest few that
-fit (or, if none does, the smallest and by how much it misses). How memory and time are
-estimated, and every assumption: `megatron_kto/planning/` (`model_state.py`, `memory.py`,
-`activations.py`, `layout.py`). Exit code 0 when something fits, 1 when nothing
-does, 2 for bad arguments.
+Reads a Hugging Face config.json (a file or the directory holding it; every family
+`tools/convert_checkpoint.py` imports, the mixture-of-experts ones and GPT-OSS included),
+enumerates every valid TP / PP / DP (× EP / ETP for an MoE model) × micro-batch × recomputation
+× reference strategy for a KTO run (a LoRA run with `--lora-rank`: adapters on `--lora-targets`,
+reference adapters-off or precomputed; an MoE model's adapters on its attention, its experts
+frozen and split over EP), and prints the fastest few that fit (or, if none does, the smallest
+and by how much it misses). How memory and time are estimated, and every assumption:
+`megatron_kto/planning/` (`model_state.py`, `memory.py`, `activations.py`, `layout.py`). Exit
+code 0 when something fits, 1 when nothing does, 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.hf_config import ConversionError
 from megatron_kto.conversion.hf_dir import model_architecture, read_json
-from megatron_kto.peft.targets import resolve_targets
+from megatron_kto.peft.targets import check_moe_targets, resolve_targets
 from megatron_kto.planning.layout import GPU_TYPES, Cluster, candidates, format_candidates
 from megatron_kto.planning.model_state import LoRAShape
 
@@ -65,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora-rank", type=int, default=None, help="plan a LoRA run of this rank")
     parser.add_argument(
         "--lora-targets",
-        default="all",
-        help="LoRA target modules, comma-separated (NeMo or Hugging Face names; default all)",
+        default=None,
+        help="LoRA target modules, comma-separated (NeMo or Hugging Face names; default all, "
+        "an MoE model's attention)",
     )
     args = parser.parse_args(argv)
     path = Path(args.hf_config)
@@ -76,20 +77,17 @@ def main(argv: list[str] | None = None) -> int:
         if not path.is_file():
             raise ValueError(f"--hf-config: {path} does not exist")
         arch = read_model(path)
-        if arch.num_moe_experts and args.lora_rank is not None:
-            raise ValueError(
-                f"--lora-rank: LoRA of a mixture-of-experts model ({arch.num_moe_experts} "
-                "routed experts) is not planned"
-            )
         if args.gpus < 1 or args.global_batch < 1:
             raise ValueError("--gpus and --global-batch must be >= 1")
         lora = None
         if args.lora_rank is not None:
             if args.lora_rank < 1:
                 raise ValueError(f"--lora-rank: must be >= 1, got {args.lora_rank}")
-            targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+            names = args.lora_targets or ("attention" if arch.num_moe_experts else "all")
+            targets = tuple(t.strip() for t in names.split(",") if t.strip())
             try:
                 resolve_targets(list(targets), arch)
+                check_moe_targets(list(targets), arch)
             except ValueError as e:
                 raise ValueError(f"--lora-targets: {e}") from e
             lora = LoRAShape(args.lora_rank, targets)

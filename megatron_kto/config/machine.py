@@ -75,6 +75,7 @@ def attention_choice(cfg: Any, accelerator: Any = None) -> Any:
             sliding_window=bool(m.sliding_window),
             local_layers_only=local_layers_only_of(m),
             attention_sinks=bool(m.attention_sinks),
+            attention_dropout=float(m.attention_dropout or 0.0),
             sequence_parallel=m.sequence_parallel,
             context_parallel_size=m.context_parallel_size,
         )

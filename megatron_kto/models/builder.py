@@ -238,6 +238,7 @@ def attention_choice(arch: GPTArchitecture, layout: ParallelLayout) -> Attention
             sliding_window=bool(arch.sliding_window),
             local_layers_only=local_layers_only_of(arch),
             attention_sinks=arch.attention_sinks,
+            attention_dropout=arch.attention_dropout,
             sequence_parallel=layout.sequence_parallel,
             context_parallel_size=layout.context_parallel_size,
         )

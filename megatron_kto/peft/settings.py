@@ -18,7 +18,12 @@ from megatron_kto.peft.adapter_config import (
     contradiction,
     peft_selection,
 )
-from megatron_kto.peft.targets import DEFAULT_TARGET_MODULES, resolve_targets, selected_layers
+from megatron_kto.peft.targets import (
+    DEFAULT_TARGET_MODULES,
+    check_moe_targets,
+    resolve_targets,
+    selected_layers,
+)
 
 SCHEMES = ("none", "lora")
 #: `model.peft.reference`: the starting policy (base + starting adapter) or the base model.
@@ -246,19 +251,10 @@ def check_peft(model_cfg: Any, algorithm: str, arch: Any) -> None:
         selected_layers(layers, arch.num_layers)
     except ValueError as e:
         raise ConfigError(f"{_KEY}.layer_selection: {e}") from e
-    if getattr(arch, "num_moe_experts", None):
-        mlp = [
-            p
-            for t in resolve_targets(targets, arch)
-            if t.linear.startswith("mlp.")
-            for p in t.projections
-        ]
-        if mlp:
-            raise ConfigError(
-                f"{_KEY}.target_modules: {targets} adapts the MLP ({', '.join(mlp)}), "
-                "whose experts take no adapters in a mixture-of-experts model; target the attention "
-                "only (attention_qkv, attention_dense, attention or q_proj/k_proj/v_proj/o_proj)"
-            )
+    try:
+        check_moe_targets(targets, arch)
+    except ValueError as e:
+        raise ConfigError(f"{_KEY}.target_modules: {e}") from e
 
 
 def reference_includes_starting_adapter(model_cfg: Any) -> bool:

@@ -128,6 +128,29 @@ def resolve_targets(names: list[str], arch: Any) -> list[LinearTargets]:
     ]
 
 
+def check_moe_targets(names: list[str], arch: Any) -> None:
+    """Refuse MLP targets on a mixture-of-experts model: its experts take no adapters
+    (`wiring.apply_lora` adapts the attention only there).
+
+    Raises:
+        ValueError: `names` adapt an MLP projection of a model with routed experts.
+    """
+    if not getattr(arch, "num_moe_experts", None):
+        return
+    mlp = [
+        p
+        for t in resolve_targets(names, arch)
+        if t.linear.startswith("mlp.")
+        for p in t.projections
+    ]
+    if mlp:
+        raise ValueError(
+            f"{list(names)} adapts the MLP ({', '.join(mlp)}), whose experts take no adapters in "
+            "a mixture-of-experts model; target the attention only (attention_qkv, "
+            "attention_dense, attention or q_proj/k_proj/v_proj/o_proj)"
+        )
+
+
 def projection_shape(name: str, arch: Any) -> tuple[int, int]:
     """(in_features, out_features) of a Hugging Face projection, unsharded."""
     heads = arch.num_attention_heads

@@ -41,6 +41,11 @@ before launch. What it reproduces (megatron-core 0.16.1, the way `models.trainin
   wraps the chunks, and megatron DDP and its optimizer skip parameters without `requires_grad`:
   gradient buffers, optimizer state and the distributed optimizer's shards hold the adapters
   only, and the frozen weights stay in their own tensors (outside the DDP param buffer).
+  An MoE model takes adapters on its attention only (`peft.wiring`): its routed experts stay
+  frozen in the param dtype, each rank holding its E/EP of them — no expert gradient buffer, no
+  expert optimizer state. GPT-OSS's published MXFP4 experts are dequantised on load
+  (`conversion.stacked.dequantize_mxfp4`, one expert at a time) into the run's param dtype, so they count at 2 (bf16) or 4 (fp32) bytes
+  per element here, never at MXFP4's 4.25 bits.
 
 Everything is in bytes of real tensors: `tests/test_memory_plan.py` builds the model and optimizer
 through the trainer's own builders at TP/PP/VPP/DP × precision × optimizer and compares
@@ -50,10 +55,15 @@ through the trainer's own builders at TP/PP/VPP/DP × precision × optimizer and
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_kto.config.architecture import GPTArchitecture
-from megatron_kto.peft.targets import projection_shape, resolve_targets, selected_layers
+from megatron_kto.peft.targets import (
+    check_moe_targets,
+    projection_shape,
+    resolve_targets,
+    selected_layers,
+)
 
 #: Bytes per element of each precision's parameters.
 PARAM_BYTES = {"32": 4, "bf16": 2, "16": 2}
@@ -256,13 +266,14 @@ def chunk_parameters(
     lora: LoRAShape | None = None,
 ) -> list[Param]:
     """Parameters of one model chunk, in `named_parameters()` order (names without wrappers);
-    under LoRA the base parameters are frozen and the adapters follow them.
+    under LoRA the base parameters (an MoE model's routed experts included, still split over EP)
+    are frozen and the adapters follow them.
 
     Raises:
-        ValueError: a LoRA run of a mixture-of-experts model (not modelled).
+        ValueError: LoRA targets an MoE model's MLP (`peft.targets.check_moe_targets`).
     """
-    if lora is not None and arch.num_moe_experts:
-        raise ValueError("memory planning of LoRA on mixture-of-experts models is not supported")
+    if lora is not None:
+        check_moe_targets(list(lora.targets), arch)
     vpp = dims.vpp or 1
     first = pp_rank == 0 and vp_stage == 0
     last = pp_rank == dims.pp - 1 and vp_stage == vpp - 1
@@ -285,7 +296,7 @@ def chunk_parameters(
             out.append(Param("output_layer.weight", vocab * h, tied))
     if lora is None:
         return out
-    frozen = [Param(p.name, p.numel, p.shared_embedding, trainable=False) for p in out]
+    frozen = [replace(p, trainable=False) for p in out]
     layers = range(offset, offset + layers_per_chunk(arch, dims))
     return frozen + lora_parameters(arch, dims, lora, layers)
 

@@ -31,16 +31,27 @@ run any precision and head dim on CPU and CUDA; `local` cannot keep packed rows 
 context parallelism; `sdpa` has its own (keys and values all-gathered over the CP group,
 `models/cp_attention.py`), for padded and packed micro-batches.
 
-Sliding-window attention (`model.sliding_window`, megatron-core's `window_size`): `sdpa` runs
-it everywhere (band masks, packed rows and context parallelism included); TE takes `window_size`
-in its own attention (not run on a GPU by our tests yet). Whether TE's context parallelism with
-our `cp_comm_type="p2p"` honours a window is not established here, so windows + CP is `sdpa`
-under `auto` and an error for an explicit `te`. megatron's `local` attention builds its window
-mask on CUDA only and ignores a padding mask with it: refused.
+Sliding-window attention (`model.sliding_window`, megatron-core's `window_size` (W − 1, 0) and
+per-layer `window_attn_skip_freq`, which megatron-core's `TEDotProductAttention` turns into each
+windowed layer's TE `window_size`): `sdpa` runs it everywhere (band masks, packed rows and context
+parallelism included). TE (2.9–2.12, `get_attention_backend`'s sliding-window filter) runs
+(left, 0) windows in flash-attn 2.3+, in cuDNN's fused attention only without attention dropout
+(cuDNN 9.2+ for `sbhd`, 9.6+ for packed `thd`: `nvte_get_fused_attn_backend`; the image's cuDNN
+is newer), and in its unfused attention as a mask; so with `model.attention_dropout` > 0 and no
+flash-attn only the unfused path is left (not chosen by `auto`). Shown on CPU through
+megatron-core's real `TEDotProductAttention` over a TE stand-in (`tests/test_te_sliding_window.py`),
+not yet on a GPU. TE's context parallelism takes a window only with `cp_comm_type` "a2a" or
+"all_gather" (an assertion in `attn_forward_func_with_cp`), we use "p2p": windows + CP is
+`sdpa` under `auto` and an error for an explicit `te`. megatron's `local` attention builds its
+window mask on CUDA only and ignores a padding mask with it: refused. Gemma 3's local layers need
+post-norms and their own RoPE base (`local_layers_only`), which TE's layer spec lacks: never TE.
 
 Attention sinks (`model.attention_sinks`, GPT-OSS): `sdpa` computes them (an extra key column,
 `models/attention.py`), checked against `transformers`; `auto` chooses it, an explicit `te` or
-`local` is refused (neither is verified with sinks here), and so is context parallelism.
+`local` is refused, and so is context parallelism. TE has them from 2.8 (`softmax_type=
+"learnable"`, a [heads/TP] `softmax_offset` like ours, passed by megatron-core 0.16.1), but only
+in its fused and unfused attention, and for packed (`thd`) input not at all before 2.12 (2.12:
+fused with cuDNN 9.18+, or unfused); unverified against `transformers` here, so not used.
 
 How `auto` decides: TE when it is usable and one of its fused kernels surely exists for the
 configuration (bf16/fp16, head dim a multiple of 8 up to 128); otherwise `sdpa` — in fp32 TE
@@ -141,9 +152,15 @@ class _TECapability:
 
 
 def _te_capability(
-    accelerator: Accelerator, precision: str, packed: bool, head_dim: int, cp: int
+    accelerator: Accelerator,
+    precision: str,
+    packed: bool,
+    head_dim: int,
+    cp: int,
+    window_dropout: bool = False,
 ) -> _TECapability:
-    """What TE (usable on this machine) can do for the configuration; see the module table."""
+    """What TE (usable on this machine) can do for the configuration; see the module table
+    (`window_dropout`: a sliding window with attention dropout, which only flash-attn fuses)."""
     version = _te_version(accelerator)
     named = f"Transformer Engine {accelerator.transformer_engine}"
     half = precision in _HALF
@@ -154,7 +171,10 @@ def _te_capability(
     packed_kernel = (
         not packed or accelerator.flash_attn or capability is None or capability >= HOPPER
     )
-    kernel_possible = half and aligned and head_dim <= KERNEL_HEAD_DIM_MAX and packed_kernel
+    window_kernel = not window_dropout or accelerator.flash_attn
+    kernel_possible = (
+        half and aligned and head_dim <= KERNEL_HEAD_DIM_MAX and packed_kernel and window_kernel
+    )
     kernel_sure = kernel_possible and head_dim <= KERNEL_HEAD_DIM_EVERY_GPU
     unfused_thd = version is not None and version >= TE_UNFUSED_THD_SINCE
     unfused_runs = cp == 1 and (not packed or unfused_thd)
@@ -164,6 +184,11 @@ def _te_capability(
         no_kernel = (
             f"its fused attention takes packed (THD) input only on Hopper (sm90) or newer, this "
             f"GPU is sm{capability[0]}{capability[1]}, and flash-attn is not installed"
+        )
+    elif not window_kernel:
+        no_kernel = (
+            "its fused attention takes a sliding window only without attention dropout "
+            "(model.attention_dropout), and flash-attn is not installed"
         )
     elif not kernel_possible:
         no_kernel = (
@@ -227,6 +252,7 @@ def choose_attention_backend(
     sliding_window: bool = False,
     local_layers_only: bool = False,
     attention_sinks: bool = False,
+    attention_dropout: float = 0.0,
     names: SettingNames = CONFIG_NAMES,
 ) -> AttentionChoice:
     """The attention backend for a configuration on a machine.
@@ -245,6 +271,8 @@ def choose_attention_backend(
             and per-layer RoPE base, `models.gemma_layers`): never TE.
         attention_sinks: a learned sink logit per head (`model.attention_sinks`, GPT-OSS): only
             `sdpa` computes them (verified against `transformers`), and not under CP.
+        attention_dropout: `model.attention_dropout`; with a sliding window, TE's fused
+            attention needs it 0 (flash-attn takes either).
         names: how messages spell the settings (config keys by default).
 
     Returns:
@@ -262,7 +290,13 @@ def choose_attention_backend(
     cp = context_parallel_size
     what = _describe(precision, packed, cp)
     te_usable = accelerator.has_transformer_engine
-    te = _te_capability(accelerator, precision, packed, head_dim, cp) if te_usable else None
+    te = (
+        _te_capability(
+            accelerator, precision, packed, head_dim, cp, sliding_window and attention_dropout > 0
+        )
+        if te_usable
+        else None
+    )
 
     if request == "local" and packed:
         where = names.packing or key
