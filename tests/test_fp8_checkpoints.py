@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_tiny import hf_row_logp_sums
 from multirank import run_multirank
 
 VOCAB, BLOCK = 128, (128, 128)
@@ -60,7 +61,7 @@ def quantize(weight: torch.Tensor, block=BLOCK) -> tuple[torch.Tensor, torch.Ten
 
 
 def _configs():
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     shape = dict(
         hidden_size=128,
@@ -73,7 +74,12 @@ def _configs():
         max_position_embeddings=64,
         tie_word_embeddings=False,
     )
-    return {"llama": LlamaConfig(**shape), "qwen3": Qwen3Config(**shape)}
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True)
+    return {
+        "llama": LlamaConfig(**shape),
+        "qwen3": Qwen3Config(**shape),
+        "qwen3_moe": Qwen3MoeConfig(**shape, **moe),
+    }
 
 
 def _write_fp8(src: Path, dst: Path, dtype: str, mtp: bool = False) -> None:
@@ -112,22 +118,21 @@ def _batch():
 
 
 def _hf_logp_sums(model) -> torch.Tensor:
-    tokens, _, _ = _batch()
-    out = []
-    with torch.no_grad():
-        for i, n in enumerate(LENGTHS):
-            logits = model(tokens[i : i + 1, :n]).logits[0, :-1].double()
-            out.append(logits.log_softmax(-1).gather(-1, tokens[i, 1:n, None]).sum())
-    return torch.stack(out)
+    return hf_row_logp_sums(model, _batch()[0], LENGTHS)
 
 
-def _load(hf_dir: Path, tp: int, rt, precision: str = "32"):
+def _load(hf_dir: Path, tp: int, rt, precision: str = "32", ep: int = 1):
     from megatron_kto.checkpointing.hf_source import load_hf_model
     from megatron_kto.conversion.hf_dir import read_hf_architecture
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
 
     _, arch = read_hf_architecture(hf_dir)
-    layout = ParallelLayout(tensor_model_parallel_size=tp, precision=precision)
+    layout = ParallelLayout(
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        precision=precision,
+    )
     chunks = build_gpt_chunks(arch, layout, rt.device)
     load_hf_model(hf_dir, chunks)
     return arch, chunks
@@ -174,7 +179,7 @@ def _single_worker(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
-def _tp2_worker(rank: int, world_size: int, root: str) -> dict:
+def _two_rank_worker(rank: int, world_size: int, root: str) -> dict:
     from megatron_kto.conversion import safetensors_io
     from megatron_kto.runtime import init_runtime, teardown
 
@@ -188,9 +193,13 @@ def _tp2_worker(rank: int, world_size: int, root: str) -> dict:
     safetensors_io.HFWeights._read = recording
     rt = init_runtime(2, 1, seed=0)
     arch, chunks = _load(Path(root) / "llama_fp8", 2, rt)
-    logp = _logp_sums(arch, chunks)
-    teardown()
-    return {"reads": reads, "logp": logp}
+    out = {"reads": list(reads), "logp": _logp_sums(arch, chunks)}
+    reads.clear()
+    rt = init_runtime(1, 1, seed=0, expert_parallel_size=2, expert_tensor_parallel_size=1)
+    arch, chunks = _load(Path(root) / "qwen3_moe_fp8", 1, rt, ep=2)
+    out.update(moe_reads=list(reads), moe_logp=_logp_sums(arch, chunks))
+    teardown()  # once: init_runtime re-initialises megatron's groups in the same world
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +221,7 @@ def fp8(tmp_path_factory):
             else:
                 expected[family, "bf16_logp"] = _hf_logp_sums(ref.eval())
     results = run_multirank(_single_worker, 1, str(root), timeout=600)[0]
-    results["tp2"] = run_multirank(_tp2_worker, 2, str(root), timeout=600)
+    results["2 ranks"] = run_multirank(_two_rank_worker, 2, str(root), timeout=600)
     return root, expected, results
 
 
@@ -226,6 +235,23 @@ def test_direct_load_equals_transformers_dequantisation(fp8, family, precision):
         assert value.dtype == want[name].dtype and torch.equal(value, want[name]), name
 
 
+def test_ep2_each_rank_reads_only_its_experts(fp8):
+    """Qwen3-MoE with fp8 experts (one tensor per expert projection, as DeepSeek-V3 and the
+    Qwen3-MoE "-FP8" store them): at EP=2 rank r reads experts 2r, 2r + 1 and their scales only,
+    and log-probs equal `transformers`' on its own dequantised load."""
+    _, expected, results = fp8
+    want = expected["qwen3_moe", "logp"]
+    for rank, out in enumerate(results["2 ranks"]):
+        got = out["moe_logp"]
+        assert ((got - want).abs() / want.abs()).max().item() <= 1e-5
+        experts = [n for n, *_ in out["moe_reads"] if ".mlp.experts." in n]
+        assert {int(n.split(".mlp.experts.")[1].split(".")[0]) for n in experts} == {
+            2 * rank,
+            2 * rank + 1,
+        }
+        assert sum(n.endswith("_scale_inv") for n in experts) == len(experts) // 2 == 2 * 2 * 3
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_logprobs_equal_transformers(fp8, family):
     _, expected, results = fp8
@@ -235,7 +261,7 @@ def test_logprobs_equal_transformers(fp8, family):
 
 def test_tp2_each_rank_reads_its_slices_and_their_blocks(fp8):
     _, expected, results = fp8
-    for rank, out in enumerate(results["tp2"]):
+    for rank, out in enumerate(results["2 ranks"]):
         want = expected["llama", "logp"]
         assert ((out["logp"] - want).abs() / want.abs()).max().item() <= 1e-5
         reads = {(n, a): (s, e) for n, a, s, e in out["reads"] if n.startswith("model.layers.0.")}

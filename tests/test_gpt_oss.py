@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_tiny import hf_row_logp_sums
 from multirank import run_multirank
 
 VOCAB, WINDOW, EXPERTS = 200, 8, 4
@@ -80,14 +81,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _hf_logp_sums(model) -> torch.Tensor:
-    """Each row's Σ log π(token_{t+1}) over its own length, one row at a time."""
-    tokens, _, _ = _batch()
-    out = []
-    with torch.no_grad():
-        for i, n in enumerate(LENGTHS):
-            logits = model(tokens[i : i + 1, :n]).logits[0, :-1].double()
-            out.append(logits.log_softmax(-1).gather(-1, tokens[i, 1:n, None]).sum())
-    return torch.stack(out)
+    return hf_row_logp_sums(model, _batch()[0], LENGTHS)
 
 
 def _logp_sums(arch, chunks, pack: bool) -> torch.Tensor:
