@@ -8,8 +8,14 @@ the blocks at the bottom and right edge partial when a side is not a multiple of
 value is `float32(weight[i, j]) * scale_inv[i // bm, j // bn]`, computed in fp32 and then cast to
 the model's dtype — what `transformers` computes when it loads such a checkpoint without an
 accelerator (`integrations/finegrained_fp8.py`: `Fp8Dequantize`, and for partial edge blocks the
-block-indexed `_dequantize_fp8_weight`). `dequantize_fp8` computes it for any rectangle of the
-weight, so a rank reads and dequantises only its tensor-parallel slice (and its experts).
+block-indexed `_dequantize_fp8_weight`, as DeepSeek's own `weight_dequant`). `dequantize_fp8`
+computes it for any rectangle of the weight, so a rank reads and dequantises only its
+tensor-parallel slice (and its experts).
+
+`transformers` 5.24's load path derives the block from the scale grid (rows // grid rows) instead
+of reading `weight_block_size`: for a side that is not a multiple of the block and spans more
+than one block it raises (DeepSeek-V3's `kv_a_proj_with_mqa` [576, 7168]: 576 rows, 5 scale
+rows) or uses other blocks ([200, ·] with 2 scale rows: blocks of 100). We follow the format.
 """
 
 from __future__ import annotations

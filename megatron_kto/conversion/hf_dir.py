@@ -118,6 +118,8 @@ def language_config(
         "is ignored"
     )
     out = {"tie_word_embeddings": config.get("tie_word_embeddings", False), **text}
+    if "quantization_config" in config:  # the wrapper's quantization covers its language model
+        out.setdefault("quantization_config", config["quantization_config"])
     out["model_type"] = VL_WRAPPERS[kind]
     return out
 
@@ -139,7 +141,13 @@ def read_hf_architecture(
     config = read_json(where, "a Hugging Face model directory needs config.json")
     config = language_config(config, str(where), warn)
     arch = model_architecture(config, str(where))
-    fp8_block(config, str(where))  # an unread quantization fails here, before any weight
+    block = fp8_block(config, str(where))  # an unread quantization fails here, before any weight
+    if block is not None:
+        (warn or logger.warning)(
+            f"{hf_dir}: fp8 weights ({block[0]}x{block[1]} block scales) are dequantised on "
+            "load into the run's dtype; hf/ output is written unquantised, without "
+            "quantization_config"
+        )
     mtp = mtp_layers(config)
     if mtp:
         (warn or logger.warning)(

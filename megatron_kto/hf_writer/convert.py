@@ -268,7 +268,7 @@ def export_notes(base: dict[str, Any] | None, dtype: str) -> list[str]:
     if layers:
         notes.append(
             f"the source's {layers} multi-token-prediction layer(s) were not read and are not "
-            "written; config.json says num_nextn_predict_layers 0"
+            "written; config.json counts 0 of them"
         )
     return notes
 
