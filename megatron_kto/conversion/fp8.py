@@ -62,7 +62,8 @@ def fp8_block(config: dict[str, Any], where: str) -> tuple[int, int] | None:
         ("scale_fmt", quant.get("scale_fmt") or "float", ("float", "ue8m0")),
     ):
         if value not in allowed:
-            raise ConversionError(f"{key}.{field} {value!r} is not supported (only {allowed})")
+            only = " or ".join(allowed)
+            raise ConversionError(f"{key}.{field} {value!r} is not supported (only {only})")
     block = quant.get("weight_block_size")
     if not (
         isinstance(block, list | tuple)

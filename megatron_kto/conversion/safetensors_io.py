@@ -1,8 +1,10 @@
 """Stream tensors out of and into Hugging Face safetensors files (single or sharded + index).
 
 Reading returns one tensor at a time through `safe_open`, so a converter holds at most one
-source tensor besides the model it fills. Writing collects tensors into shards of at most
-`max_shard_bytes` and writes `model.safetensors.index.json` when there are several.
+source tensor besides the model it fills; quantised tensors (MXFP4 experts, `stacked.py`; fp8
+block-scaled weights, `fp8.py`) come out dequantised to fp32, a slice of one from the slices of
+its stored parts. Writing collects tensors into shards of at most `max_shard_bytes` and writes
+`model.safetensors.index.json` when there are several.
 """
 
 from __future__ import annotations
