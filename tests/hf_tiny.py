@@ -164,3 +164,16 @@ def make_peft_adapter(directory: Path, num_layers: int, **lora) -> Path:
     model = get_peft_model(LlamaForCausalLM(config), LoraConfig(task_type="CAUSAL_LM", **lora))
     model.save_pretrained(str(directory))
     return directory
+
+
+def hf_row_logp_sums(model, tokens, lengths):
+    """Each row's Σ log π(token_{t+1}) over its own length (`lengths[i]` tokens of row i of
+    `tokens`) under a `transformers` model, one row at a time, log-softmax in fp64."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for i, n in enumerate(lengths):
+            logits = model(tokens[i : i + 1, :n]).logits[0, :-1].double()
+            out.append(logits.log_softmax(-1).gather(-1, tokens[i, 1:n, None]).sum())
+    return torch.stack(out)

@@ -13,7 +13,10 @@ Shown, loading the Hugging Face directory directly (`pretrained_checkpoint.resto
   `convert_moe_packed_tensors` dequantises, and at EP=2 each rank reads only its own experts'
   slices;
 * import -> export writes the stacked experts (and every other tensor) back bit for bit, and
-  `transformers` loads the export (equal log-probs).
+  `transformers` loads the export (equal log-probs);
+* a run's `hf/` output of the MXFP4 checkpoint (torch_dtype bfloat16, as published) writes the
+  dequantised experts as bf16 stacked tensors without quantization_config, and `transformers`
+  loads it to the log-probs of its own (dequantised) load of the MXFP4 checkpoint.
 
 Spawns: one single-process worker (TP=1, MXFP4, the round trip), one 2-rank worker (TP=2, PP=2,
 EP=2), one 4-rank worker (TP=2 x EP=2).
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_tiny import hf_row_logp_sums
 from multirank import run_multirank
 
 VOCAB, WINDOW, EXPERTS = 200, 8, 4
@@ -77,14 +81,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _hf_logp_sums(model) -> torch.Tensor:
-    """Each row's Σ log π(token_{t+1}) over its own length, one row at a time."""
-    tokens, _, _ = _batch()
-    out = []
-    with torch.no_grad():
-        for i, n in enumerate(LENGTHS):
-            logits = model(tokens[i : i + 1, :n]).logits[0, :-1].double()
-            out.append(logits.log_softmax(-1).gather(-1, tokens[i, 1:n, None]).sum())
-    return torch.stack(out)
+    return hf_row_logp_sums(model, _batch()[0], LENGTHS)
 
 
 def _logp_sums(arch, chunks, pack: bool) -> torch.Tensor:
@@ -158,11 +155,24 @@ def _single_worker(rank: int, world_size: int, root: str) -> dict:
     rt = init_runtime(1, 1, seed=9)
     _, chunks = _load(Path(root) / "mxfp4", 1, 1, 1, rt, precision="bf16")
     out["tp1", "mxfp4_bf16_experts"] = _expert_values(chunks)
+    _write_hf_output(Path(root), rt)
     teardown()
     base = Path(root)
     import_hf(base / "hf", base / "mcore")
     export_hf(base / "mcore", base / "export")
     return out
+
+
+def _write_hf_output(root: Path, rt) -> None:
+    """A run's `hf/` output (`HFOutput.write`, as a training run's final save calls it) of the
+    MXFP4 checkpoint loaded directly into an fp32 model."""
+    from megatron_kto.hf_writer.output import HFOutput
+
+    arch, chunks = _load(root / "mxfp4", 1, 1, 1, rt)
+    source = str(root / "mxfp4")
+    HFOutput(arch, root / "run", restore_from_path=source, tokenizer_model=None).write(
+        1, chunks, None
+    )
 
 
 def _layout_worker(rank: int, world_size: int, root: str, layouts: dict) -> dict:
@@ -171,7 +181,9 @@ def _layout_worker(rank: int, world_size: int, root: str, layouts: dict) -> dict
 
 def _write_mxfp4(src: Path, dst: Path) -> dict[str, torch.Tensor]:
     """A copy of `src` whose expert weights are MXFP4 in the published layout: random blocks and
-    E8M0 scales (2^-3 .. 2^1). Returns `transformers`' dequantisation of each stacked tensor."""
+    E8M0 scales (2^-3 .. 2^1), its other weights rounded to bf16 values and its config.json's
+    torch_dtype bfloat16 (as published, so `hf/` is exact in bf16). Returns `transformers`'
+    dequantisation of each stacked tensor."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -188,9 +200,12 @@ def _write_mxfp4(src: Path, dst: Path) -> dict[str, torch.Tensor]:
         expected[name] = convert_moe_packed_tensors(
             blocks.to(torch.uint8), scales.to(torch.uint8), dtype=torch.float32
         )
+    for name in [n for n in tensors if not n.endswith(("_blocks", "_scales"))]:
+        tensors[name] = tensors[name].to(torch.bfloat16).float()
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    config["torch_dtype"] = "bfloat16"
     (dst / "config.json").write_text(json.dumps(config))
     return expected
 
@@ -310,6 +325,27 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(oss):
     assert model.config.layer_types == _hf_config().layer_types
     got = _hf_logp_sums(model.eval())
     assert torch.equal(got, reference)
+
+
+def test_hf_output_of_mxfp4_writes_bf16_experts_that_transformers_loads(oss):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    root, _, expected, _ = oss
+    out = root / "run" / "hf"
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["torch_dtype"] == "bfloat16"
+    assert any(
+        "MXFP4" in note for note in json.loads((out / "hf_export.json").read_text())["notes"]
+    )
+    written = load_file(out / "model.safetensors")
+    assert not any(n.endswith(("_blocks", "_scales")) for n in written)
+    for name, want in expected.items():  # the stacked [E, in, out] experts
+        assert written[name].dtype == torch.bfloat16 and torch.equal(written[name].float(), want)
+    # transformers on a CPU dequantises the MXFP4 checkpoint itself: the same model
+    source = AutoModelForCausalLM.from_pretrained(root / "mxfp4", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert torch.equal(_hf_logp_sums(model.eval()), _hf_logp_sums(source.eval()))
 
 
 def test_mxfp4_blocks_without_scales_is_one_line(oss, tmp_path):

@@ -38,7 +38,7 @@ from megatron_kto.conversion.addressing import (
     shard_reads,
 )
 from megatron_kto.conversion.errors import ConversionError
-from megatron_kto.conversion.hf_dir import read_hf_architecture, skipped_hf_tensors
+from megatron_kto.conversion.hf_dir import hf_weights, read_hf_architecture, skipped_hf_tensors
 from megatron_kto.conversion.registry import get_family
 from megatron_kto.conversion.safetensors_io import HFWeights
 from megatron_kto.models.builder import named_weights, unwrap
@@ -104,7 +104,7 @@ def load_hf_model(hf_dir: str | Path, chunks: list[torch.nn.Module]) -> LoadStat
     try:
         config, arch = read_hf_architecture(hf_dir, warn=lambda line: None)  # warned at resolve
         family = get_family(config.get("model_type"))
-        weights = HFWeights(hf_dir, family.weight_prefixes)
+        weights = hf_weights(hf_dir, config)
         return _load(weights, arch, family, chunks, skipped_hf_tensors(config, weights.names()))
     except ConversionError as e:
         raise CheckpointError(str(e)) from None

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_kto.config.architecture import GPTArchitecture
+from megatron_kto.conversion.families import MTP_KEYS
+from megatron_kto.conversion.fp8 import fp8_block
 from megatron_kto.conversion.hf_config import ConversionError, architecture_from_hf
 
 logger = logging.getLogger(__name__)
@@ -116,6 +118,8 @@ def language_config(
         "is ignored"
     )
     out = {"tie_word_embeddings": config.get("tie_word_embeddings", False), **text}
+    if "quantization_config" in config:  # the wrapper's quantization covers its language model
+        out.setdefault("quantization_config", config["quantization_config"])
     out["model_type"] = VL_WRAPPERS[kind]
     return out
 
@@ -137,20 +141,41 @@ def read_hf_architecture(
     config = read_json(where, "a Hugging Face model directory needs config.json")
     config = language_config(config, str(where), warn)
     arch = model_architecture(config, str(where))
+    block = fp8_block(config, str(where))  # an unread quantization fails here, before any weight
+    if block is not None:
+        (warn or logger.warning)(
+            f"{hf_dir}: fp8 weights ({block[0]}x{block[1]} block scales) are dequantised on "
+            "load into the run's dtype; hf/ output is written unquantised, without "
+            "quantization_config"
+        )
     mtp = mtp_layers(config)
     if mtp:
         (warn or logger.warning)(
             f"{hf_dir}: num_nextn_predict_layers={mtp}: multi-token-prediction layers "
             f"(model.layers.{arch.num_layers} on, where the weights have them) are skipped: "
-            "not loaded, trained or written to hf/"
+            "not loaded, trained or written to hf/ (whose config.json says 0 of them)"
         )
     return config, arch
+
+
+def hf_weights(hf_dir: str | Path, config: dict[str, Any]):
+    """The weights of a Hugging Face directory (`safetensors_io.HFWeights`) as its family names
+    them, fp8 block-scaled weights read dequantised where its `quantization_config` says so.
+
+    Raises:
+        ConversionError: unreadable weights, or a quantization that is not read (`fp8.fp8_block`).
+    """
+    from megatron_kto.conversion.registry import get_family
+    from megatron_kto.conversion.safetensors_io import HFWeights
+
+    block = fp8_block(config, str(Path(hf_dir) / CONFIG))
+    return HFWeights(hf_dir, get_family(config["model_type"]).weight_prefixes, block)
 
 
 def mtp_layers(config: dict[str, Any]) -> int:
     """Multi-token-prediction layers a checkpoint may hold after its decoder layers (GLM-4.5,
     DeepSeek-V3: `num_nextn_predict_layers`, stored as `model.layers.{num_hidden_layers + i}`)."""
-    value = config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) or 0
+    value = next((config[k] for k in MTP_KEYS if k in config), None) or 0
     return value if isinstance(value, int) and value > 0 else 0
 
 

@@ -1,8 +1,10 @@
 """Stream tensors out of and into Hugging Face safetensors files (single or sharded + index).
 
 Reading returns one tensor at a time through `safe_open`, so a converter holds at most one
-source tensor besides the model it fills. Writing collects tensors into shards of at most
-`max_shard_bytes` and writes `model.safetensors.index.json` when there are several.
+source tensor besides the model it fills; quantised tensors (MXFP4 experts, `stacked.py`; fp8
+block-scaled weights, `fp8.py`) come out dequantised to fp32, a slice of one from the slices of
+its stored parts. Writing collects tensors into shards of at most `max_shard_bytes` and writes
+`model.safetensors.index.json` when there are several.
 """
 
 from __future__ import annotations
@@ -19,6 +21,14 @@ from safetensors.torch import save_file
 
 from megatron_kto.console import one_line
 from megatron_kto.conversion.errors import ConversionError
+from megatron_kto.conversion.fp8 import (
+    FP8_E4M3,
+    SCALE_DTYPES,
+    SCALE_INV,
+    block_span,
+    dequantize_fp8,
+    scale_grid,
+)
 from megatron_kto.conversion.stacked import (
     BLOCKS,
     SCALES,
@@ -44,14 +54,27 @@ class HFWeights:
     With `prefixes` (stored prefix -> name prefix, a family's `weight_prefixes`) it is a view:
     tensors are named as the family's tables name them, and stored tensors under none of the
     prefixes (a multimodal checkpoint's vision tower) are not part of it.
+
+    With `fp8_block` (`fp8.fp8_block` of the config.json) a tensor stored with a
+    `<name>_scale_inv` next to it is read dequantised (`fp8.dequantize_fp8`), a slice of it from
+    the slices of the weight and of its scales that the slice touches.
     """
 
-    def __init__(self, model_dir: str | Path, prefixes: tuple[tuple[str, str], ...] = ()):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        prefixes: tuple[tuple[str, str], ...] = (),
+        fp8_block: tuple[int, int] | None = None,
+    ):
         """
         Raises:
-            ConversionError: no safetensors weights, or an unreadable index/file.
+            ConversionError: no safetensors weights, or an unreadable index/file; fp8 scales
+                (`*_scale_inv`) without an fp8 `quantization_config`.
         """
         self.dir = Path(model_dir)
+        self.fp8_block = fp8_block
+        #: name -> stored dtype as safetensors names it ("F8_E4M3"), of the tensors `shapes` read.
+        self._dtypes: dict[str, str] = {}
         index, single = self.dir / INDEX, self.dir / SINGLE
         current = index if index.is_file() else single
         try:
@@ -92,6 +115,12 @@ class HFWeights:
                 stored[public] = name
             self._stored = stored
             self._file_of = {name: self._file_of[s] for name, s in stored.items()}
+        scales = sorted(n for n in self._file_of if n.endswith(SCALE_INV))
+        if scales and fp8_block is None:
+            raise ConversionError(
+                f"{self.source_file(scales[0])}: tensor {scales[0]} is an fp8 block scale, but "
+                "config.json has no quantization_config with quant_method fp8"
+            )
 
     def names(self) -> set[str]:
         """All tensor names."""
@@ -102,19 +131,61 @@ class HFWeights:
 
     def stored(self, name: str) -> tuple[str, ...]:
         """The stored tensors a name reads: itself; for an expert slice (`stacked.expert_slice`)
-        its stacked tensor, or the `_blocks` and `_scales` of an MXFP4 one."""
+        its stacked tensor, or the `_blocks` and `_scales` of an MXFP4 one; an fp8 weight and its
+        `_scale_inv`."""
         base, expert = split_slice(name)
+        if expert is None and self._scale_of(name):
+            return (name, name + SCALE_INV)
         if expert is None or base in self._file_of:
             return (base,)
         return (base + BLOCKS, base + SCALES)
 
-    def _slice(self, name: str, expert: int) -> torch.Tensor:
+    def _scale_of(self, name: str) -> bool:
+        """Whether `name` is an fp8 weight read with its `_scale_inv` (an fp8 checkpoint)."""
+        return self.fp8_block is not None and name + SCALE_INV in self._file_of
+
+    def _read(
+        self, name: str, axis: int | None = None, start: int = 0, stop: int = 0, fp8: bool = False
+    ) -> torch.Tensor:
+        """Stored tensor `name`, or its slice [start, stop) along `axis`, as stored. A float8
+        tensor is read only as an fp8 weight (`fp8`): without its scales it is refused."""
         path = self._file_of[name]
         try:
             with safe_open(path, framework="pt") as handle:
-                return handle.get_slice(name)[expert : expert + 1][0]
+                if axis is None:
+                    tensor = handle.get_tensor(self._stored[name])
+                else:
+                    lazy = handle.get_slice(self._stored[name])
+                    index = [slice(None)] * len(lazy.get_shape())
+                    index[axis] = slice(start, stop)
+                    tensor = lazy[tuple(index)]
         except (SafetensorError, OSError, ValueError) as e:
             raise ConversionError(f"{path}: cannot read tensor {name}: {_one_line(e)}") from e
+        if not fp8 and tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ConversionError(
+                f"{path}: tensor {name} is {tensor.dtype} without a {name}{SCALE_INV} block "
+                "scale read with it (an fp8 checkpoint needs quantization_config quant_method fp8)"
+            )
+        return tensor
+
+    def _slice(self, name: str, expert: int) -> torch.Tensor:
+        return self._read(name, 0, expert, expert + 1)[0]
+
+    def _fp8(self, name: str, axis: int | None, start: int, stop: int) -> torch.Tensor:
+        """fp8 weight `name` (axis None) or its rows / columns [start, stop), dequantised to
+        fp32 from the slices of the weight and of its scales that they touch."""
+        assert self.fp8_block is not None
+        if axis is None:
+            axis, start, stop = 0, 0, self._shapes([name])[name][0]
+        side = self.fp8_block[axis]
+        first, last = block_span(start, stop, side)
+        weight = self._read(name, axis, start, stop, fp8=True)
+        scale = self._read(name + SCALE_INV, axis, first, last, fp8=True)
+        offset = (start - first * side, 0) if axis == 0 else (0, start - first * side)
+        try:
+            return dequantize_fp8(weight, scale, self.fp8_block, offset)
+        except ValueError as e:
+            raise ConversionError(f"{self.source_file(name)}: tensor {name}: {e}") from None
 
     def get(self, name: str) -> torch.Tensor:
         """One tensor, read from disk now; for an expert slice only that expert's bytes (MXFP4
@@ -125,6 +196,8 @@ class HFWeights:
             ConversionError: its file is missing or corrupt.
         """
         base, expert = split_slice(name)
+        if self._scale_of(name):
+            return self._fp8(name, None, 0, 0)
         if expert is not None:
             stored = self.stored(name)
             if len(stored) == 1:
@@ -134,15 +207,10 @@ class HFWeights:
                 return dequantize_mxfp4(blocks, scales)
             except ValueError as e:
                 raise ConversionError(f"{self.source_file(stored[0])}: {base}: {e}") from None
-        path = self._file_of[name]
         # A file is opened per tensor: `safe_open` memory-maps it, and the pages read stay in
         # this process's resident memory while the map lives — the whole source model by the end
         # of an import if handles were kept. Re-reading the header each time costs microseconds.
-        try:
-            with safe_open(path, framework="pt") as handle:
-                return handle.get_tensor(self._stored[name])
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ConversionError(f"{path}: cannot read tensor {name}: {_one_line(e)}") from e
+        return self._read(name)
 
     def source_file(self, name: str | None = None) -> Path:
         """The file that holds tensor `name` (the index or single file when `name` is None or
@@ -165,6 +233,8 @@ class HFWeights:
         out = {}
         for name, (base, expert) in slices.items():
             if expert is None:
+                if self._scale_of(name):
+                    self._check_fp8(name, whole[name], whole[name + SCALE_INV])
                 out[name] = whole[name]
             elif base in whole:
                 out[name] = whole[base][1:]
@@ -187,12 +257,35 @@ class HFWeights:
                             raise ConversionError(
                                 f"{path}: tensor {stored} is missing from the file"
                             )
-                        out[name] = tuple(handle.get_slice(stored).get_shape())
+                        lazy = handle.get_slice(stored)
+                        out[name] = tuple(lazy.get_shape())
+                        self._dtypes[name] = lazy.get_dtype()
             except (SafetensorError, OSError, ValueError) as e:
                 if isinstance(e, ConversionError):
                     raise
                 raise ConversionError(f"{path}: unreadable weights: {_one_line(e)}") from e
         return out
+
+    def _check_fp8(self, name: str, shape: tuple[int, ...], scale: tuple[int, ...]) -> None:
+        """An fp8 weight's stored dtype and its scales' dtype and shape, from the headers."""
+        assert self.fp8_block is not None
+        where = self.source_file(name)
+        if self._dtypes[name] != FP8_E4M3:
+            raise ConversionError(
+                f"{where}: tensor {name} is stored as {self._dtypes[name]}, but has a block scale "
+                f"{name}{SCALE_INV}: fp8 weights must be {FP8_E4M3} (quantization_config.fmt e4m3)"
+            )
+        if self._dtypes[name + SCALE_INV] not in SCALE_DTYPES:
+            raise ConversionError(
+                f"{where}: tensor {name}{SCALE_INV} is stored as {self._dtypes[name + SCALE_INV]}:"
+                f" block scales must be one of {SCALE_DTYPES}"
+            )
+        if len(shape) != 2 or scale != scale_grid(shape, self.fp8_block):  # type: ignore[arg-type]
+            bm, bn = self.fp8_block
+            raise ConversionError(
+                f"{where}: tensor {name}{SCALE_INV}: shape {scale} does not match the "
+                f"{bm}x{bn} blocks of {name} {shape} (quantization_config.weight_block_size)"
+            )
 
     def get_rows(self, name: str, axis: int | None, start: int, stop: int) -> torch.Tensor:
         """Tensor `name` (axis None), or its slice [start, stop) along `axis`, read from disk now.
@@ -206,17 +299,11 @@ class HFWeights:
         """
         if axis is None:
             return self.get(name)
+        if self._scale_of(name):
+            return self._fp8(name, axis, start, stop)
         if split_slice(name)[1] is not None:
             return self.get(name).narrow(axis, start, stop - start)
-        path = self._file_of[name]
-        try:
-            with safe_open(path, framework="pt") as handle:
-                lazy = handle.get_slice(self._stored[name])
-                index = [slice(None)] * len(lazy.get_shape())
-                index[axis] = slice(start, stop)
-                return lazy[tuple(index)]
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ConversionError(f"{path}: cannot read tensor {name}: {_one_line(e)}") from e
+        return self._read(name, axis, start, stop)
 
 
 def _one_line(error: BaseException) -> str:

@@ -37,14 +37,16 @@ from megatron_kto.conversion.addressing import (
 from megatron_kto.conversion.hf_config import ConversionError, hf_config_from_architecture
 from megatron_kto.conversion.hf_dir import (
     CONFIG,
+    hf_weights,
     looks_like_hf_dir,
+    mtp_layers,
     read_hf_architecture,
     skipped_hf_tensors,
 )
 from megatron_kto.conversion.hf_dir import read_json as _read_json
 from megatron_kto.conversion.mappings import to_hf, to_megatron
 from megatron_kto.conversion.registry import default_model_type, get_family
-from megatron_kto.conversion.safetensors_io import HFWeights, write_sharded
+from megatron_kto.conversion.safetensors_io import write_sharded
 from megatron_kto.runtime.precision import EXPORT_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -146,7 +148,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -
         raise ConversionError("the converter runs as one process: start it without torchrun")
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     config, arch = read_hf_architecture(hf_dir)  # the vocabulary padded as hf_dir pads it
-    weights = HFWeights(hf_dir, get_family(config["model_type"]).weight_prefixes)
+    weights = hf_weights(hf_dir, config)
     # Input is validated above; megatron-core is imported only now, so bad input fails fast.
     from megatron_kto.checkpointing.model_io import save_model
     from megatron_kto.models.builder import named_weights
@@ -245,6 +247,32 @@ def export_config(
     return hf_config_from_architecture(arch, model_type, base, dtype), model_type, dtype
 
 
+def export_notes(base: dict[str, Any] | None, dtype: str) -> list[str]:
+    """What an export of a model from the source config.json `base` writes differently from the
+    source: the dequantised weights of a quantised source (the config without its
+    `quantization_config`), and multi-token-prediction layers that were never read.
+
+    Args:
+        dtype: the export's dtype (`export_config`).
+    """
+    base = base or {}
+    notes = []
+    method = (base.get("quantization_config") or {}).get("quant_method")
+    if method in ("fp8", "mxfp4"):
+        what = "fp8 block-scaled weights" if method == "fp8" else "MXFP4 experts"
+        notes.append(
+            f"the source's {what} were dequantised on load and are written as {dtype}, "
+            "without quantization_config"
+        )
+    layers = mtp_layers(base)
+    if layers:
+        notes.append(
+            f"the source's {layers} multi-token-prediction layer(s) were not read and are not "
+            "written; config.json counts 0 of them"
+        )
+    return notes
+
+
 def export_hf(
     ckpt: str | Path,
     out_dir: str | Path,
@@ -306,5 +334,7 @@ def export_hf(
             max_shard_bytes,
         )
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for note in export_notes(base, dtype):
+            logger.warning("%s: %s", out_dir, note)
         copy_tokenizer(ckpt_dir if (ckpt_dir / "tokenizer_config.json").exists() else source, tmp)
     return ckpt_dir

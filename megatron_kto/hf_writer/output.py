@@ -54,6 +54,7 @@ from megatron_kto.hf_writer.convert import (
     HF_CONFIG,
     copy_tokenizer,
     export_config,
+    export_notes,
     source_config,
     source_dir,
 )
@@ -132,6 +133,8 @@ class HFOutput:
         self.max_shard_bytes = int(max_shard_bytes)
         self.source, base = _base_source(restore_from_path)
         self.config, self.model_type, self.dtype = export_config(arch, base, None, dtype)
+        self.notes = export_notes(base, self.dtype)
+        """What the full-model output writes differently from the source (`export_notes`)."""
         self.last_step: int | None = None
         """The step of the last export this process wrote."""
         self._rank = dist.get_rank()
@@ -211,6 +214,8 @@ class HFOutput:
         self.last_step = step
         if self._rank == 0:
             logger.info("wrote the Hugging Face output of step %d to %s", step, self._dirs()[0])
+            for note in self.notes if self.lora is None or self.merged else ():
+                logger.info("%s: %s", self._dirs()[-1], note)
 
     def _failure_line(
         self, error: BaseException | None, where: Path, checkpoint: Path | None = None
@@ -325,6 +330,8 @@ class HFOutput:
         self._tokenizer_files(out)
         if not (out / GENERATION_CONFIG).is_file():
             self._generation_config(out)
+        if self.notes:
+            record = {**record, "notes": self.notes}
         (out / RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
     def _finish_adapter(self, out: Path, stages: int, record: dict[str, Any]) -> None:

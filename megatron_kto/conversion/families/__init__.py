@@ -246,6 +246,10 @@ def dense_architecture(config: dict[str, Any], where: str, **fields: Any) -> GPT
     return dataclasses.replace(arch, **fields)
 
 
+#: config.json fields counting multi-token-prediction layers (`hf_dir.mtp_layers`).
+MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")
+
+
 def dense_hf_config(
     arch: GPTArchitecture,
     model_type: str,
@@ -265,7 +269,11 @@ def dense_hf_config(
         raise ConversionError(
             "only RMSNorm + SwiGLU/GeGLU models without linear biases export to Hugging Face"
         )
-    config = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "rope_scaling")}
+    # The weights written are dequantised (`hf_writer.convert.export_notes`): no
+    # quantization_config; and multi-token-prediction layers are not written.
+    dropped = ("rope_parameters", "rope_scaling", "quantization_config")
+    config = {k: v for k, v in (base or {}).items() if k not in dropped}
+    config.update({k: 0 for k in MTP_KEYS if config.get(k)})
     heads = arch.num_attention_heads
     config.update(
         model_type=model_type,
