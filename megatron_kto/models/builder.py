@@ -34,7 +34,6 @@ from megatron_kto.runtime.attention_backend import (
     AttentionChoice,
     choose_attention_backend,
     head_dim_of,
-    local_layers_only_of,
 )
 from megatron_kto.runtime.gpu_settings import Accelerator, fusion_settings
 from megatron_kto.runtime.precision import precision_dtype
@@ -236,7 +235,6 @@ def attention_choice(arch: GPTArchitecture, layout: ParallelLayout) -> Attention
             accelerator=accelerator,
             head_dim=head_dim_of(arch),
             sliding_window=bool(arch.sliding_window),
-            local_layers_only=local_layers_only_of(arch),
             attention_sinks=arch.attention_sinks,
             attention_dropout=arch.attention_dropout,
             sequence_parallel=layout.sequence_parallel,
