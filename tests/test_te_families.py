@@ -150,3 +150,35 @@ def test_te_sinks_are_learnable_softmax_and_matter(results):
     assert "thd before 2.12" in results["sinks_thd_2.9"]
     sdpa, _ = results["sinks", False]
     assert (results["no_sinks"] - sdpa).abs().max() > 1e-2
+
+
+def test_the_product_te_branch_builds_these_layers():
+    """`layer_specs.decoder_block_spec(..., 'te')` itself (megatron-core's TE spec, built without TE
+    by `te_spec`): Gemma 3 gets TE's fused norm + linear and attention inside our Gemma modules,
+    GPT-OSS TE's attention with the local spec's biased experts and pre-MLP norm."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from te_standin import image_te_version, te_spec
+
+    from megatron_kto.models.builder import ParallelLayout, make_transformer_config
+    from megatron_kto.models.gemma_layers import GemmaSelfAttention, LayerExtras, PostNormMLP
+    from megatron_kto.models.layer_specs import decoder_block_spec
+    from megatron_kto.models.norms import LocalNorm
+
+    _, te = te_spec(image_te_version())
+    gemma = gemma3_arch()
+    config = make_transformer_config(gemma, ParallelLayout())
+    layer = decoder_block_spec(config, "RMSNorm", "te", None, LayerExtras.of(gemma)).submodules
+    attn = layer.self_attention
+    assert attn.module is GemmaSelfAttention and layer.mlp.module is PostNormMLP
+    assert attn.params["post_norm"] and attn.params["local_rotary"][:2] == (10_000.0, 1_000_000.0)
+    assert attn.submodules.linear_qkv is te.TELayerNormColumnParallelLinear
+    assert attn.submodules.core_attention is te.TEDotProductAttention
+    assert attn.submodules.q_layernorm is LocalNorm
+    assert layer.mlp.submodules.linear_fc1 is te.TELayerNormColumnParallelLinear
+
+    oss = _gpt_oss_arch()
+    config = make_transformer_config(oss, ParallelLayout())
+    layer = decoder_block_spec(config, "RMSNorm", "te", None).submodules
+    assert layer.self_attention.submodules.core_attention is te.TEDotProductAttention
+    assert layer.mlp.submodules.experts.module is SequentialMLP
+    assert layer.pre_mlp_layernorm is LocalNorm
