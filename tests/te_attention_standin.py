@@ -154,10 +154,10 @@ class DotProductAttention(torch.nn.Module):
         self.attention_dropout = attention_dropout
         self.softmax_type = softmax_type
         self.softmax_offset: torch.nn.Parameter | None = None
-        if softmax_type == "learnable":  # TE: torch.empty(heads // tp) in the default dtype
-            self.softmax_offset = torch.nn.Parameter(
-                torch.zeros(num_attention_heads // self.tp_size)
-            )
+        if softmax_type == "learnable":
+            # TE: torch.empty(heads // tp) in the default dtype, never initialised; NaN here.
+            heads = num_attention_heads // self.tp_size
+            self.softmax_offset = torch.nn.Parameter(torch.full((heads,), float("nan")))
         self.cp_group = None
         self.cp_global_ranks = None
         self.cp_stream = None

@@ -63,6 +63,9 @@ def _pair(root, arch, device, prepare=None):
     save_model(root, local, arch)
     with te_spec_models(attention="te"):
         te = build_gpt_chunks(arch, ParallelLayout(), device)
+    # TE leaves its sink logits uninitialised (NaN in the stand-in): the builder fills them.
+    sinks = [p for n, p in te[0].named_parameters() if n.endswith("softmax_offset")]
+    assert all(p.isfinite().all() for p in sinks) and len(sinks) == 4 * arch.attention_sinks
     load_model(root, te)
     return local, te
 
