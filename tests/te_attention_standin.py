@@ -19,7 +19,13 @@ context_parallel}.py` at tag v2.9; a violation raises `TEContractError` naming w
 * sliding windows: `window_size` (left, 0) or the no-window (-1, 0) / None, from the constructor
   or the call; a query at position i of its sequence sees keys i − left .. i ("in [i + s_k − s_q
   − left, i + s_k − s_q + right] inclusive", `utils.get_full_mask`, self-attention: s_k = s_q);
-* masks: only the causal kinds GPT uses (`causal`, `padding_causal`) are modelled here.
+* masks: only the causal kinds GPT uses (`causal`, `padding_causal`) are modelled here;
+* learnable softmax (`softmax_type="learnable"`, TE 2.8+): a `softmax_offset` parameter
+  [heads / TP] (`dot_product_attention.py`); each head's offset is one more score column after
+  scaling and masking, its probability dropped (`backends.py`, unfused attention; the fused one
+  computes the same), i.e. exp(s_ij) / (exp(α_h) + Σ_j exp(s_ij)). Refused as
+  `get_attention_backend` leaves no backend: `thd` before 2.12 (the version megatron-core's
+  `get_te_version()` reports), CP with a `cp_comm_type` other than "a2a".
 
 The computation is TE's "DualChunkSwap" layout read back (`context_parallel.py`, the docstring
 of `attn_forward_func_with_cp`, and `get_batch_on_this_cp_rank`): every sequence (a `thd`
@@ -40,6 +46,8 @@ from typing import Any
 
 import torch
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.utils import get_te_version
+from packaging.version import Version
 
 #: TE 2.9 `constants.AttnMaskTypes`.
 ATTN_MASK_TYPES = (
@@ -98,7 +106,7 @@ def dual_chunk_positions(starts: list[int], lengths: list[int], cp: int, rank: i
 
 class DotProductAttention(torch.nn.Module):
     """TE's `te.pytorch.DotProductAttention`, as megatron-core's `TEDotProductAttention` constructs
-    and calls it (module docstring). No parameters."""
+    and calls it (module docstring). No parameters but `softmax_offset` (learnable softmax)."""
 
     def __init__(
         self,
@@ -129,7 +137,10 @@ class DotProductAttention(torch.nn.Module):
         self.attn_mask_type = _mask_type(attn_mask_type)
         _require(self.attn_mask_type in ATTN_MASK_TYPES, f"mask type {attn_mask_type!r}")
         _require(attention_type == "self", f"only self-attention is modelled ({attention_type})")
-        _require(softmax_type == "vanilla", f"softmax_type {softmax_type!r} is not modelled")
+        _require(
+            softmax_type in ("vanilla", "learnable"),
+            f"softmax_type {softmax_type!r} is not modelled",
+        )
         _require(not return_max_logit, "return_max_logit is not modelled")
         self.window_size = window_size
         self.tp_size = tp_group.size() if tp_group is not None else tp_size
@@ -141,12 +152,26 @@ class DotProductAttention(torch.nn.Module):
         self.head_dim_k, self.head_dim_v = k, v
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k)
         self.attention_dropout = attention_dropout
+        self.softmax_type = softmax_type
+        self.softmax_offset: torch.nn.Parameter | None = None
+        if softmax_type == "learnable":
+            # TE: torch.empty(heads // tp) in the default dtype, never initialised; NaN here.
+            heads = num_attention_heads // self.tp_size
+            self.softmax_offset = torch.nn.Parameter(torch.full((heads,), float("nan")))
         self.cp_group = None
         self.cp_global_ranks = None
         self.cp_stream = None
         self.cp_comm_type = cp_comm_type
         if cp_group is not None:
             self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
+    def get_extra_state(self) -> torch.Tensor:
+        """TE modules' FP8 metadata: an empty uint8 tensor without FP8 (in the module state dict;
+        megatron-core shards it only with learnable softmax)."""
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state: Any) -> None:
+        pass
 
     def set_context_parallel_group(
         self, cp_group, cp_global_ranks: list[int] | None, cp_stream: Any, cp_comm_type: str = "p2p"
@@ -229,6 +254,19 @@ class DotProductAttention(torch.nn.Module):
             f"Context parallelism does not support sliding window attention with "
             f"cp_comm_type={self.cp_comm_type!r}",
         )
+        if self.softmax_type != "vanilla":
+            # get_attention_backend (2.8-2.12): no flash-attn; THD has neither fused nor unfused
+            # attention before 2.12; under CP only fused attention with cp_comm_type "a2a".
+            _require(
+                fmt != "thd" or get_te_version() >= Version("2.12"),
+                f"No dot product attention backend is available (softmax_type "
+                f"{self.softmax_type!r} with thd before 2.12; this is {get_te_version()})",
+            )
+            _require(
+                cp == 1 or self.cp_comm_type == "a2a",
+                f"No dot product attention backend is available (softmax_type "
+                f"{self.softmax_type!r} under CP with cp_comm_type={self.cp_comm_type!r})",
+            )
         if fmt == "thd":
             starts, lengths, real = self._thd_segments(
                 q, attention_mask, mask, cp, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
@@ -258,6 +296,7 @@ class DotProductAttention(torch.nn.Module):
                 "real_lengths": list(real),
                 "local_tokens": q3.shape[0],
                 "window_size": window,
+                "softmax_type": self.softmax_type,
             }
         )
         left = window[0] if window is not None else None
@@ -346,6 +385,13 @@ class DotProductAttention(torch.nn.Module):
         scores = torch.einsum("qhd,khd->hqk", q.float(), k) * self.softmax_scale
         # A finite fill: rows with no visible key (padding queries) stay finite, zeroed below.
         scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
-        context = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+        if self.softmax_offset is not None:
+            # TE's unfused attention (backends.py): the fp32 offset as a last score column of
+            # every head, after scaling and masking; its probability column is dropped.
+            sink = self.softmax_offset.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
+        context = torch.einsum("hqk,khd->qhd", probs, v)
         context = context * is_real[q_pos][:, None, None]
         return context.reshape(q.shape[0], -1).to(q.dtype)

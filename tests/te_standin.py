@@ -319,16 +319,20 @@ def te_spec_models(attention: str = "sdpa") -> Iterator[None]:
     )
 
     from megatron_kto.models import builder
+    from megatron_kto.models.layer_specs import te_gemma_layer, te_layer_with_local_experts
     from megatron_kto.models.norms import LocalNorm
 
     layer = te_layer_spec(attention)
 
     def block_spec(config, normalization, backend, vp_stage, extras=None):
-        # Gemma's layer extras (post-norms, per-layer RoPE) have no TE layer: TE is refused for them.
-        assert extras is None or not any(vars(extras).values()), "TE stand-in: no layer extras"
+        # Gemma's layer extras (post-norms, per-layer RoPE): the product's own TE variant.
+        spec = te_gemma_layer(layer, extras, config.qk_layernorm) if extras else layer
+        if config.num_moe_experts:  # the product's TE layer for biased experts (GPT-OSS)
+            assert config.add_bias_linear, "TE stand-in: TE's grouped experts are not modelled"
+            spec = te_layer_with_local_experts(spec, config, normalization)
         # The final norm: megatron would pick TENorm with TE; ours has the same parameters.
         count = get_num_layers_to_build(config, vp_stage=vp_stage)
-        return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=LocalNorm)
+        return TransformerBlockSubmodules(layer_specs=[spec] * count, layer_norm=LocalNorm)
 
     original = builder.decoder_block_spec
     builder.decoder_block_spec = block_spec

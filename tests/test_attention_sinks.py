@@ -139,17 +139,52 @@ def test_sinks_under_context_parallelism_are_refused():
 
 
 def test_the_backend_decision_for_sinks():
-    """`auto` runs sinks on sdpa even where TE would be chosen; an explicit te or local, and
-    context parallelism, are one line naming the key."""
+    """TE's learnable softmax as its sources state it (attention_backend's sink table): `auto`
+    takes TE only where cuDNN's fused kernel surely takes sinks (cuDNN 9.13.1; packed: TE 2.12 +
+    cuDNN 9.18), else sdpa with the reason; an explicit te runs wherever the unfused path can
+    (padded from 2.8, packed from 2.12) and is one line naming the key elsewhere; local and
+    context parallelism are refused."""
     from megatron_kto.runtime.attention_backend import choose_attention_backend
     from megatron_kto.runtime.gpu_settings import Accelerator
 
-    hopper = Accelerator(cuda=True, transformer_engine="2.11.0")
-    common = dict(precision="bf16", packed=True, accelerator=hopper, head_dim=64)
-    assert choose_attention_backend("auto", **common).backend == "te"
-    assert choose_attention_backend("auto", attention_sinks=True, **common).backend == "sdpa"
-    for request in ("te", "local"):
-        with pytest.raises(ValueError, match=r"^model.attention_backend: .* attention sinks"):
-            choose_attention_backend(request, attention_sinks=True, **{**common, "packed": False})
+    def machine(te: str, cudnn: int | None = 91500, **kw) -> Accelerator:
+        return Accelerator(cuda=True, transformer_engine=te, cudnn=cudnn, **kw)
+
+    def choose(request: str, accelerator: Accelerator, packed: bool, **kw):
+        return choose_attention_backend(
+            request,
+            precision=kw.pop("precision", "bf16"),
+            packed=packed,
+            accelerator=accelerator,
+            head_dim=64,
+            attention_sinks=True,
+            **kw,
+        )
+
+    te29 = machine("2.9.0", flash_attn=True)
+    assert choose("auto", te29, packed=False).backend == "te"
+    assert choose("te", te29, packed=False).backend == "te"
+    # Packed: no TE backend before 2.12 (flash-attn never takes sinks).
+    packed = choose("auto", te29, packed=True)
+    assert packed.backend == "sdpa" and "2.12.0 with attention sinks" in packed.reason
+    with pytest.raises(ValueError, match=r"^model.attention_backend: 'te' cannot run .*2\.12"):
+        choose("te", te29, packed=True)
+    # cuDNN before 9.13.1 (or unknown): only the unfused path, which auto does not take.
+    old = choose("auto", machine("2.9.0", cudnn=91200), packed=False)
+    assert old.backend == "sdpa" and "cuDNN >= 9.13.1" in old.reason
+    assert choose("te", machine("2.9.0", cudnn=None), packed=False).backend == "te"
+    # fp32: the unfused path only; explicit te runs it padded.
+    assert choose("auto", te29, packed=False, precision="32").backend == "sdpa"
+    assert choose("te", te29, packed=False, precision="32").backend == "te"
+    # 2.12: packed runs fused with cuDNN 9.18, else unfused (explicit only).
+    assert choose("auto", machine("2.12.0", cudnn=91800), packed=True).backend == "te"
+    assert choose("auto", machine("2.12.0"), packed=True).backend == "sdpa"
+    assert choose("te", machine("2.12.0"), packed=True).backend == "te"
+    # Before 2.8 TE has no learnable softmax.
+    with pytest.raises(ValueError, match=r"^model.attention_backend: 'te' .*>= 2\.8\.0"):
+        choose("te", machine("2.7.0"), packed=False)
+    assert choose("auto", machine("2.7.0"), packed=False).backend == "sdpa"
+    with pytest.raises(ValueError, match=r"^model.attention_backend: 'local' .* attention sinks"):
+        choose("local", te29, packed=False)
     with pytest.raises(ValueError, match=r"^model.context_parallel_size: attention sinks"):
-        choose_attention_backend("auto", attention_sinks=True, context_parallel_size=2, **common)
+        choose("auto", te29, packed=True, context_parallel_size=2)

@@ -229,7 +229,6 @@ def choose_attention(settings: dict[str, Any]):
         SettingNames,
         choose_attention_backend,
         head_dim_of,
-        local_layers_only_of,
     )
     from megatron_kto.runtime.gpu_settings import Accelerator
 
@@ -242,7 +241,6 @@ def choose_attention(settings: dict[str, Any]):
             accelerator=Accelerator.detect(),
             head_dim=head_dim_of(arch),
             sliding_window=bool(arch.sliding_window),
-            local_layers_only=local_layers_only_of(arch),
             attention_sinks=bool(arch.attention_sinks),
             context_parallel_size=settings["context_parallel_size"],
             names=SettingNames("--attention-backend", "--precision", packing=None),

@@ -16,7 +16,9 @@ What differs between the two specs in megatron-core 0.16.1, and how each differe
   early on `None` or an empty tensor). Two TE-only entries remain: the final `TENorm`
   (`decoder.final_layernorm._extra_state`, a TE 2.x op with extra state) is in TE's sharded state
   dict, and `TEDotProductAttention` keeps extra state in its module state dict but leaves it out
-  of the sharded one.
+  of the sharded one — except with attention sinks (`softmax_type="learnable"`), where megatron-core
+  shards its whole state dict: `core_attention.softmax_offset` (the same key and TP split as our
+  `SDPAttention`'s) and `core_attention._extra_state`.
 
 Loading local -> TE: the TE model requests `_extra_state` objects the checkpoint lacks. With
 `dist_checkpointing.load`'s default `StrictHandling.ASSUME_OK_UNEXPECTED` the torch_dist reader

@@ -60,7 +60,6 @@ def attention_choice(cfg: Any, accelerator: Any = None) -> Any:
     from megatron_kto.runtime.attention_backend import (
         choose_attention_backend,
         head_dim_of,
-        local_layers_only_of,
     )
     from megatron_kto.runtime.gpu_settings import Accelerator
 
@@ -73,7 +72,6 @@ def attention_choice(cfg: Any, accelerator: Any = None) -> Any:
             accelerator=accelerator or Accelerator.detect(),
             head_dim=head_dim_of(m),
             sliding_window=bool(m.sliding_window),
-            local_layers_only=local_layers_only_of(m),
             attention_sinks=bool(m.attention_sinks),
             attention_dropout=float(m.attention_dropout or 0.0),
             sequence_parallel=m.sequence_parallel,

@@ -34,7 +34,6 @@ from megatron_kto.runtime.attention_backend import (
     AttentionChoice,
     choose_attention_backend,
     head_dim_of,
-    local_layers_only_of,
 )
 from megatron_kto.runtime.gpu_settings import Accelerator, fusion_settings
 from megatron_kto.runtime.precision import precision_dtype
@@ -236,7 +235,6 @@ def attention_choice(arch: GPTArchitecture, layout: ParallelLayout) -> Attention
             accelerator=accelerator,
             head_dim=head_dim_of(arch),
             sliding_window=bool(arch.sliding_window),
-            local_layers_only=local_layers_only_of(arch),
             attention_sinks=arch.attention_sinks,
             attention_dropout=arch.attention_dropout,
             sequence_parallel=layout.sequence_parallel,
@@ -303,11 +301,28 @@ def build_gpt_chunks(
         if arch.embedding_multiplier is not None and model.pre_process:
             model.embedding.register_forward_hook(_scale_output(arch.embedding_multiplier))
         model.to(device)
+        if arch.attention_sinks:
+            _init_te_sinks(model, config)
         if config.bf16 or config.fp16:
             model = Float16Module(config, model)
             _keep_fp32_expert_bias(model)
         chunks.append(model)
     return chunks
+
+
+def _init_te_sinks(model: torch.nn.Module, config: TransformerConfig) -> None:
+    """Initialise Transformer Engine's sink logits as our SDPA attention does (`init_method`).
+
+    TE's `DotProductAttention` registers `softmax_offset` as `torch.empty` and never fills it
+    (TE 2.8-2.12, `dot_product_attention.py`), nor does megatron-core 0.16.1's
+    `TEDotProductAttention`; a checkpoint or HF load overwrites it, but no model is built with
+    uninitialised memory in it."""
+    if not config.perform_initialization:
+        return
+    for module in model.modules():
+        if type(module).__name__ == "TEDotProductAttention" and module.softmax_offset is not None:
+            with torch.no_grad():
+                config.init_method(module.softmax_offset)
 
 
 class _OurMLPFilter(logging.Filter):

@@ -2,7 +2,8 @@
 
 `choose_attention_backend` is a pure function of the request (`model.attention_backend`), the
 precision, packing, the machine (`gpu_settings.Accelerator`: CUDA, Transformer Engine version),
-the context-parallel size, sequence parallelism and the head dimension, so tests can state
+the context-parallel size, sequence parallelism, the head dimension, sliding windows and attention
+sinks, so tests can state
 any machine. `auto` never returns a backend that cannot run the configuration; an explicit
 choice that cannot run is a `ValueError` whose one-line message names the key and what to set.
 
@@ -43,15 +44,37 @@ megatron-core's real `TEDotProductAttention` over a TE stand-in (`tests/test_te_
 not yet on a GPU. TE's context parallelism takes a window only with `cp_comm_type` "a2a" or
 "all_gather" (an assertion in `attn_forward_func_with_cp`), we use "p2p": windows + CP is
 `sdpa` under `auto` and an error for an explicit `te`. megatron's `local` attention builds its
-window mask on CUDA only and ignores a padding mask with it: refused. Gemma 3's local layers need
-post-norms and their own RoPE base (`local_layers_only`), which TE's layer spec lacks: never TE.
+window mask on CUDA only and ignores a padding mask with it: refused.
 
-Attention sinks (`model.attention_sinks`, GPT-OSS): `sdpa` computes them (an extra key column,
-`models/attention.py`), checked against `transformers`; `auto` chooses it, an explicit `te` or
-`local` is refused, and so is context parallelism. TE has them from 2.8 (`softmax_type=
-"learnable"`, a [heads/TP] `softmax_offset` like ours, passed by megatron-core 0.16.1), but only
-in its fused and unfused attention, and for packed (`thd`) input not at all before 2.12 (2.12:
-fused with cuDNN 9.18+, or unfused); unverified against `transformers` here, so not used.
+Gemma 3 (post-norms, a RoPE base per layer kind, (1 + w) norms, `query_pre_attn_scalar`) runs on
+TE through `layer_specs.te_gemma_layer` (TE's fused norm + linear and attention, our post-norms
+and local RoPE), so only TE's attention rules apply: with head dim 256 `auto` keeps `sdpa` (a
+kernel for 256 is not sure on every GPU, see below), an explicit `te` runs.
+
+Attention sinks (`model.attention_sinks`, GPT-OSS: megatron-core's `softmax_type="learnable"`,
+one logit αₕ per head: exp(sᵢⱼ) / (exp(αₕ) + Σⱼ exp(sᵢⱼ)), αₕ unscaled): `sdpa` computes them (an
+extra key column, `models/attention.py`), checked against `transformers`. TE has the same
+softmax from 2.8 (`DotProductAttention(softmax_type="learnable")`, which megatron-core 0.16.1's
+`TEDotProductAttention` passes from the config and asserts TE >= 2.8 for): a [heads / TP]
+parameter `softmax_offset` TE registers itself, which megatron-core checkpoints sharded by heads
+over TP (`{'softmax_offset': 0}`) under `self_attention.core_attention.softmax_offset` — the key
+and layout of our `SDPAttention` and of the GPT-OSS conversion's `self_attn.sinks`, so checkpoints
+and HF weights move across backends. Where TE runs it (`get_attention_backend`'s softmax filter
+and `nvte_get_fused_attn_backend`, read at v2.8–v2.12):
+
+| input         | flash-attn | fused (cuDNN)                      | unfused          |
+|---------------|------------|------------------------------------|------------------|
+| sbhd (padded) | never      | cuDNN >= 9.13.1, not FP8 attention | yes (any dtype)  |
+| thd (packed)  | never      | 2.12+ with cuDNN >= 9.18           | 2.12+ (not 2.11) |
+| under CP      | never      | only cp_comm_type "a2a" (we: p2p)  | never            |
+
+So an explicit `te` with sinks runs padded micro-batches from 2.8 and packed ones from 2.12;
+`auto` takes TE where the fused kernel surely exists (the rule below, plus cuDNN >= 9.13.1 as
+torch reports it, and for packed input 2.12 + cuDNN 9.18), else `sdpa` with the reason at
+start-up. Sinks under context parallelism are refused on every backend (`sdpa` has none). The TE
+path is shown on CPU through megatron-core's real `TEDotProductAttention` over a stand-in that
+computes TE's unfused learnable softmax (`tests/test_te_families.py`), not yet on a GPU. GPT-OSS's
+biased experts stay the local spec's inside the TE layer (`layer_specs.te_layer_with_local_experts`).
 
 How `auto` decides: TE when it is usable and one of its fused kernels surely exists for the
 configuration (bf16/fp16, head dim a multiple of 8 up to 128); otherwise `sdpa` — in fp32 TE
@@ -82,13 +105,21 @@ __all__ = [
     "SettingNames",
     "choose_attention_backend",
     "head_dim_of",
-    "local_layers_only_of",
 ]
 
 #: `model.attention_backend` values.
 ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local")
 #: First TE release whose unfused attention takes THD (packed) input.
 TE_UNFUSED_THD_SINCE = Version("2.11.0")
+#: First TE release with learnable softmax (attention sinks; megatron-core asserts it too) ...
+TE_SINKS_SINCE = Version("2.8.0")
+#: ... and with any backend for it on packed (THD) input (2.11's unfused THD refuses sinks).
+TE_SINKS_THD_SINCE = Version("2.12.0")
+#: cuDNN (torch's `backends.cudnn.version()` number) whose fused attention takes learnable
+#: softmax (`nvte_get_fused_attn_backend`: 9.13.1) ...
+CUDNN_SINKS_SINCE = 91301
+#: ... and with packed (THD) input (TE 2.12's `get_attention_backend`: 9.18).
+CUDNN_SINKS_THD_SINCE = 91800
 #: Head dims TE's flash and fused kernels take: multiples of this ...
 KERNEL_HEAD_DIM_MULTIPLE = 8
 #: ... up to this on every supported GPU (cuDNN on sm80+; packed input needs sm90+ or
@@ -126,14 +157,6 @@ def head_dim_of(model: Any) -> int:
     return model.kv_channels or model.hidden_size // model.num_attention_heads
 
 
-def local_layers_only_of(model: Any) -> bool:
-    """Whether anything with the GPTArchitecture fields has layers only the local spec builds
-    (post-norms, or a RoPE base of its own in sliding-window layers: `models.gemma_layers`)."""
-    return bool(model.post_norms) or (
-        model.rotary_base_local is not None and bool(model.sliding_window)
-    )
-
-
 def _te_version(accelerator: Accelerator) -> Version | None:
     try:
         return Version(accelerator.transformer_engine or "")
@@ -149,6 +172,8 @@ class _TECapability:
     """Some TE backend may run it (a kernel on some GPUs, or the unfused path)."""
     why_not: str
     """Why it cannot run (when `runs` is False) or has no kernel (when `kernel_sure` is False)."""
+    fixable: bool = True
+    """Another precision or packing could make it run."""
 
 
 def _te_capability(
@@ -158,25 +183,38 @@ def _te_capability(
     head_dim: int,
     cp: int,
     window_dropout: bool = False,
+    sinks: bool = False,
 ) -> _TECapability:
-    """What TE (usable on this machine) can do for the configuration; see the module table
-    (`window_dropout`: a sliding window with attention dropout, which only flash-attn fuses)."""
+    """What TE (usable on this machine) can do for the configuration; see the module tables
+    (`window_dropout`: a sliding window with attention dropout, which only flash-attn fuses;
+    `sinks`: learnable softmax, never in flash-attn)."""
     version = _te_version(accelerator)
     named = f"Transformer Engine {accelerator.transformer_engine}"
+    if sinks and (version is None or version < TE_SINKS_SINCE):
+        why = f"attention sinks (softmax_type 'learnable') need Transformer Engine >= {TE_SINKS_SINCE}"
+        return _TECapability(False, False, f"{named}: {why}", fixable=False)
     half = precision in _HALF
     aligned = head_dim % KERNEL_HEAD_DIM_MULTIPLE == 0
     capability = accelerator.compute_capability
+    flash = accelerator.flash_attn and not sinks
     # Packed input: cuDNN's THD kernels need sm90+, flash-attn takes it on sm80+. An unread GPU
     # (start-up check, before CUDA is initialised) is assumed able; the builder checks again.
-    packed_kernel = (
-        not packed or accelerator.flash_attn or capability is None or capability >= HOPPER
+    packed_kernel = not packed or flash or capability is None or capability >= HOPPER
+    window_kernel = not window_dropout or flash
+    sink_kernel, no_sink_kernel = (
+        _sink_kernel(accelerator, version, packed) if sinks else (True, "")
     )
-    window_kernel = not window_dropout or accelerator.flash_attn
     kernel_possible = (
-        half and aligned and head_dim <= KERNEL_HEAD_DIM_MAX and packed_kernel and window_kernel
+        half
+        and aligned
+        and head_dim <= KERNEL_HEAD_DIM_MAX
+        and packed_kernel
+        and window_kernel
+        and sink_kernel
     )
     kernel_sure = kernel_possible and head_dim <= KERNEL_HEAD_DIM_EVERY_GPU
-    unfused_thd = version is not None and version >= TE_UNFUSED_THD_SINCE
+    thd_since = TE_SINKS_THD_SINCE if sinks else TE_UNFUSED_THD_SINCE
+    unfused_thd = version is not None and version >= thd_since
     unfused_runs = cp == 1 and (not packed or unfused_thd)
     if not half:
         no_kernel = "its flash and fused attention need bf16 or fp16"
@@ -185,6 +223,8 @@ def _te_capability(
             f"its fused attention takes packed (THD) input only on Hopper (sm90) or newer, this "
             f"GPU is sm{capability[0]}{capability[1]}, and flash-attn is not installed"
         )
+    elif not sink_kernel:
+        no_kernel = no_sink_kernel
     elif not window_kernel:
         no_kernel = (
             "its fused attention takes a sliding window only without attention dropout "
@@ -203,11 +243,38 @@ def _te_capability(
     if cp > 1:
         why_unfused = "its unfused attention has no context parallelism"
     else:
-        why_unfused = (
-            f"its unfused attention takes packed (THD) input only from {TE_UNFUSED_THD_SINCE}"
-        )
+        why_unfused = f"its unfused attention takes packed (THD) input only from {thd_since}"
+        if sinks:
+            why_unfused += " with attention sinks"
     why_not = no_kernel if kernel_possible or unfused_runs else f"{no_kernel}, {why_unfused}"
     return _TECapability(kernel_sure, kernel_possible or unfused_runs, f"{named}: {why_not}")
+
+
+def _sink_kernel(
+    accelerator: Accelerator, version: Version | None, packed: bool
+) -> tuple[bool, str]:
+    """Whether cuDNN's fused attention takes learnable softmax here, and if not why."""
+    cudnn = accelerator.cudnn
+    if cudnn is None or cudnn < CUDNN_SINKS_SINCE:
+        return False, (
+            f"its fused attention takes attention sinks only with cuDNN >= 9.13.1 (cuDNN "
+            f"{_cudnn_text(cudnn)}), flash-attn never"
+        )
+    if packed and (
+        version is None or version < TE_SINKS_THD_SINCE or cudnn < CUDNN_SINKS_THD_SINCE
+    ):
+        return False, (
+            f"its fused attention takes attention sinks with packed (THD) input only from "
+            f"{TE_SINKS_THD_SINCE} with cuDNN >= 9.18 (cuDNN {_cudnn_text(cudnn)})"
+        )
+    return True, ""
+
+
+def _cudnn_text(cudnn: int | None) -> str:
+    """91301 -> '9.13.1' (torch's cuDNN 9 numbering: major·10000 + minor·100 + patch)."""
+    if cudnn is None:
+        return "unknown"
+    return f"{cudnn // 10000}.{cudnn // 100 % 100}.{cudnn % 100}"
 
 
 def _describe(precision: str, packed: bool, cp: int) -> str:
@@ -250,7 +317,6 @@ def choose_attention_backend(
     context_parallel_size: int = 1,
     sequence_parallel: bool = False,
     sliding_window: bool = False,
-    local_layers_only: bool = False,
     attention_sinks: bool = False,
     attention_dropout: float = 0.0,
     names: SettingNames = CONFIG_NAMES,
@@ -267,10 +333,8 @@ def choose_attention_backend(
         sequence_parallel: megatron sequence parallelism; no backend restricts it (the module
             docstring says why), taken so that callers state the whole layout.
         sliding_window: some layers attend within a sliding window (`model.sliding_window`).
-        local_layers_only: the model's layers exist in the local spec only (Gemma 3's post-norms
-            and per-layer RoPE base, `models.gemma_layers`): never TE.
-        attention_sinks: a learned sink logit per head (`model.attention_sinks`, GPT-OSS): only
-            `sdpa` computes them (verified against `transformers`), and not under CP.
+        attention_sinks: a learned sink logit per head (`model.attention_sinks`, GPT-OSS):
+            `sdpa`, or TE where its learnable softmax runs (module docstring); never under CP.
         attention_dropout: `model.attention_dropout`; with a sliding window, TE's fused
             attention needs it 0 (flash-attn takes either).
         names: how messages spell the settings (config keys by default).
@@ -292,7 +356,13 @@ def choose_attention_backend(
     te_usable = accelerator.has_transformer_engine
     te = (
         _te_capability(
-            accelerator, precision, packed, head_dim, cp, sliding_window and attention_dropout > 0
+            accelerator,
+            precision,
+            packed,
+            head_dim,
+            cp,
+            sliding_window and attention_dropout > 0,
+            attention_sinks,
         )
         if te_usable
         else None
@@ -311,28 +381,17 @@ def choose_attention_backend(
             f"{key}: 'local' (megatron's unfused attention) cannot run sliding-window attention "
             f"(model.sliding_window) here; set {names.set(key, 'sdpa')} (or auto)"
         )
-    if local_layers_only:
-        if request == "te":
-            raise ValueError(
-                f"{key}: 'te' has no post-norms or per-layer RoPE base (Gemma 3); set "
-                f"{names.set(key, 'sdpa')} (or auto)"
-            )
-        if request == "auto":
-            return AttentionChoice("sdpa", "the model's layers are built on the local spec only")
     if attention_sinks and cp > 1:
         raise ValueError(
             f"model.context_parallel_size: attention sinks (model.attention_sinks, GPT-OSS) have "
             f"no context-parallel attention here (context parallel size {cp}); set "
             "model.context_parallel_size=1"
         )
-    if attention_sinks and request in ("te", "local"):
+    if attention_sinks and request == "local":
         raise ValueError(
-            f"{key}: {request!r} is not used for attention sinks (model.attention_sinks, "
-            f"GPT-OSS): only sdpa's sinks are verified against transformers; set "
-            f"{names.set(key, 'sdpa')} (or auto)"
+            f"{key}: 'local' (megatron's unfused attention) is not used for attention sinks "
+            f"(model.attention_sinks, GPT-OSS); set {names.set(key, 'sdpa')} (or auto)"
         )
-    if attention_sinks:
-        return AttentionChoice("sdpa", "attention sinks are computed by sdpa")
     if te is not None and sliding_window and cp > 1:
         te = _TECapability(
             False,
@@ -359,9 +418,15 @@ def choose_attention_backend(
                 f"{key}: 'te' cannot run {what} + sliding-window attention ({te.why_not}); set "
                 f"{names.set(key, 'sdpa')} (or auto), or context parallel size 1"
             )
+        if not te.runs and not te.fixable:
+            raise ValueError(
+                f"{key}: 'te' cannot run this model ({te.why_not}); set "
+                f"{names.set(key, 'sdpa')} (or auto)"
+            )
         if not te.runs:
             raise ValueError(
-                f"{key}: 'te' cannot run {what} ({te.why_not}); {_fix_for_te(names, precision, cp)}"
+                f"{key}: 'te' cannot run {what} ({te.why_not}); "
+                f"{_fix_for_te(names, precision, cp, attention_sinks and packed)}"
             )
         return AttentionChoice(
             "te", "as configured" if te.kernel_sure else f"as configured; {te.why_not}"
@@ -377,8 +442,9 @@ def choose_attention_backend(
     return AttentionChoice("sdpa", te.why_not)
 
 
-def _fix_for_te(names: SettingNames, precision: str, cp: int) -> str:
-    half = precision in _HALF
+def _fix_for_te(names: SettingNames, precision: str, cp: int, packed_sinks: bool = False) -> str:
+    """What to set instead (`packed_sinks`: no precision makes TE take packed sinks)."""
+    half = precision in _HALF or packed_sinks
     if cp > 1:
         # Only a head dim outside the kernels' range (half) or fp32 lands here.
         sdpa = f"{names.set(names.backend, 'sdpa')} (or auto; its context parallelism runs any)"

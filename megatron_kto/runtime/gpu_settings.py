@@ -49,6 +49,8 @@ class Accelerator:
     compute_capability: tuple[int, int] | None = None
     """The GPU's compute capability, e.g. (8, 0) for an A100; None when not read (reading it
     initialises CUDA, so it is read only once the device is set: `detect(read_device=True)`)."""
+    cudnn: int | None = None
+    """cuDNN's runtime version as torch reports it (e.g. 91301 for 9.13.1), None when unknown."""
 
     @classmethod
     def detect(cls, read_device: bool = False) -> Accelerator:
@@ -65,6 +67,7 @@ class Accelerator:
             grad_accum_fusion_kernel=importlib.util.find_spec(GRAD_ACCUM_FUSION_MODULE) is not None,
             flash_attn=importlib.util.find_spec("flash_attn") is not None,
             compute_capability=torch.cuda.get_device_capability() if cuda and read_device else None,
+            cudnn=torch.backends.cudnn.version() if cuda else None,
         )
 
     @property
