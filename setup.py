@@ -33,6 +33,8 @@ setup(
         "parquet": ["pyarrow"],
         "dev": [
             "pytest>=8",
+            # the README's test command runs test files in two worker processes
+            "pytest-xdist>=3.5",
             "ruff>=0.6",
             "transformers>=4.45",
             "trl==1.16.0",
