@@ -71,13 +71,15 @@ def _make_glm(directory: Path) -> None:
     model.save_pretrained(directory)
 
 
-def _trl(root: Path) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def _trl(
+    root: Path, steps: int = STEPS, lr: float = LR
+) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     data = kl_aligned_dataset(root / "train.jsonl", BATCH)
     model = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(root / "hf")
-    args = kto_args(root / "trl", batch=BATCH, steps=STEPS, lr=LR, eps=EPS, clip=CLIP, beta=BETA)
+    args = kto_args(root / "trl", batch=BATCH, steps=steps, lr=lr, eps=EPS, clip=CLIP, beta=BETA)
     trainer = in_order_trainer()(
         model=model, args=args, train_dataset=data, processing_class=tokenizer
     )
@@ -88,7 +90,9 @@ def _trl(root: Path) -> tuple[list[float], list[float], dict[str, torch.Tensor]]
     return [e["loss"] for e in logged], [], state
 
 
-def _ours(root: Path, name: str, pack: bool) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def _ours(
+    root: Path, name: str, pack: bool, steps: int = STEPS, lr: float = LR
+) -> tuple[list[dict], dict[str, torch.Tensor]]:
     from transformers import AutoModelForCausalLM
 
     log_dir = root / name
@@ -104,12 +108,12 @@ def _ours(root: Path, name: str, pack: bool) -> tuple[list[dict], dict[str, torc
             f"model.data.pack_sequences={str(pack).lower()}",
             "trainer.precision=32",
             f"exp_manager.explicit_log_dir={log_dir}",
-            f"trainer.kto.max_steps={STEPS}",
+            f"trainer.kto.max_steps={steps}",
             f"trainer.kto.gradient_clip_val={CLIP}",
             f"model.global_batch_size={BATCH}",
             f"model.micro_batch_size={BATCH}",
             f"model.kto.ref_policy_kl_penalty={BETA}",
-            *trl_optimizer_overrides(LR, EPS),
+            *trl_optimizer_overrides(lr, EPS),
         ],
         timeout=900,
     )
