@@ -77,6 +77,7 @@ def attention_choice(cfg: Any, accelerator: Any = None) -> Any:
             attention_sinks=bool(m.attention_sinks),
             sequence_parallel=m.sequence_parallel,
             context_parallel_size=m.context_parallel_size,
+            linear_attention=any(m.linear_attention_freq or []),
         )
     except ValueError as e:
         # The message already starts with the key.

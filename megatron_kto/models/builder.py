@@ -240,6 +240,7 @@ def attention_choice(arch: GPTArchitecture, layout: ParallelLayout) -> Attention
             attention_sinks=arch.attention_sinks,
             sequence_parallel=layout.sequence_parallel,
             context_parallel_size=layout.context_parallel_size,
+            linear_attention=arch.has_linear_attention(),
         )
 
     accelerator = Accelerator.detect(read_device=True)
@@ -266,7 +267,8 @@ def build_gpt_chunks(
         `pre_process`/`post_process` set for its pipeline position.
     """
     config = make_transformer_config(arch, layout)
-    backend = attention_choice(arch, layout).backend
+    choice = attention_choice(arch, layout)
+    backend = choice.backend
     vocab = arch.padded_vocab(layout.tensor_model_parallel_size)
     extras = LayerExtras.of(arch)
     vpp = layout.virtual_pipeline_model_parallel_size
@@ -276,7 +278,9 @@ def build_gpt_chunks(
         with _quiet_about_our_mlp():
             model = GPTModel(
                 config=config,
-                transformer_layer_spec=hybrid_block_spec(config, backend, vp_stage=stage)
+                transformer_layer_spec=hybrid_block_spec(
+                    config, backend, vp_stage=stage, deltanet=choice.deltanet or "torch"
+                )
                 if uses_hybrid_spec(arch)
                 else decoder_block_spec(
                     config, arch.normalization, backend, vp_stage=stage, extras=extras

@@ -57,7 +57,7 @@ explicit `te` is an error (on TE < 2.11) — never a crash at the first forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from packaging.version import InvalidVersion, Version
@@ -70,6 +70,7 @@ __all__ = [
     "CONFIG_NAMES",
     "SettingNames",
     "choose_attention_backend",
+    "deltanet_kernels",
     "head_dim_of",
     "local_layers_only_of",
 ]
@@ -100,10 +101,17 @@ class AttentionChoice:
     """'te', 'sdpa' or 'local'."""
     reason: str
     """One clause saying why."""
+    deltanet: str | None = None
+    """Kernels of the gated DeltaNet layers: 'fla' or 'torch' (`deltanet_kernels`); None for a
+    model without them."""
+    deltanet_reason: str = ""
 
     def describe(self) -> str:
-        """'sdpa (<reason>)'."""
-        return f"{self.backend} ({self.reason})"
+        """'sdpa (<reason>)', and '; gated DeltaNet: fla (<reason>)' for a hybrid model."""
+        out = f"{self.backend} ({self.reason})"
+        if self.deltanet:
+            out += f"; gated DeltaNet: {self.deltanet} ({self.deltanet_reason})"
+        return out
 
     def note(self, request: str) -> str:
         """'model.attention_backend=auto: sdpa (<reason>)' — one start-up line."""
@@ -215,7 +223,57 @@ class SettingNames:
 CONFIG_NAMES = SettingNames()
 
 
+def deltanet_kernels(accelerator: Accelerator) -> tuple[str, str]:
+    """(kernels, reason) of gated DeltaNet layers: `fla`'s (flash-linear-attention: Triton
+    chunked delta rule and causal convolution, variable-length through `cu_seqlens`) on an
+    accelerator where it is installed (`pip install .[fla]`), else ours in PyTorch
+    (`models.delta_rule`), which run everywhere."""
+    if accelerator.cuda and accelerator.fla:
+        return "fla", "flash-linear-attention's Triton kernels, packed rows by cu_seqlens"
+    missing = "no accelerator" if not accelerator.cuda else "fla is not installed"
+    return "torch", f"our PyTorch delta rule and convolution; {missing}"
+
+
 def choose_attention_backend(
+    request: str,
+    *,
+    precision: str,
+    packed: bool,
+    accelerator: Accelerator,
+    head_dim: int,
+    context_parallel_size: int = 1,
+    sequence_parallel: bool = False,
+    sliding_window: bool = False,
+    local_layers_only: bool = False,
+    attention_sinks: bool = False,
+    linear_attention: bool = False,
+    names: SettingNames = CONFIG_NAMES,
+) -> AttentionChoice:
+    """The attention backend for a configuration on a machine, and the gated DeltaNet kernels
+    of a hybrid model (`linear_attention`; `deltanet_kernels`).
+
+    Args and errors: `_choose_attention`'s.
+    """
+    choice = _choose_attention(
+        request,
+        precision=precision,
+        packed=packed,
+        accelerator=accelerator,
+        head_dim=head_dim,
+        context_parallel_size=context_parallel_size,
+        sequence_parallel=sequence_parallel,
+        sliding_window=sliding_window,
+        local_layers_only=local_layers_only,
+        attention_sinks=attention_sinks,
+        names=names,
+    )
+    if not linear_attention:
+        return choice
+    kernels, why = deltanet_kernels(accelerator)
+    return replace(choice, deltanet=kernels, deltanet_reason=why)
+
+
+def _choose_attention(
     request: str,
     *,
     precision: str,
