@@ -123,16 +123,21 @@ def _ours(
     return read_metrics(log_dir), {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
+def prepare(root: Path, make_model, steps: int = STEPS, lr: float = LR) -> tuple:
+    """(root, TRL's run, the starting weights): `make_model(root / "hf")` writes the model, the
+    rows are written and imported for our runs, and TRL trains `steps` steps at `lr`."""
     from transformers import AutoModelForCausalLM
 
-    root = tmp_path_factory.mktemp("glm_trl")
-    _make_glm(root / "hf")
+    make_model(root / "hf")
     write_kto_rows(root / "train.jsonl", 0, ROWS)
     run_script(TOOL, ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "mcore")])
     start = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).state_dict()
-    return root, _trl(root), {k: v.clone() for k, v in start.items()}
+    return root, _trl(root, steps, lr), {k: v.clone() for k, v in start.items()}
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    return prepare(tmp_path_factory.mktemp("glm_trl"), _make_glm)
 
 
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])

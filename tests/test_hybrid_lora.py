@@ -28,11 +28,11 @@ import pytest
 import torch
 from multirank import run_multirank, solo_world
 from test_hybrid_families import _hf_configs, _tokens
+from test_lora_peft import ALPHA, RANK, _settings
 
 pytestmark = pytest.mark.multirank
 
 VOCAB = 100
-RANK, ALPHA = 4, 8.0
 TOLERANCE = 1e-5
 #: name -> (targets at TP=1, targets of the partial adapter, also loaded at TP=2)
 TARGETS = {
@@ -42,19 +42,6 @@ TARGETS = {
         ("q_proj", "v_proj", "o_proj", "in_proj_z", "in_proj_b", "out_proj", "up_proj"),
     ),
 }
-
-
-def _settings(seed: int, targets: tuple[str, ...]):
-    from megatron_kto.peft.wiring import LoRASettings
-
-    return LoRASettings(
-        rank=RANK,
-        alpha=ALPHA,
-        target_modules=list(targets),
-        init_a="kaiming",
-        init_b="normal",
-        seed=seed,
-    )
 
 
 def _logits(chunks) -> torch.Tensor:

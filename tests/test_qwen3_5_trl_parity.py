@@ -19,14 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_cli import run_script
-from hf_tiny import make_tokenizer, write_kto_rows
-from test_glm4_moe_trl_parity import ROWS, _ours, _trl
+from hf_tiny import make_tokenizer
+from test_glm4_moe_trl_parity import _ours, prepare
 
 pytestmark = pytest.mark.e2e
 trl = pytest.importorskip("trl")
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "convert_checkpoint.py"
 LOSS_RTOL = 1e-5
 #: Fewer steps and half the lr of the GLM test: Adam turns fp32 round-off into drift that grows
 #: with every step. TRL against itself with only the delta rule's chunk size changed (64 vs 16)
@@ -61,14 +59,7 @@ def _make_qwen3_5(directory: Path) -> None:
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("qwen3_5_trl")
-    _make_qwen3_5(root / "hf")
-    write_kto_rows(root / "train.jsonl", 0, ROWS)
-    run_script(TOOL, ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "mcore")])
-    start = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).state_dict()
-    return root, _trl(root, STEPS, LR), {k: v.clone() for k, v in start.items()}
+    return prepare(tmp_path_factory.mktemp("qwen3_5_trl"), _make_qwen3_5, STEPS, LR)
 
 
 def test_packed_trajectory_equals_trl(prepared):

@@ -35,6 +35,7 @@ from megatron_kto.runtime.attention_backend import (
     choose_attention_backend,
     head_dim_of,
     local_layers_only_of,
+    with_deltanet_kernels,
 )
 from megatron_kto.runtime.gpu_settings import Accelerator, fusion_settings
 from megatron_kto.runtime.precision import precision_dtype
@@ -229,7 +230,7 @@ def attention_choice(arch: GPTArchitecture, layout: ParallelLayout) -> Attention
     """
 
     def choose(accelerator: Accelerator) -> AttentionChoice:
-        return choose_attention_backend(
+        choice = choose_attention_backend(
             layout.attention_backend,
             precision=layout.precision,
             packed=layout.pack_sequences,
@@ -240,8 +241,10 @@ def attention_choice(arch: GPTArchitecture, layout: ParallelLayout) -> Attention
             attention_sinks=arch.attention_sinks,
             sequence_parallel=layout.sequence_parallel,
             context_parallel_size=layout.context_parallel_size,
-            linear_attention=arch.has_linear_attention(),
         )
+        if arch.has_linear_attention():
+            choice = with_deltanet_kernels(choice, accelerator)
+        return choice
 
     accelerator = Accelerator.detect(read_device=True)
     choice = choose(accelerator)

@@ -72,6 +72,7 @@ __all__ = [
     "choose_attention_backend",
     "deltanet_kernels",
     "head_dim_of",
+    "with_deltanet_kernels",
     "local_layers_only_of",
 ]
 
@@ -223,6 +224,13 @@ class SettingNames:
 CONFIG_NAMES = SettingNames()
 
 
+def with_deltanet_kernels(choice: AttentionChoice, accelerator: Accelerator) -> AttentionChoice:
+    """`choice` with the gated DeltaNet kernels of a hybrid model (`deltanet_kernels`) — the
+    same decision, one start-up note."""
+    kernels, why = deltanet_kernels(accelerator)
+    return replace(choice, deltanet=kernels, deltanet_reason=why)
+
+
 def deltanet_kernels(accelerator: Accelerator) -> tuple[str, str]:
     """(kernels, reason) of gated DeltaNet layers: `fla`'s (flash-linear-attention: Triton
     chunked delta rule and causal convolution, variable-length through `cu_seqlens`) on an
@@ -235,45 +243,6 @@ def deltanet_kernels(accelerator: Accelerator) -> tuple[str, str]:
 
 
 def choose_attention_backend(
-    request: str,
-    *,
-    precision: str,
-    packed: bool,
-    accelerator: Accelerator,
-    head_dim: int,
-    context_parallel_size: int = 1,
-    sequence_parallel: bool = False,
-    sliding_window: bool = False,
-    local_layers_only: bool = False,
-    attention_sinks: bool = False,
-    linear_attention: bool = False,
-    names: SettingNames = CONFIG_NAMES,
-) -> AttentionChoice:
-    """The attention backend for a configuration on a machine, and the gated DeltaNet kernels
-    of a hybrid model (`linear_attention`; `deltanet_kernels`).
-
-    Args and errors: `_choose_attention`'s.
-    """
-    choice = _choose_attention(
-        request,
-        precision=precision,
-        packed=packed,
-        accelerator=accelerator,
-        head_dim=head_dim,
-        context_parallel_size=context_parallel_size,
-        sequence_parallel=sequence_parallel,
-        sliding_window=sliding_window,
-        local_layers_only=local_layers_only,
-        attention_sinks=attention_sinks,
-        names=names,
-    )
-    if not linear_attention:
-        return choice
-    kernels, why = deltanet_kernels(accelerator)
-    return replace(choice, deltanet=kernels, deltanet_reason=why)
-
-
-def _choose_attention(
     request: str,
     *,
     precision: str,
