@@ -148,7 +148,8 @@ def test_hybrid_layer_plans_by_its_larger_kind():
     with `deltanet_bytes` in place of the attention rows and no Q/K norms."""
     from megatron_kto.planning.activations import activation_bytes
 
-    arch = architecture_from_hf(_config("qwen3_5_text").to_dict())
+    config = {"model_type": "qwen3_5_text", "intermediate_size": 96, **SHAPE}
+    arch = architecture_from_hf(config)
     x = ActivationInputs(tokens=512, seq_len=512, scored=256, micro_batches=1)
     dims = ParallelDims()
     linear = layer_bytes(arch, dims, x, linear=True)
