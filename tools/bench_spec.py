@@ -110,16 +110,19 @@ def lora_spec(model_cfg: Any, arch: Any) -> dict[str, Any] | None:
     in the same adapters and reports its own count, which must be this one."""
     from megatron_kto.peft.hf_peft import peft_config
     from megatron_kto.peft.settings import lora_settings, uses_lora
-    from megatron_kto.peft.targets import projection_shape, selected_layers
+    from megatron_kto.peft.targets import projection_shape, resolve_targets, selected_layers
 
     if not uses_lora(model_cfg):
         return None
     settings = lora_settings(model_cfg)
     config = peft_config(settings, arch, None)
     layers = selected_layers(settings.layer_selection, arch.num_layers)
-    per_layer = sum(sum(projection_shape(p, arch)) for p in config["target_modules"])
+    # Per layer: a hybrid model's DeltaNet and attention layers adapt different projections.
+    fans = sum(
+        sum(projection_shape(p, arch))
+        for i in layers
+        for t in resolve_targets(settings.target_modules, arch, i)
+        for p in t.projections
+    )
     keys = ("r", "lora_alpha", "lora_dropout", "target_modules", "layers_to_transform")
-    return {
-        **{k: config[k] for k in keys},
-        "adapter_parameters": settings.rank * per_layer * len(layers),
-    }
+    return {**{k: config[k] for k in keys}, "adapter_parameters": settings.rank * fans}
