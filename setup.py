@@ -28,6 +28,8 @@ setup(
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],
+        # Gated DeltaNet kernels (Qwen3-Next, Qwen3.5) on accelerators: Triton, variable-length.
+        "fla": ["flash-linear-attention>=0.5.2"],
         "wandb": ["wandb"],
         "tensorboard": ["tensorboard"],
         "parquet": ["pyarrow"],

@@ -8,7 +8,7 @@ dense, Qwen3.5-MoE has experts everywhere. Norms are moved away from their init 
 large weights, so every tensor shows. Shown here, in one single-process run and ONE 2-rank run:
 
 * import -> our logits equal HF's (max |Δ| / max |logit| <= 1e-5) at TP=1, TP=2, TP=2 with
-  sequence parallelism and PP=2 (each
+  sequence parallelism, EP=2 and TP=2 x EP=2 (+SP; MoE models) and PP=2 (each
   stage holds both layer kinds), padded, and packed (rows of different lengths end to end: a
   DeltaNet state or convolution window leaking across rows would break it) at TP=1 and TP=2;
 * export -> the safetensors equal the source bit for bit, and `transformers` loads them with
@@ -30,6 +30,9 @@ TOLERANCE = 1e-5
 ROW_LENGTHS = (24, 11, 17, 6)
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
 MODELS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+MOE_MODELS = ("qwen3_next", "qwen3_5_moe_text")
+#: Expert-parallel layouts of the MoE models: name -> TP (EP 2, expert TP 1).
+EP_LAYOUTS = {"ep2": 1, "tp2ep2sp": 2}
 #: Vision-language checkpoints: their language model is read (TP=1 only here), exported as text.
 VL_MODELS = {"qwen3_5_vl": "qwen3_5_text", "qwen3_5_moe_vl": "qwen3_5_moe_text"}
 
@@ -117,7 +120,7 @@ def _forward(chunks, packed: bool):
     return torch.cat(results)
 
 
-def _run(root: Path, tp: int, pp: int, rt, packed: bool, sp: bool = False):
+def _run(root: Path, tp: int, pp: int, rt, packed: bool, sp: bool = False, ep: int = 1):
     from megatron_kto.checkpointing.model_io import read_architecture
     from megatron_kto.checkpointing.pretrained import restore_pretrained
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
@@ -129,6 +132,8 @@ def _run(root: Path, tp: int, pp: int, rt, packed: bool, sp: bool = False):
         pipeline_model_parallel_size=pp,
         pack_sequences=packed,
         sequence_parallel=sp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1 if ep > 1 else None,
     )
     chunks = build_gpt_chunks(arch, layout, rt.device)
     restore_pretrained(ckpt, chunks)
@@ -241,6 +246,8 @@ def _grads(base: Path, tp: int, rt, sp: bool = False) -> dict:
 
 
 def _layout_worker(rank: int, world_size: int, root: str) -> dict:
+    from megatron.core import parallel_state
+
     from megatron_kto.runtime import init_runtime, teardown
 
     out = {}
@@ -256,6 +263,13 @@ def _layout_worker(rank: int, world_size: int, root: str) -> dict:
             if tp == 2:  # MoE with TP trains only with sequence parallelism (megatron-core)
                 for sp in (True,) if "moe" in name or "next" in name else (False, True):
                     out[name, layout, "grads", sp, rank] = _grads(Path(root) / name, tp, rt, sp)
+    # Expert parallelism: each rank holds half of the experts (EP2 x DP2, and EP2 across the two
+    # TP ranks with expert TP 1, MoE + TP needing sequence parallelism).
+    for layout, tp in EP_LAYOUTS.items():
+        rt = init_runtime(tp, 1, seed=9, expert_parallel_size=2, expert_tensor_parallel_size=1)
+        out[layout, "ep_size"] = parallel_state.get_expert_model_parallel_world_size()
+        for name in MOE_MODELS:
+            out[name, layout] = _run(Path(root) / name, tp, 1, rt, False, sp=tp > 1, ep=2)
     teardown()
     return out
 
@@ -297,12 +311,14 @@ def _kept(reference: torch.Tensor) -> torch.Tensor:
 
 CASES = [
     (n, lay) for n in MODELS for lay in ("tp1", "tp2", "tp2sp", "pp2", "tp1-packed", "tp2-packed")
-]
+] + [(n, lay) for n in MOE_MODELS for lay in EP_LAYOUTS]
 
 
 @pytest.mark.parametrize("name,layout", CASES, ids=[f"{n}-{lay}" for n, lay in CASES])
 def test_logits_equal_transformers(converted, name, layout):
     _, reference, results = converted
+    if layout in EP_LAYOUTS:
+        assert results[layout, "ep_size"] == 2
     ours = results[name, layout]
     want = _kept(reference[name]) if layout.endswith("packed") else reference[name]
     assert ours.shape == want.shape

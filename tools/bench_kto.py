@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark KTO training steps: samples/s, tokens/s, MFU and peak memory, side by side with TRL.
 
-    python tools/bench_kto.py [--preset longtail|longtail_moe|example] [--warmup 5] [--steps 20]
+    python tools/bench_kto.py [--preset longtail|longtail_moe|longtail_hybrid|example] [--warmup 5] [--steps 20]
         [--repeat 1] [--threads N] [--trl | --no-trl] [--lora RANK [--lora-targets all]]
         [--json OUT] [hydra overrides ...]
 
@@ -11,8 +11,10 @@ tokenizer's vocabulary) on a KTO set with long-tailed lengths and 2:1 desirable:
 labels (``tools/make_bench_data.py`` defaults, generated once, seeded, into the temporary
 directory), global batch 16, micro-batch 4. ``--preset longtail_moe`` gives every layer a
 mixture-of-experts MLP (8 experts of width 768, top-2, router load-balancing loss 0.01; TRL's
-side is a ``MixtralForCausalLM`` of that shape). ``--preset example`` runs ``conf/gpt_kto.yaml`` as
-it is. Hydra overrides given on the command line come after the preset's and win.
+side is a ``MixtralForCausalLM`` of that shape). ``--preset longtail_hybrid`` trains a tiny Qwen3.5
+(three gated DeltaNet layers and one gated attention layer, ``bench_presets.HYBRID_CONFIG``) that
+both sides load from one Hugging Face directory. ``--preset example`` runs ``conf/gpt_kto.yaml``
+as it is. Hydra overrides given on the command line come after the preset's and win.
 
 Our side is the real training path (``megatron_kto.run.run_alignment`` on the composed config)
 for ``warmup + steps`` optimizer steps; the per-step figures it writes to ``metrics.jsonl`` are
@@ -73,6 +75,7 @@ from typing import Any
 
 from bench_presets import BENCH_DEFAULTS, bench_defaults, preset_overrides  # noqa: F401
 from bench_report import FIGURES, combine_runs, render_header, render_notes, render_table
+from bench_spec import lora_spec, shape_spec, trl_spec  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
@@ -94,114 +97,6 @@ def _compose(config_name: str, overrides: list[str]) -> Any:
 
     algorithm = "dpo" if "dpo" in config_name else "kto"
     return compose_run_config(config_name, overrides, algorithm, config_dir=CONF_DIR).cfg
-
-
-def _resolved_architecture(cfg: Any, vocab_size: int):
-    """The model shape a run of `cfg` builds (the pretrained checkpoint's, if one is given)."""
-    from megatron_kto.checkpointing.model_io import read_architecture
-    from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir
-    from megatron_kto.config.schema import architecture_of
-
-    path = cfg.pretrained_checkpoint.restore_from_path
-    arch = read_architecture(resolve_pretrained_dir(path)) if path else architecture_of(cfg.model)
-    if arch.vocab_size is None:
-        arch.vocab_size = vocab_size
-    return arch
-
-
-def trl_spec(cfg: Any) -> dict[str, Any]:
-    """Everything the TRL side needs to run the same training as `cfg`, as plain data."""
-    from megatron_kto.data.pipeline import resolve_path
-    from megatron_kto.data.tokenizers import load_tokenizer
-    from megatron_kto.peft.settings import reference_strategy
-
-    m = cfg.model
-    tok_path = str(resolve_path(m.tokenizer.model))
-    tokenizer = load_tokenizer(m.tokenizer.library, tok_path, m.tokenizer.chat_template)
-    arch = _resolved_architecture(cfg, tokenizer.vocab_size)
-    return {
-        "architecture": arch.to_dict(),
-        "padded_vocab": arch.padded_vocab(m.tensor_model_parallel_size),
-        "tokenizer": {
-            "library": m.tokenizer.library,
-            "model": tok_path,
-            "bos_id": tokenizer.bos_id,
-            "adds_bos": tokenizer.adds_bos,
-            "eos_id": tokenizer.eos_id,
-            "pad_id": tokenizer.pad_id,
-        },
-        "train_files": [str(resolve_path(p)) for p in m.data.data_prefix.train],
-        "max_length": m.data.max_length or arch.encoder_seq_length,
-        "pad_to_multiple_of": m.data.pad_to_multiple_of,
-        "global_batch_size": m.global_batch_size,
-        "micro_batch_size": m.micro_batch_size,  # ours only (TRL: one micro-batch)
-        "reference_policy": reference_strategy(m, "kto"),  # ours only
-        "lora": lora_spec(m, arch),
-        "seed": m.seed,
-        "precision": str(cfg.trainer.precision),
-        "gradient_checkpointing": m.activations_checkpoint_granularity is not None,
-        "kto": {
-            "beta": m.kto.ref_policy_kl_penalty,
-            "desirable_weight": m.kto.desirable_loss_weight,
-            "undesirable_weight": m.kto.undesirable_loss_weight,
-            "loss_type": m.kto.loss_type,
-            "sft_loss_weight": m.kto.sft_loss_weight,
-            "precomputed_reference": m.kto.reference_policy == "precomputed",
-        },
-        "optim": {
-            "lr": m.optim.lr,
-            "min_lr": m.optim.sched.min_lr,
-            "sched": m.optim.sched.name,
-            "warmup_steps": m.optim.sched.warmup_steps,
-            "weight_decay": m.optim.weight_decay,
-            "betas": list(m.optim.betas),
-            "eps": m.optim.eps,
-            "clip": cfg.trainer.kto.gradient_clip_val,
-        },
-    }
-
-
-def shape_spec(cfg: Any) -> dict[str, Any]:
-    """What an `--objective` (DPO) run reports of its setup: the shape, batch and precision
-    (there is no TRL side to mirror)."""
-    from megatron_kto.data.pipeline import resolve_path
-    from megatron_kto.data.tokenizers import load_tokenizer
-
-    m = cfg.model
-    tokenizer = load_tokenizer(
-        m.tokenizer.library, str(resolve_path(m.tokenizer.model)), m.tokenizer.chat_template
-    )
-    arch = _resolved_architecture(cfg, tokenizer.vocab_size)
-    return {
-        "architecture": arch.to_dict(),
-        "padded_vocab": arch.padded_vocab(m.tensor_model_parallel_size),
-        "max_length": m.data.max_length or arch.encoder_seq_length,
-        "global_batch_size": m.global_batch_size,
-        "micro_batch_size": m.micro_batch_size,
-        "precision": str(cfg.trainer.precision),
-        "dpo": {"loss_type": m.dpo.loss_type, "beta": m.dpo.ref_policy_kl_penalty},
-    }
-
-
-def lora_spec(model_cfg: Any, arch: Any) -> dict[str, Any] | None:
-    """The run's LoRA adapters as `peft.LoraConfig` arguments (None without LoRA), and the
-    number of adapter parameters they add to the unsharded model: the TRL side wraps its model
-    in the same adapters and reports its own count, which must be this one."""
-    from megatron_kto.peft.hf_peft import peft_config
-    from megatron_kto.peft.settings import lora_settings, uses_lora
-    from megatron_kto.peft.targets import projection_shape, selected_layers
-
-    if not uses_lora(model_cfg):
-        return None
-    settings = lora_settings(model_cfg)
-    config = peft_config(settings, arch, None)
-    layers = selected_layers(settings.layer_selection, arch.num_layers)
-    per_layer = sum(sum(projection_shape(p, arch)) for p in config["target_modules"])
-    keys = ("r", "lora_alpha", "lora_dropout", "target_modules", "layers_to_transform")
-    return {
-        **{k: config[k] for k in keys},
-        "adapter_parameters": settings.rank * per_layer * len(layers),
-    }
 
 
 def _default_log_dir() -> str:
@@ -369,10 +264,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--preset",
-        choices=("longtail", "longtail_moe", "example"),
+        choices=("longtail", "longtail_moe", "longtail_hybrid", "example"),
         default="longtail",
         help="longtail (default): 8x512 model on long-tailed data; longtail_moe: the same with "
-        "8 experts, top-2 (TRL: Mixtral); example: conf as it is",
+        "8 experts, top-2 (TRL: Mixtral); longtail_hybrid: a tiny Qwen3.5 (gated DeltaNet) "
+        "from one HF directory on both sides; example: conf as it is",
     )
     parser.add_argument(
         "--lora",

@@ -52,6 +52,43 @@ LONGTAIL_MOE = [
 ]
 
 
+#: `--preset longtail_hybrid`: a Qwen3.5 text model (`qwen3_5_text`) built from a `transformers`
+#: config — 4 layers: three gated DeltaNet layers (2 key / 4 value heads of 64), then gated full
+#: attention (4 query / 2 KV heads of 64); hidden 256, SwiGLU 768, the bundled tokenizer's 384
+#: tokens — that both sides load from one Hugging Face directory (ours directly, TRL with
+#: `AutoModelForCausalLM`, running transformers' torch fallback of the DeltaNet kernels on CPU).
+HYBRID_CONFIG = {
+    "model_type": "qwen3_5_text", "vocab_size": 384, "hidden_size": 256,
+    "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+    "max_position_embeddings": LONGTAIL_DATA["max_length"], "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def hybrid_model() -> Path:
+    """The `longtail_hybrid` model's Hugging Face directory, written on first use (seeded) in a
+    subprocess, like the data (see the note on max-RSS above)."""
+    path = Path(tempfile.gettempdir()) / "megatron_kto_bench" / "qwen3_5_hybrid_seed0"
+    if not (path / "config.json").exists():
+        subprocess.run(
+            [sys.executable, __file__, "--make-hybrid", str(path)],
+            check=True, cwd=REPO, stdout=sys.stderr,
+        )  # fmt: skip
+    return path
+
+
+def _make_hybrid(path: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(HYBRID_CONFIG)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    model.save_pretrained(path)
+
+
 def longtail_data() -> Path:
     """The long-tailed set, generated on first use (in a subprocess, so that this process does
     not import the tokenizer: see the note on max-RSS above)."""
@@ -111,6 +148,19 @@ def preset_overrides(preset: str, algorithm: str = "kto") -> list[str]:
             *DPO_BATCH,
             f"model.data.data_prefix.train=[{longtail_pairs()}]",
         ]
+    if preset == "longtail_hybrid":  # the shape is the Hugging Face directory's
+        return [
+            "example=tiny_kto",
+            f"pretrained_checkpoint.restore_from_path={hybrid_model()}",
+            # The tiny preset's shape, restated as the directory's (a contradiction is an error).
+            f"model.num_layers={HYBRID_CONFIG['num_hidden_layers']}",
+            f"model.hidden_size={HYBRID_CONFIG['hidden_size']}",
+            f"model.ffn_hidden_size={HYBRID_CONFIG['intermediate_size']}",
+            f"model.encoder_seq_length={HYBRID_CONFIG['max_position_embeddings']}",
+            f"model.data.max_length={LONGTAIL_DATA['max_length']}",
+            "model.data.data_prefix.validation=[]",
+            f"model.data.data_prefix.train=[{longtail_data()}]",
+        ]
     # The bundled example's settings (fp32, tokenizer, batch sizes, lr) under the larger shape:
     # a run that names its own data no longer gets them implicitly (megatron_kto/entry.py).
     return [
@@ -119,3 +169,10 @@ def preset_overrides(preset: str, algorithm: str = "kto") -> list[str]:
         *(LONGTAIL_MOE if preset == "longtail_moe" else []),
         f"model.data.data_prefix.train=[{longtail_data()}]",
     ]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--make-hybrid"] and len(sys.argv) == 3:
+        _make_hybrid(Path(sys.argv[2]))
+    else:
+        sys.exit("usage: bench_presets.py --make-hybrid DIR")

@@ -104,6 +104,11 @@ def _llama(spec: dict[str, Any]):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
+    if spec.get("hf_model"):  # our run starts from a Hugging Face directory: the same model
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(spec["hf_model"], dtype=torch.float32)
+        return model.to(torch.bfloat16 if spec["precision"] == "bf16" else torch.float32)
     arch, tok = spec["architecture"], spec["tokenizer"]
     heads = arch["num_attention_heads"]
     torch.manual_seed(spec["seed"])
@@ -198,7 +203,8 @@ def run_trl_kto(spec: dict[str, Any], max_steps: int) -> dict[str, Any]:
     """
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(var, "1")
-    check_llama_compatible(spec["architecture"])
+    if not spec.get("hf_model"):
+        check_llama_compatible(spec["architecture"])
     with tempfile.TemporaryDirectory(prefix="trl_baseline_") as tmp:
         return _train(spec, max_steps, Path(tmp))
 

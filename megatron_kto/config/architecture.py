@@ -154,6 +154,10 @@ class GPTArchitecture:
     """DeltaNet query/key heads (HF `linear_num_key_heads`)."""
     linear_num_value_heads: int = 32
     """DeltaNet value heads, a multiple of the key heads (HF `linear_num_value_heads`)."""
+    linear_in_proj: str = "qkvz_ba"
+    """How Hugging Face splits a DeltaNet layer's input projection (the LoRA target names):
+    'qkvz_ba' (Qwen3-Next: `in_proj_qkvz`, `in_proj_ba`, grouped per key head) or 'qkv_z_b_a'
+    (Qwen3.5: `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`)."""
     attention_output_gate: bool = False
     """Full attention's output scaled by sigmoid of a per-head gate projected with the queries
     (Qwen3-Next / Qwen3.5 gated attention)."""

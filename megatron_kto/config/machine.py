@@ -60,16 +60,18 @@ def attention_choice(cfg: Any, accelerator: Any = None) -> Any:
     from megatron_kto.runtime.attention_backend import (
         choose_attention_backend,
         head_dim_of,
+        with_deltanet_kernels,
     )
     from megatron_kto.runtime.gpu_settings import Accelerator
 
     m = cfg.model
+    accelerator = accelerator or Accelerator.detect()
     try:
-        return choose_attention_backend(
+        choice = choose_attention_backend(
             m.attention_backend,
             precision=canonical_precision(cfg.trainer.precision),
             packed=m.data.pack_sequences,
-            accelerator=accelerator or Accelerator.detect(),
+            accelerator=accelerator,
             head_dim=head_dim_of(m),
             sliding_window=bool(m.sliding_window),
             attention_sinks=bool(m.attention_sinks),
@@ -80,3 +82,6 @@ def attention_choice(cfg: Any, accelerator: Any = None) -> Any:
     except ValueError as e:
         # The message already starts with the key.
         raise ConfigError(str(e)) from e
+    if any(m.linear_attention_freq or []):
+        choice = with_deltanet_kernels(choice, accelerator)
+    return choice

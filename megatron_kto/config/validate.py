@@ -12,6 +12,7 @@ from megatron_kto.config.keys import check_known_keys
 from megatron_kto.config.layout import check_expert_layout, check_layout, data_parallel_size
 from megatron_kto.config.machine import attention_choice, canonical_precision
 from megatron_kto.config.max_time import parse_max_time
+from megatron_kto.conversion.deltanet import IN_PROJ_NAMES
 from megatron_kto.losses.dpo_types import (
     NO_REFERENCE,
     DPOLossConfigError,
@@ -227,7 +228,7 @@ def validate(
 
 def _check_linear_attention(m: Any) -> None:
     """Hybrid (gated DeltaNet) models: the layer pattern, the DeltaNet heads against TP, and the
-    combinations not built yet (context parallelism, LoRA) — before megatron-core's asserts."""
+    combination not built yet (context parallelism) — before megatron-core's asserts."""
     pattern = None if m.linear_attention_freq is None else list(m.linear_attention_freq)
     if pattern is not None:
         need(
@@ -237,6 +238,11 @@ def _check_linear_attention(m: Any) -> None:
             f"({m.num_layers} layers)",
         )
     deltanet = [i for i, kind in enumerate(pattern or []) if kind]
+    need(
+        m.linear_in_proj is None or m.linear_in_proj in IN_PROJ_NAMES,
+        "model.linear_in_proj",
+        f"{m.linear_in_proj!r} is not one of {sorted(IN_PROJ_NAMES)}",
+    )
     if deltanet:
         tp = m.tensor_model_parallel_size
         keys, values = m.linear_num_key_heads, m.linear_num_value_heads
@@ -261,13 +267,6 @@ def _check_linear_attention(m: Any) -> None:
             m.normalization == "RMSNorm",
             "model.normalization",
             "gated DeltaNet models need RMSNorm",
-        )
-    if deltanet or m.attention_output_gate:
-        need(
-            str(m.peft.peft_scheme) == "none",
-            "model.peft.peft_scheme",
-            "LoRA on gated-attention / gated DeltaNet models (Qwen3-Next, Qwen3.5) is not "
-            "supported yet",
         )
 
 

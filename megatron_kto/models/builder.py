@@ -34,6 +34,7 @@ from megatron_kto.runtime.attention_backend import (
     AttentionChoice,
     choose_attention_backend,
     head_dim_of,
+    with_deltanet_kernels,
 )
 from megatron_kto.runtime.gpu_settings import Accelerator, fusion_settings
 from megatron_kto.runtime.precision import precision_dtype
@@ -228,7 +229,7 @@ def attention_choice(arch: GPTArchitecture, layout: ParallelLayout) -> Attention
     """
 
     def choose(accelerator: Accelerator) -> AttentionChoice:
-        return choose_attention_backend(
+        choice = choose_attention_backend(
             layout.attention_backend,
             precision=layout.precision,
             packed=layout.pack_sequences,
@@ -240,6 +241,9 @@ def attention_choice(arch: GPTArchitecture, layout: ParallelLayout) -> Attention
             sequence_parallel=layout.sequence_parallel,
             context_parallel_size=layout.context_parallel_size,
         )
+        if arch.has_linear_attention():
+            choice = with_deltanet_kernels(choice, accelerator)
+        return choice
 
     accelerator = Accelerator.detect(read_device=True)
     choice = choose(accelerator)
@@ -265,7 +269,8 @@ def build_gpt_chunks(
         `pre_process`/`post_process` set for its pipeline position.
     """
     config = make_transformer_config(arch, layout)
-    backend = attention_choice(arch, layout).backend
+    choice = attention_choice(arch, layout)
+    backend = choice.backend
     vocab = arch.padded_vocab(layout.tensor_model_parallel_size)
     extras = LayerExtras.of(arch)
     vpp = layout.virtual_pipeline_model_parallel_size
@@ -275,7 +280,9 @@ def build_gpt_chunks(
         with _quiet_about_our_mlp():
             model = GPTModel(
                 config=config,
-                transformer_layer_spec=hybrid_block_spec(config, backend, vp_stage=stage)
+                transformer_layer_spec=hybrid_block_spec(
+                    config, backend, vp_stage=stage, deltanet=choice.deltanet or "torch"
+                )
                 if uses_hybrid_spec(arch)
                 else decoder_block_spec(
                     config, arch.normalization, backend, vp_stage=stage, extras=extras

@@ -28,7 +28,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_kto.models.delta_rule import causal_depthwise_conv, chunk_gated_delta_rule
+from megatron_kto.models.delta_rule import causal_depthwise_conv as ours_conv
+from megatron_kto.models.delta_rule import chunk_gated_delta_rule as ours_rule
+from megatron_kto.models.fla_kernels import fla_conv, fla_delta_rule
 
 
 def packed_row_lengths(packed_seq_params: Any) -> list[int] | None:
@@ -65,6 +67,7 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         use_qk_l2norm: bool = True,
         A_init_range: tuple[float, float] = (1, 16),
         pg_collection: Any = None,
+        kernels: str = "torch",
         **_: Any,
     ):
         # GatedDeltaNet.__init__ raises without fla and allocates on the current CUDA device:
@@ -76,6 +79,11 @@ class PortableGatedDeltaNet(GatedDeltaNet):
             raise ValueError(
                 "gated DeltaNet layers need model.activation=swiglu (SiLU convolution)"
             )
+        if kernels not in ("torch", "fla"):
+            raise ValueError(f"gated DeltaNet kernels: 'torch' or 'fla', got {kernels!r}")
+        # 'fla': flash-linear-attention's kernels (`models.fla_kernels`), decided once with the
+        # attention backend (`runtime.attention_backend.deltanet_kernels`).
+        self.kernels = kernels
         self.layer_number = layer_number
         self.bias, self.conv_bias, self.conv_init = bias, conv_bias, conv_init
         self.A_init_range = A_init_range
@@ -200,16 +208,15 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         qkv, z, beta, alpha = torch.split(
             qkvzba, [2 * qk_local + v_local, v_local, heads, heads], -1
         )
-        qkv = causal_depthwise_conv(
-            qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, seqlens=seqlens
-        )
+        conv, rule = (fla_conv, fla_delta_rule) if self.kernels == "fla" else (ours_conv, ours_rule)
+        qkv = conv(qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, seqlens=seqlens)
         query, key, value = torch.split(qkv, [qk_local, qk_local, v_local], dim=-1)
         query = query.reshape(b, s, -1, self.key_head_dim)
         key = key.reshape(b, s, -1, self.key_head_dim)
         value = value.reshape(b, s, -1, self.value_head_dim)
         # In fp32 as Hugging Face computes them (A_log in half precision could give -inf).
         g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())
-        core = chunk_gated_delta_rule(
+        core = rule(
             query, key, value, g, beta.sigmoid(), seqlens=seqlens, qk_l2norm=self.use_qk_l2norm
         )
         gated = self._gated_norm(core, z.reshape(b, s, -1, self.value_head_dim))

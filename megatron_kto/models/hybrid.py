@@ -76,9 +76,10 @@ def hybrid_transformer_config(arch: GPTArchitecture, context_parallel_size: int)
     )
 
 
-def _deltanet_attention() -> ModuleSpec:
+def _deltanet_attention(kernels: str) -> ModuleSpec:
     return ModuleSpec(
         module=PortableGatedDeltaNet,
+        params={"kernels": kernels},
         submodules=GatedDeltaNetSubmodules(
             in_proj=ColumnParallelLinear,
             out_norm=ModuleSpec(module=LocalNorm, params={"zero_centered_gamma": False}),
@@ -108,9 +109,10 @@ def _with_norms(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
 
 
 def hybrid_layer_spec(
-    config: TransformerConfig, backend: str, linear: bool, moe: bool
+    config: TransformerConfig, backend: str, linear: bool, moe: bool, deltanet: str = "torch"
 ) -> ModuleSpec:
-    """One layer: full attention (the backend's local spec) or gated DeltaNet, dense or MoE MLP."""
+    """One layer: full attention (the backend's local spec) or gated DeltaNet (`deltanet`
+    kernels: 'torch' or 'fla', `runtime.attention_backend.deltanet_kernels`), dense or MoE MLP."""
     layer = extend_local_layer(local_layer_spec(config.normalization, backend), config, moe=moe)
     if linear:
         sub = layer.submodules
@@ -122,16 +124,17 @@ def hybrid_layer_spec(
         }
         keys["input_layernorm."] = "self_attention.in_proj.layer_norm_"
         sub = dataclasses.replace(
-            sub, self_attention=_deltanet_attention(), sharded_state_dict_keys_map=keys
+            sub, self_attention=_deltanet_attention(deltanet), sharded_state_dict_keys_map=keys
         )
         layer = dataclasses.replace(layer, submodules=sub)
     return _with_norms(layer, config)
 
 
 def hybrid_block_spec(
-    config: TransformerConfig, backend: str, vp_stage: int | None
+    config: TransformerConfig, backend: str, vp_stage: int | None, deltanet: str = "torch"
 ) -> TransformerBlockSubmodules:
-    """This (virtual) pipeline stage's layers, each from its global layer number's kinds."""
+    """This (virtual) pipeline stage's layers, each from its global layer number's kinds
+    (`deltanet`: the DeltaNet layers' kernels)."""
     if backend == "te":
         # No TE spec is written for these layers yet; the local spec runs everywhere.
         logger.warning("hybrid DeltaNet model: full-attention layers use sdpa, not te")
@@ -143,7 +146,7 @@ def hybrid_block_spec(
     layers = []
     for i in range(first, first + count):
         moe = bool(config.num_moe_experts) and (moe_freq is None or bool(moe_freq[i]))
-        layers.append(hybrid_layer_spec(config, backend, bool(pattern[i]), moe))
+        layers.append(hybrid_layer_spec(config, backend, bool(pattern[i]), moe, deltanet))
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LocalNorm)
 
 

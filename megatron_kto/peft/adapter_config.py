@@ -108,7 +108,8 @@ def peft_selection(
             continue
         names = tuple(
             p
-            for p in available
+            for projs in linear_projections(arch, layer).values()
+            for p in projs
             if _selects(target_modules, f"model.layers.{layer}.{HF_MODULES[p]}")
         )
         if names:
@@ -124,14 +125,21 @@ def peft_selection(
             f"{target_modules!r} selects none of this model's projections "
             f"({', '.join(HF_MODULES[p] for p in available)} in model.layers.<i>){regex}"
         )
-    kinds = set(chosen.values())
-    if len(kinds) > 1:
+    union = {p for names in chosen.values() for p in names}
+    # A run adapts the same projections in every selected layer — those of them the layer has
+    # (a hybrid model's DeltaNet and full-attention layers have different ones).
+    uneven = [
+        i
+        for i, names in chosen.items()
+        if set(names) != union & {p for ps in linear_projections(arch, i).values() for p in ps}
+    ]
+    if uneven:
         per_layer = "; ".join(f"layer {i + 1}: {','.join(p)}" for i, p in sorted(chosen.items()))
         raise ValueError(
             f"{target_modules!r} adapts different projections in different layers "
             f"({per_layer}); a run adapts the same projections in each selected layer"
         )
-    return sorted(kinds.pop()), sorted(chosen)
+    return sorted(union), sorted(chosen)
 
 
 def adapter_values(config: dict[str, Any], arch: Any) -> dict[str, Any]:

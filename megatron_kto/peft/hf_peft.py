@@ -53,12 +53,11 @@ def hf_key(layer: int, projection: str, which: str) -> str:
 
 def expected_keys(settings: LoRASettings, arch: Any) -> set[str]:
     """Every key an adapter of these settings has, over the whole model."""
-    targets = resolve_targets(settings.target_modules, arch)
     layers = selected_layers(settings.layer_selection, arch.num_layers)
     return {
         hf_key(i, p, which)
         for i in layers
-        for t in targets
+        for t in resolve_targets(settings.target_modules, arch, i)
         for p in t.projections
         for which in ("lora_A", "lora_B")
     }

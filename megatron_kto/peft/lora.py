@@ -47,6 +47,7 @@ import math
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -59,6 +60,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from megatron_kto.conversion.addressing import COLUMN, ROW, lora_axes
+from megatron_kto.peft.hybrid_layout import HYBRID_LAYOUTS, fuse_blocks, projection_rows
 from megatron_kto.peft.settings import INIT_METHODS
 
 
@@ -81,16 +83,18 @@ class FusedLayout:
     """How a column-parallel linear's output is made of its projections.
 
     Attributes:
-        kind: 'qkv' (per query group: its query heads, key head, value head), 'fc1' ([gate; up])
-            or 'single'.
-        groups: query groups (qkv only).
-        heads_per_group, head_dim: qkv only.
+        kind: 'qkv' (per query group: its query heads, key head, value head), 'fc1' ([gate; up]),
+            'single', or a hybrid model's 'gated_qkv' / 'deltanet_in_proj' (`hybrid_layout`).
+        groups: query groups (qkv, gated_qkv).
+        heads_per_group, head_dim: qkv, gated_qkv.
+        deltanet: the DeltaNet heads (`conversion.deltanet.DeltaNetShape`; deltanet_in_proj).
     """
 
     kind: str
     groups: int = 1
     heads_per_group: int = 1
     head_dim: int = 1
+    deltanet: Any = None
 
 
 def _init_full(method: str, shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
@@ -295,6 +299,13 @@ class LoRALinear(torch.nn.Module):
             return torch.nn.functional.pad(part, (j * rank, (k - 1 - j) * rank))
 
         lay = self.layout
+        if lay.kind in HYBRID_LAYOUTS:
+            rows = projection_rows(lay, len(self.all_names), self.tp)
+            blocks = [
+                block(n, r, ()) if n in b else b[self.names[0]].new_zeros(r, k * rank)
+                for n, r in zip(self.all_names, rows, strict=True)
+            ]
+            return fuse_blocks(lay, blocks, self.tp)
         if lay.kind == "fc1":
             rows = next(iter(b.values())).shape[0]
             return torch.cat([block(n, rows, ()) for n in self.all_names])

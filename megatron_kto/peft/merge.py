@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from megatron_kto.conversion.mappings import fuse_fc1, fuse_qkv
+from megatron_kto.peft.hybrid_layout import HYBRID_LAYOUTS, fuse_blocks, projection_rows
 from megatron_kto.peft.lora import FusedLayout
 
 #: A linear that is one projection.
@@ -46,7 +47,8 @@ def merge_lora(
             projection without an adapter (it adds zero). At least one is not None.
         scale: lora_alpha / r.
         layout: how the linear fuses its projections (`kind` 'single', 'qkv' or 'fc1'; for
-            'qkv' the query groups, heads per group and head dim).
+            'qkv' the query groups, heads per group and head dim; a hybrid model's 'gated_qkv' /
+            'deltanet_in_proj', `hybrid_layout`).
 
     Returns:
         A new tensor, `weight` + the delta cast to `weight.dtype` (`weight` is not modified).
@@ -66,7 +68,7 @@ def merge_lora(
 
 def _delta(pairs: Sequence[Pair | None], scale: float, layout: FusedLayout) -> torch.Tensor:
     """scale·B·A of every projection (float32), fused as the base weight is."""
-    expected = {"single": 1, "fc1": 2, "qkv": 3}[layout.kind]
+    expected = {"single": 1, "fc1": 2, "qkv": 3, "gated_qkv": 3}.get(layout.kind, len(pairs))
     if len(pairs) != expected:
         raise ValueError(
             f"LoRA merge: a {layout.kind} linear has {expected} projections, got {len(pairs)}"
@@ -77,6 +79,12 @@ def _delta(pairs: Sequence[Pair | None], scale: float, layout: FusedLayout) -> t
         raise ValueError("LoRA merge: the linear has no adapter")
     if layout.kind == "single":
         return like
+    if layout.kind in HYBRID_LAYOUTS:
+        rows = projection_rows(layout, len(deltas), 1)
+        blocks = [
+            like.new_zeros(n, like.shape[1]) if x is None else x for x, n in zip(deltas, rows)
+        ]
+        return fuse_blocks(layout, blocks, 1)
     if layout.kind == "fc1":
         gate, up = (torch.zeros_like(like) if d is None else d for d in deltas)
         return fuse_fc1(gate, up)

@@ -24,6 +24,7 @@ from megatron_kto.peft.targets import (
     resolve_targets,
     selected_layers,
 )
+from megatron_kto.peft.hybrid_layout import check_tensor_parallel
 
 SCHEMES = ("none", "lora")
 #: `model.peft.reference`: the starting policy (base + starting adapter) or the base model.
@@ -244,7 +245,10 @@ def check_peft(model_cfg: Any, algorithm: str, arch: Any) -> None:
                 f"{_KEY}.{key}: must be one of {list(INIT_METHODS)}, got {getattr(lt, key)!r}"
             )
     try:
-        resolve_targets(targets, arch)
+        check_tensor_parallel(
+            [p for t in resolve_targets(targets, arch) for p in t.projections],
+            int(model_cfg.tensor_model_parallel_size),
+        )
     except ValueError as e:
         raise ConfigError(f"{_KEY}.target_modules: {e}") from e
     try:

@@ -20,6 +20,14 @@ all                 everything above
 
 NeMo adapts the fused `linear_qkv` / `linear_fc1` with one (A, B) pair; we keep one pair per
 projection (peft's representation), so an adapter maps one-to-one to a `peft` `LoraConfig`.
+
+Hybrid models (Qwen3-Next, Qwen3.5) have two kinds of layer, read from the conversion table of
+each kind: gated DeltaNet layers adapt `linear_attn.in_proj_*` (megatron's fused `in_proj`:
+`in_proj_qkvz` + `in_proj_ba`, or `in_proj_qkv` / `in_proj_z` / `in_proj_b` / `in_proj_a` as
+`GPTArchitecture.linear_in_proj` says) and `linear_attn.out_proj`; full-attention layers adapt
+the gated `q_proj` (query and output gate per head), `k_proj`, `v_proj`, `o_proj`. In these models
+`attention_qkv` also stands for the DeltaNet input projections and `attention_dense` for
+`out_proj`; a name only one kind of layer has adapts the layers of that kind.
 """
 
 from __future__ import annotations
@@ -29,35 +37,57 @@ from typing import Any
 
 from megatron_kto.config.architecture import GATED_ACTIVATIONS
 from megatron_kto.conversion.addressing import LINEAR_MAPPINGS, Mapping
+from megatron_kto.conversion.deltanet import IN_PROJ_NAMES
+from megatron_kto.conversion.families.qwen3_next import deltanet_mappings, gated_attention_mappings
+
+#: The linears of a hybrid layer's attention that take adapters (conv1d, norms and gates do not).
+_HYBRID_LINEARS = ("self_attention.in_proj", "self_attention.out_proj")
+#: Every DeltaNet input projection name (both families' spellings).
+_DELTANET_IN = tuple(n for names in IN_PROJ_NAMES.values() for n in names)
 
 
-def _linears_from_table() -> dict[str, tuple[str, ...]]:
+def _deltanet_entries(in_proj: str) -> tuple[Mapping, ...]:
+    """The adaptable entries of a DeltaNet layer's conversion table (`in_proj`, `out_proj`)."""
+    return tuple(
+        e
+        for e in deltanet_mappings(IN_PROJ_NAMES[in_proj])
+        if e.megatron.removesuffix(".weight") in _HYBRID_LINEARS
+    )
+
+
+def _linears_from_table(entries: tuple[Mapping, ...]) -> dict[str, tuple[str, ...]]:
     """megatron linear (under `decoder.layers.{i}.`) -> the Hugging Face modules (under
     `model.layers.{i}.`) it fuses, in fused order: read off the conversion table."""
     out = {}
-    for entry in LINEAR_MAPPINGS:
+    for entry in entries:
         out[entry.megatron.removesuffix(".weight")] = tuple(
             h.removesuffix(".weight") for h in entry.hf
         )
     return out
 
 
+def _short(modules: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    return {linear: tuple(m.rsplit(".", 1)[-1] for m in ms) for linear, ms in modules.items()}
+
+
+_HYBRID_ENTRIES = tuple(e for kind in IN_PROJ_NAMES for e in _deltanet_entries(kind))
+
+
 #: megatron linear -> its Hugging Face projections (`q_proj`, ...), fused order.
-LINEARS: dict[str, tuple[str, ...]] = {
-    linear: tuple(m.rsplit(".", 1)[-1] for m in modules)
-    for linear, modules in _linears_from_table().items()
-}
+LINEARS: dict[str, tuple[str, ...]] = _short(_linears_from_table(LINEAR_MAPPINGS))
 #: The conversion table's entry of each megatron linear's weight (fusion kind, TP axis).
 ENTRIES: dict[str, Mapping] = {
     entry.megatron.removesuffix(".weight"): entry for entry in LINEAR_MAPPINGS
 }
 #: Hugging Face module path of each projection under `model.layers.{i}.`.
 HF_MODULES: dict[str, str] = {
-    m.rsplit(".", 1)[-1]: m for modules in _linears_from_table().values() for m in modules
+    h.removesuffix(".weight").rsplit(".", 1)[-1]: h.removesuffix(".weight")
+    for entry in LINEAR_MAPPINGS + _HYBRID_ENTRIES
+    for h in entry.hf
 }
 NEMO_NAMES: dict[str, tuple[str, ...]] = {
-    "attention_qkv": ("q_proj", "k_proj", "v_proj"),
-    "attention_dense": ("o_proj",),
+    "attention_qkv": ("q_proj", "k_proj", "v_proj", *_DELTANET_IN),
+    "attention_dense": ("o_proj", "out_proj"),
     "mlp_fc1": ("gate_proj", "up_proj"),
     "mlp_fc2": ("down_proj",),
 }
@@ -84,21 +114,49 @@ class LinearTargets:
     all_projections: tuple[str, ...]
 
 
-def linear_projections(arch: Any) -> dict[str, tuple[str, ...]]:
-    """`LINEARS` for this architecture: without a gated MLP (SwiGLU, GeGLU), `linear_fc1` is
-    `up_proj` alone."""
-    out = dict(LINEARS)
+def _is_hybrid(arch: Any) -> bool:
+    return bool(getattr(arch, "attention_output_gate", False)) or any(
+        getattr(arch, "linear_attention_freq", None) or []
+    )
+
+
+def layer_entries(arch: Any, layer: int | None = None) -> dict[str, Mapping]:
+    """megatron linear -> its conversion entry (fusion kind, TP axis) in layer `layer` (0-based);
+    None: every linear of any layer (both kinds of a hybrid model)."""
+    out = {e.megatron.removesuffix(".weight"): e for e in LINEAR_MAPPINGS}
+    if not _is_hybrid(arch):
+        return out
+    freq = list(getattr(arch, "linear_attention_freq", None) or [])
+    kinds = set(freq or [0]) if layer is None else {freq[layer] if freq else 0}
+    gated = {e.megatron.removesuffix(".weight"): e for e in gated_attention_mappings()}
+    attention: dict[str, Mapping] = {}
+    if 0 in kinds:
+        attention.update({k: gated[k] for k in ("self_attention.linear_qkv",)})
+        attention["self_attention.linear_proj"] = out["self_attention.linear_proj"]
+    if 1 in kinds:
+        for e in _deltanet_entries(str(getattr(arch, "linear_in_proj", "qkvz_ba"))):
+            attention[e.megatron.removesuffix(".weight")] = e
+    mlp = {k: v for k, v in out.items() if k.startswith("mlp.")}
+    return {**attention, **mlp}
+
+
+def linear_projections(arch: Any, layer: int | None = None) -> dict[str, tuple[str, ...]]:
+    """megatron linear -> its projections in layer `layer` (None: in any layer; see
+    `layer_entries`); without a gated MLP (SwiGLU, GeGLU), `linear_fc1` is `up_proj` alone."""
+    out = _short(_linears_from_table(tuple(layer_entries(arch, layer).values())))
     if arch.activation not in GATED_ACTIVATIONS:
         out["mlp.linear_fc1"] = ("up_proj",)
     return out
 
 
-def resolve_targets(names: list[str], arch: Any) -> list[LinearTargets]:
+def resolve_targets(names: list[str], arch: Any, layer: int | None = None) -> list[LinearTargets]:
     """The megatron linears to adapt and their projections.
 
     Args:
         names: `model.peft.lora_tuning.target_modules` (NeMo or Hugging Face names, mixed).
         arch: anything with GPTArchitecture's `activation`.
+        layer: 0-based layer whose linears are meant (hybrid models' layers differ); None: the
+            linears of any layer.
 
     Raises:
         ValueError: an unknown name, a projection the architecture lacks, or no target.
@@ -121,6 +179,8 @@ def resolve_targets(names: list[str], arch: Any) -> list[LinearTargets]:
         else:
             known = sorted(NEMO_NAMES) + list(HF_MODULES)
             raise ValueError(f"unknown target module {name!r}; one of {known}")
+    if layer is not None:
+        linears = linear_projections(arch, layer)
     return [
         LinearTargets(linear, tuple(p for p in projs if p in wanted), projs)
         for linear, projs in linears.items()
@@ -157,8 +217,24 @@ def projection_shape(name: str, arch: Any) -> tuple[int, int]:
     groups = arch.num_query_groups or heads
     head_dim = arch.kv_channels or arch.hidden_size // heads
     h, f = arch.hidden_size, arch.ffn_hidden_size
+    if name in _DELTANET_IN or name == "out_proj":
+        qk = arch.linear_num_key_heads * arch.linear_key_head_dim
+        v, hv = (
+            arch.linear_num_value_heads * arch.linear_value_head_dim,
+            arch.linear_num_value_heads,
+        )
+        return {
+            "in_proj_qkvz": (h, 2 * qk + 2 * v),
+            "in_proj_ba": (h, 2 * hv),
+            "in_proj_qkv": (h, 2 * qk + v),
+            "in_proj_z": (h, v),
+            "in_proj_b": (h, hv),
+            "in_proj_a": (h, hv),
+            "out_proj": (v, h),
+        }[name]
+    gate = 2 if getattr(arch, "attention_output_gate", False) else 1  # query + gate per head
     return {
-        "q_proj": (h, heads * head_dim),
+        "q_proj": (h, gate * heads * head_dim),
         "k_proj": (h, groups * head_dim),
         "v_proj": (h, groups * head_dim),
         "o_proj": (heads * head_dim, h),

@@ -21,12 +21,14 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from megatron_kto.config.architecture import GATED_ACTIVATIONS
 from megatron_kto.conversion.addressing import LAYER, ChunkLayout, head_layout
+from megatron_kto.conversion.deltanet import shape_of
 from megatron_kto.models.builder import unwrap
 from megatron_kto.models.unique_params import counted_here, world_sum
+from megatron_kto.peft.hybrid_layout import check_tensor_parallel
 from megatron_kto.peft.lora import FusedLayout, LoRALinear, Projection, attach
 from megatron_kto.peft.settings import LoRASettings
 from megatron_kto.peft.targets import (
-    ENTRIES,
+    layer_entries,
     projection_shape,
     resolve_targets,
     selected_layers,
@@ -76,12 +78,14 @@ def _linear_key(path: str) -> str:
     return path.replace(".", "__")
 
 
-def _layout(linear: str, arch: Any) -> FusedLayout:
-    """The fused layout of a linear's output, from its conversion entry's kind."""
-    kind = ENTRIES[linear].kind
-    if kind == "qkv":
+def _layout(linear: str, arch: Any, layer: int) -> FusedLayout:
+    """The fused layout of a linear's output in layer `layer`, from its conversion entry's kind."""
+    kind = layer_entries(arch, layer)[linear].kind
+    if kind in ("qkv", "gated_qkv"):
         heads, groups, head_dim = head_layout(arch)
-        return FusedLayout("qkv", groups, heads // groups, head_dim)
+        return FusedLayout(kind, groups, heads // groups, head_dim)
+    if kind == "deltanet_in_proj":
+        return FusedLayout(kind, deltanet=shape_of(arch))
     if kind == "gated_mlp" and arch.activation in GATED_ACTIVATIONS:
         return FusedLayout("fc1")
     return FusedLayout("single")
@@ -108,14 +112,12 @@ def apply_lora(chunks: list[torch.nn.Module], arch: Any, settings: LoRASettings)
         ValueError: bad targets / layers, or a targeted linear that this model does not have
             (e.g. the MLP of a mixture-of-experts layer).
     """
-    if arch.attention_output_gate or arch.has_linear_attention():
-        # Their fused projections (gated QKV, DeltaNet in_proj) have no adapter layout yet: an
-        # adapter would be split back into HF's q/k/v wrongly.
-        raise ValueError(
-            "model.peft: LoRA on gated-attention / gated DeltaNet models (Qwen3-Next, Qwen3.5) "
-            "is not supported yet; train them without model.peft"
-        )
-    targets = resolve_targets(list(settings.target_modules), arch)
+    names = list(settings.target_modules)
+    targets = resolve_targets(names, arch)
+    check_tensor_parallel(
+        [p for t in targets for p in t.projections],
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
     layers = set(selected_layers(settings.layer_selection, arch.num_layers))
     for chunk in chunks:
         model = unwrap(chunk)
@@ -127,7 +129,7 @@ def apply_lora(chunks: list[torch.nn.Module], arch: Any, settings: LoRASettings)
             if index not in layers:
                 continue
             adapted = torch.nn.ModuleDict()
-            for t in targets:
+            for t in resolve_targets(names, arch, index):
                 base = _submodule(layer, t.linear)
                 if base is None or not hasattr(base, "weight"):
                     raise ValueError(
@@ -137,7 +139,7 @@ def apply_lora(chunks: list[torch.nn.Module], arch: Any, settings: LoRASettings)
                 adapter = LoRALinear(
                     base,
                     [Projection(p, *projection_shape(p, arch)) for p in t.projections],
-                    _layout(t.linear, arch),
+                    _layout(t.linear, arch, index),
                     [Projection(p, *projection_shape(p, arch)) for p in t.all_projections],
                     rank=settings.rank,
                     alpha=settings.alpha,

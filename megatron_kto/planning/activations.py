@@ -87,9 +87,17 @@ from dataclasses import dataclass, replace
 
 from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.peft.targets import projection_shape, resolve_targets
-from megatron_kto.planning.model_state import LoRAShape, ParallelDims, layers_per_chunk
+from megatron_kto.planning.model_state import (
+    COLUMN_LINEARS,
+    LoRAShape,
+    ParallelDims,
+    layers_per_chunk,
+)
 
 ACT_BYTES = {"32": 4, "bf16": 2, "16": 2}
+#: Chunk length of the delta rule's scan (`models.delta_rule.DEFAULT_CHUNK_SIZE`; not imported:
+#: planning runs before torch is needed).
+DELTA_RULE_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -163,10 +171,11 @@ def layer_bytes(
     x: ActivationInputs,
     lora: LoRAShape | None = None,
     moe: bool = False,
+    linear: bool = False,
 ) -> int:
     """One transformer layer's saved tensors for one micro-batch (the table above; a LoRA
     layer's base part when `lora` is given — the adapters' own: `lora_layer_bytes`; an MoE
-    layer's when `moe`)."""
+    layer's when `moe`; a gated DeltaNet layer's when `linear`, `deltanet_bytes`)."""
     h, f, n, g, d = _dims(arch)
     e, T, t = ACT_BYTES[dims.precision], dims.tp, x.tokens
     sp = T if dims.sequence_parallel else 1
@@ -174,20 +183,13 @@ def layer_bytes(
     if adapted is None:
         total = t // sp * (6 * h * e + 2 * 4)
     else:  # norm inputs and 1/rms; a norm output only as an adapted linear's input
-        inputs = 2 + ("linear_qkv" in adapted) + ("linear_fc1" in adapted)
+        qkv = "in_proj" if linear else "linear_qkv"
+        inputs = 2 + (qkv in adapted) + ("linear_fc1" in adapted)
         total = t // sp * (inputs * h * e + 2 * 4)
-    if x.native_gqa or g == n:
-        total += t * ((n + 2 * g) + (n + g)) * d // T * e
+    if linear:
+        total += deltanet_bytes(arch, dims, x)
     else:
-        total += t * 3 * n * d // T * e
-    if arch.position_embedding_type == "rope":
-        rot = int(d * arch.rotary_percent)
-        total += 4 * rot * e * (t if x.packed else x.seq_len)
-    total += t * n * d // T * e
-    if x.recompute != "selective":
-        total += t * n // T * 4
-    if x.packed and (adapted is None or "linear_proj" in adapted):
-        total += t * n * d // T * e
+        total += _attention_bytes(arch, dims, x, adapted)
     if moe:
         total += moe_mlp_bytes(arch, dims, x)
     else:
@@ -197,10 +199,52 @@ def layer_bytes(
         total += t * mlp * f // T * e
     if arch.hidden_dropout > 0:
         total += 2 * t // sp * h
-    return total + gemma_norm_bytes(arch, dims, x)
+    return total + gemma_norm_bytes(arch, dims, x, linear)
 
 
-def gemma_norm_bytes(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs) -> int:
+def _attention_bytes(
+    arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs, adapted: set[str] | None
+) -> int:
+    """A full-attention layer's attention half (the QKV … packed rows of the table)."""
+    _, _, n, g, d = _dims(arch)
+    e, T, t = ACT_BYTES[dims.precision], dims.tp, x.tokens
+    if x.native_gqa or g == n:
+        total = t * ((n + 2 * g) + (n + g)) * d // T * e
+    else:
+        total = t * 3 * n * d // T * e
+    if arch.position_embedding_type == "rope":
+        rot = int(d * arch.rotary_percent)
+        total += 4 * rot * e * (t if x.packed else x.seq_len)
+    total += t * n * d // T * e
+    if x.recompute != "selective":
+        total += t * n // T * 4
+    if x.packed and (adapted is None or "linear_proj" in adapted):
+        total += t * n * d // T * e
+    if arch.attention_output_gate:  # the gates beside the queries, sigmoid(gate), the product
+        total += 3 * t * n * d // T * e
+    return total
+
+
+def deltanet_bytes(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs) -> int:
+    """What a gated DeltaNet layer's attention half (`models.gated_delta_net`, our chunked delta
+    rule) saves for one micro-batch: its in_proj output, the convolution's input window and
+    output (the Hk·dk and Hv·dv terms), the repeated, normalised q/k per value head (Hv·dk), each
+    chunk's [C, C] decay / attention / triangular-solve matrices (Hv·C per token) and the
+    recurrent state entering every chunk (Hv·dk·dv per C tokens), all in fp32 (the rule computes
+    in fp32). Coefficients measured with `saved_tensors_hooks` over head counts and dims, tokens
+    rounded up to whole chunks of C = 64: within 2% of a measured layer on whole chunks, up to 8%
+    over with a partial last chunk (`tests/test_plan_hybrid.py`)."""
+    T = dims.tp
+    hk, hv = arch.linear_num_key_heads // T, arch.linear_num_value_heads // T
+    dk, dv, c = arch.linear_key_head_dim, arch.linear_value_head_dim, DELTA_RULE_CHUNK
+    tokens = -(-x.tokens // c) * c
+    per_token = 12 * hk * dk + 14 * hv * dv + 6 * hv * c + 9 * hv * dk + 6 * hv * dk * dv // (5 * c)
+    return tokens * per_token * 4
+
+
+def gemma_norm_bytes(
+    arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs, linear: bool = False
+) -> int:
     """What Gemma's norms (`models.gemma_layers`, `models.norms`) save beyond the table's two
     norms, per layer and micro-batch: a (1 + w) norm of N elements keeps an fp32 copy of its input
     instead of the e-byte input and the fp32 normalised tensor ((8 − e)·N more: pre-norms and
@@ -212,7 +256,7 @@ def gemma_norm_bytes(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInp
     total = 0
     if arch.zero_centered_norms:
         total += t // sp * 2 * h * (8 - e)
-        if arch.qk_layernorm:
+        if arch.qk_layernorm and not linear:
             total += t * (n + g) * d // T * (8 - e)
     if arch.post_norms:
         per = 8 if arch.zero_centered_norms else e
@@ -252,16 +296,23 @@ def moe_mlp_bytes(arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs
 
 
 def lora_layer_bytes(
-    arch: GPTArchitecture, dims: ParallelDims, x: ActivationInputs, lora: LoRAShape
+    arch: GPTArchitecture,
+    dims: ParallelDims,
+    x: ActivationInputs,
+    lora: LoRAShape,
+    linear: bool = False,
 ) -> int:
-    """What one layer's adapters save for their backward for one micro-batch (module docstring)."""
+    """What one layer's adapters save for their backward for one micro-batch (module docstring);
+    in a hybrid model, of a gated DeltaNet layer (`linear`) or a full-attention one."""
     e, T, t, r = ACT_BYTES[dims.precision], dims.tp, x.tokens, lora.rank
     sp = T if dims.sequence_parallel else 1
     total = 0
-    for target in resolve_targets(list(lora.targets), arch):
+    kinds = list(arch.linear_attention_freq or [0])
+    layer = kinds.index(int(linear)) if int(linear) in kinds else None
+    for target in resolve_targets(list(lora.targets), arch, layer):
         k = len(target.projections)
         fan_in = projection_shape(target.projections[0], arch)[0]
-        if target.linear in ("self_attention.linear_qkv", "mlp.linear_fc1"):
+        if target.linear in COLUMN_LINEARS:
             total += t * k * r * e + k * r * fan_in * e
             if len(target.all_projections) > 1:
                 out = sum(projection_shape(p, arch)[1] for p in target.all_projections)
@@ -330,9 +381,12 @@ def activation_bytes(
     vpp = dims.vpp or 1
     first, last = pp_rank == 0, pp_rank == dims.pp - 1
     kinds = _layer_kinds(arch)
-    layer = max(layer_bytes(arch, dims, x, lora, moe) for moe in kinds)
-    if lora is not None:
-        layer += lora_layer_bytes(arch, dims, x, lora)
+    layer = max(
+        layer_bytes(arch, dims, x, lora, moe, linear)
+        + (0 if lora is None else lora_layer_bytes(arch, dims, x, lora, linear))
+        for moe in kinds
+        for linear in _attention_kinds(arch)
+    )
     per_chunk, recomputed = _kept_per_chunk(arch, dims, x, layer)
     in_flight = _in_flight(dims, pp_rank, x.micro_batches)
     saved = in_flight * per_chunk
@@ -357,8 +411,14 @@ def activation_bytes(
         moe_f = arch.moe_ffn_hidden_size or f
         shared = arch.moe_shared_expert_intermediate_size or 0
         mlp_weight = max(mlp_weight, 2 * moe_f * h // dims.expert_tp, 2 * shared * h // T)
+    in_proj = 0
+    if True in _attention_kinds(arch):  # a DeltaNet in_proj: [2·Hk·dk + 2·Hv·dv + 2·Hv, h] / T
+        qk = arch.linear_num_key_heads * arch.linear_key_head_dim
+        hv = arch.linear_num_value_heads
+        in_proj = (2 * qk + 2 * hv * arch.linear_value_head_dim + 2 * hv) * h // T
     largest_weight = max(
         mlp_weight,
+        in_proj,
         (arch.num_attention_heads + 2 * (arch.num_query_groups or arch.num_attention_heads))
         * (arch.kv_channels or h // arch.num_attention_heads)
         * h
@@ -374,6 +434,12 @@ def activation_bytes(
         layer_transient = max(layer_transient, moe_transient_bytes(arch, dims, x) + weight_grad)
     transient = max(layer_transient + recomputed * layer, head_transient)
     return Activations(saved=saved, transient=transient, layer=layer, in_flight=in_flight)
+
+
+def _attention_kinds(arch: GPTArchitecture) -> set[bool]:
+    """{False} without DeltaNet layers; True for gated DeltaNet layers, False for full attention
+    (a hybrid model plans every layer as its larger kind, as an MoE model does)."""
+    return {bool(k) for k in arch.linear_attention_freq or [0]}
 
 
 def _layer_kinds(arch: GPTArchitecture) -> set[bool]:

@@ -91,7 +91,7 @@ explicit `te` is an error (on TE < 2.11) — never a crash at the first forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from packaging.version import InvalidVersion, Version
@@ -104,7 +104,9 @@ __all__ = [
     "CONFIG_NAMES",
     "SettingNames",
     "choose_attention_backend",
+    "deltanet_kernels",
     "head_dim_of",
+    "with_deltanet_kernels",
 ]
 
 #: `model.attention_backend` values.
@@ -142,10 +144,17 @@ class AttentionChoice:
     """'te', 'sdpa' or 'local'."""
     reason: str
     """One clause saying why."""
+    deltanet: str | None = None
+    """Kernels of the gated DeltaNet layers: 'fla' or 'torch' (`deltanet_kernels`); None for a
+    model without them."""
+    deltanet_reason: str = ""
 
     def describe(self) -> str:
-        """'sdpa (<reason>)'."""
-        return f"{self.backend} ({self.reason})"
+        """'sdpa (<reason>)', and '; gated DeltaNet: fla (<reason>)' for a hybrid model."""
+        out = f"{self.backend} ({self.reason})"
+        if self.deltanet:
+            out += f"; gated DeltaNet: {self.deltanet} ({self.deltanet_reason})"
+        return out
 
     def note(self, request: str) -> str:
         """'model.attention_backend=auto: sdpa (<reason>)' — one start-up line."""
@@ -305,6 +314,24 @@ class SettingNames:
 
 
 CONFIG_NAMES = SettingNames()
+
+
+def with_deltanet_kernels(choice: AttentionChoice, accelerator: Accelerator) -> AttentionChoice:
+    """`choice` with the gated DeltaNet kernels of a hybrid model (`deltanet_kernels`) — the
+    same decision, one start-up note."""
+    kernels, why = deltanet_kernels(accelerator)
+    return replace(choice, deltanet=kernels, deltanet_reason=why)
+
+
+def deltanet_kernels(accelerator: Accelerator) -> tuple[str, str]:
+    """(kernels, reason) of gated DeltaNet layers: `fla`'s (flash-linear-attention: Triton
+    chunked delta rule and causal convolution, variable-length through `cu_seqlens`) on an
+    accelerator where it is installed (`pip install .[fla]`), else ours in PyTorch
+    (`models.delta_rule`), which run everywhere."""
+    if accelerator.cuda and accelerator.fla:
+        return "fla", "flash-linear-attention's Triton kernels, packed rows by cu_seqlens"
+    missing = "no accelerator" if not accelerator.cuda else "fla is not installed"
+    return "torch", f"our PyTorch delta rule and convolution; {missing}"
 
 
 def choose_attention_backend(

@@ -46,6 +46,8 @@ class Accelerator:
     """Apex's `fused_weight_gradient_mlp_cuda` extension is importable."""
     flash_attn: bool = False
     """The `flash_attn` package (flash-attention 2, one of TE's attention backends) is importable."""
+    fla: bool = False
+    """The `fla` package (flash-linear-attention: gated DeltaNet kernels) is importable."""
     compute_capability: tuple[int, int] | None = None
     """The GPU's compute capability, e.g. (8, 0) for an A100; None when not read (reading it
     initialises CUDA, so it is read only once the device is set: `detect(read_device=True)`)."""
@@ -66,6 +68,7 @@ class Accelerator:
             transformer_engine=_installed_version("transformer_engine", "transformer-engine"),
             grad_accum_fusion_kernel=importlib.util.find_spec(GRAD_ACCUM_FUSION_MODULE) is not None,
             flash_attn=importlib.util.find_spec("flash_attn") is not None,
+            fla=importlib.util.find_spec("fla") is not None,
             compute_capability=torch.cuda.get_device_capability() if cuda and read_device else None,
             cudnn=torch.backends.cudnn.version() if cuda else None,
         )

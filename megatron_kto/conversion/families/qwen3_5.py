@@ -17,6 +17,7 @@ from typing import Any
 
 from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.addressing import Mapping, dense_mlp_mappings
+from megatron_kto.conversion.deltanet import IN_PROJ_NAMES
 from megatron_kto.conversion.errors import ConversionError
 from megatron_kto.conversion.families import Family, dense_architecture, mismatch
 from megatron_kto.conversion.families.qwen3_next import (
@@ -28,12 +29,13 @@ from megatron_kto.conversion.families.qwen3_next import (
 )
 from megatron_kto.conversion.moe import routing_fields
 
-IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+#: Qwen3.5 keeps the DeltaNet input projections apart (`GPTArchitecture.linear_in_proj`).
+SPLIT = "qkv_z_b_a"
 
 
 def _attention(arch: GPTArchitecture) -> tuple[Mapping, ...]:
     if arch.has_linear_attention():
-        return deltanet_mappings(IN_PROJ)
+        return deltanet_mappings(IN_PROJ_NAMES[SPLIT])
     return gated_attention_mappings()
 
 
@@ -46,7 +48,7 @@ def _moe_layer(arch: GPTArchitecture, norms: dict[str, str]) -> tuple[Mapping, .
 
 
 def _dense_architecture(config: dict[str, Any], where: str) -> GPTArchitecture:
-    return dense_architecture(config, where, **hybrid_fields(config, where))
+    return dense_architecture(config, where, **hybrid_fields(config, where), linear_in_proj=SPLIT)
 
 
 def _moe_architecture(config: dict[str, Any], where: str) -> GPTArchitecture:
@@ -61,6 +63,7 @@ def _moe_architecture(config: dict[str, Any], where: str) -> GPTArchitecture:
         config,
         where,
         **hybrid_fields(config, where),
+        linear_in_proj=SPLIT,
         **routing_fields(config, where, "num_experts", True, "moe_intermediate_size"),
         moe_shared_expert_intermediate_size=shared,
         moe_shared_expert_gate=True,

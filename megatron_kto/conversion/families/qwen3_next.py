@@ -23,6 +23,7 @@ from typing import Any
 
 from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.addressing import COLUMN, PROJ_WEIGHT, ROW, Mapping
+from megatron_kto.conversion.deltanet import IN_PROJ_NAMES
 from megatron_kto.conversion.errors import ConversionError
 from megatron_kto.conversion.families import Family, dense_architecture, mismatch
 from megatron_kto.conversion.families.qwen2_moe import layer_mappings as qwen2_moe_mappings
@@ -79,7 +80,7 @@ def mlp_mappings(arch: GPTArchitecture, norms: dict[str, str]) -> tuple[Mapping,
 def layer_mappings(arch: GPTArchitecture, norms: dict[str, str]) -> tuple[Mapping, ...]:
     """One layer (`arch` is the layer's own, `GPTArchitecture.layer_architecture`)."""
     attention = (
-        deltanet_mappings(("in_proj_qkvz", "in_proj_ba"))
+        deltanet_mappings(IN_PROJ_NAMES["qkvz_ba"])
         if arch.has_linear_attention()
         else gated_attention_mappings()
     )
