@@ -408,7 +408,8 @@ def test_dpo_step_packed_equals_padded(runtime):
 def test_reference_free_step_packed_equals_padded(runtime):
     """ORPO (reference-free): the step is one forward+backward of the policy — the positions fed
     equal the rows' once, its reference refuses any call — with chunked log-probs, packed equal
-    to padded: loss, TRL's metrics (``nll_loss``, ``log_odds_*``) and gradients."""
+    to padded: loss, TRL's metrics (``nll_loss``, ``log_odds_*``) and gradients; with TRL's NLL
+    over the prompt too (``prompt_nll``) the full-logits pass (chunk size 0) equals them."""
     from megatron_kto.algorithms.reference_strategies import NoReferencePolicy
 
     examples = _examples(8, seed=5)
@@ -420,12 +421,14 @@ def test_reference_free_step_packed_equals_padded(runtime):
     batch = to_device(dpo_custom_collate(pairs, pad_id=0), runtime.device)
     real = int(batch["chosen_lengths"].sum() + batch["rejected_lengths"].sum())
     out = {}
-    for pack in (False, True):
+    for pack, prompt_nll, chunk in ((False, False, 4), (True, False, 4), (False, True, 4),
+                                    (True, True, 4), (False, True, 0), (True, True, 0)):  # fmt: skip
         chunks, _ = _models(runtime)
         settings = DPOSettings(
             beta=0.3, loss_type="orpo", label_smoothing=0.0, average_log_probs=True,
             sft_loss_weight=0.0, micro_batch_size=2, forward_micro_batch_size=4,
-            vocab_size=VOCAB, logprob_chunk_size=4, pack_sequences=pack,
+            vocab_size=VOCAB, logprob_chunk_size=chunk, pack_sequences=pack,
+            prompt_nll=prompt_nll,
         )  # fmt: skip
         model = MegatronGPTDPOModel(chunks, NoReferencePolicy("orpo"), settings)
         assert not model.needs_reference
@@ -433,14 +436,20 @@ def test_reference_free_step_packed_equals_padded(runtime):
         for c in chunks:
             c.zero_grad_buffer()
         _, metrics = model.get_loss_and_metrics(dict(batch), forward_only=False)
-        out[pack] = (metrics, _grads(chunks), counter.positions)
-    (m_a, g_a, n_a), (m_b, g_b, n_b) = out[False], out[True]
-    assert n_a == batch["chosen"].numel() + batch["rejected"].numel() and n_b == real
-    assert {"nll_loss", "log_odds_ratio", "log_odds_chosen"} <= m_a.keys()
-    for name, want in m_a.items():
-        assert abs(m_b[name] - want) <= TOL * max(1.0, abs(want)), name
-    for name, want in g_a.items():
-        assert (g_b[name] - want).abs().max() <= TOL * want.abs().max(), name
+        out[pack, prompt_nll, chunk] = (metrics, _grads(chunks), counter.positions)
+    for prompt_nll in (False, True):
+        (m_a, g_a, n_a), (m_b, g_b, n_b) = out[False, prompt_nll, 4], out[True, prompt_nll, 4]
+        assert n_a == batch["chosen"].numel() + batch["rejected"].numel() and n_b == real
+        assert {"nll_loss", "log_odds_ratio", "log_odds_chosen"} <= m_a.keys()
+        for other in [(m_b, g_b)] + [out[p, True, 0][:2] for p in (False, True) if prompt_nll]:
+            for name, want in m_a.items():
+                assert abs(other[0][name] - want) <= TOL * max(1.0, abs(want)), name
+            for name, want in g_a.items():
+                assert (other[1][name] - want).abs().max() <= TOL * want.abs().max(), name
+    # The prompt's targets change the NLL (and so the loss), not the odds ratio.
+    plain, trl = out[False, False, 4][0], out[False, True, 4][0]
+    assert plain["log_odds_ratio"] == pytest.approx(trl["log_odds_ratio"], rel=1e-6)
+    assert plain["nll_loss"] != pytest.approx(trl["nll_loss"], rel=1e-3)
 
 
 def test_forward_pass_without_host_lengths_packs_the_same(runtime):

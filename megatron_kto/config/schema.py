@@ -186,6 +186,9 @@ class DPOLossConfig:
     """Weight of the chosen completions' NLL in cpo and simpo (TRL's CPOConfig.cpo_alpha)."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin γ (TRL's CPOConfig.simpo_gamma)."""
+    orpo_prompt_nll: bool = True
+    """orpo: the NLL term scores the chosen rows' prompt tokens too, as TRL's ORPOTrainer
+    (True); False: the chosen completion only (the ORPO paper's formula)."""
     ld_alpha: Optional[float] = None
     """LD-DPO (TRL's DPOConfig.ld_alpha): in every log-prob (policy and reference) the tokens
     beyond the pair's shorter completion count α times, α in [0, 1]; None: plain sums."""

@@ -49,8 +49,9 @@ on one process with the whole global batch.
 
 NLL is TRL's: the chosen completions' negative log-likelihood as one token-weighted mean over
 the pairs given (Σ_i −π_c,i / Σ_i n_c,i, a micro-batch in training), added to every pair's loss
-(so the mean over pairs adds it once). TRL's ORPO takes that NLL over the prompt tokens too;
-ours covers the completion tokens only (the prompt is never scored here).
+(so the mean over pairs adds it once). TRL's ORPO takes that NLL over the chosen rows' prompt
+tokens too: a run does the same by passing those rows' whole sums (``dpo_loss``'s
+``chosen_nll_logps``; ``model.dpo.orpo_prompt_nll``, `models.prompt_nll`).
 
 TRL's ``ipo`` divides the log-ratios by the token counts itself; ours (unchanged) does so when
 the caller passes per-token means (``model.dpo.preference_average_log_probs``). TRL's ``sft`` is
