@@ -44,6 +44,7 @@ from megatron_kto.losses.dpo_types import (
     check_loss_mixture,
     loss_type_names,
     needs_reference,
+    needs_rewards,
     sorts_batch,
 )
 from megatron_kto.losses.f_divergence import (
@@ -113,6 +114,7 @@ def dpo_loss(
     sort_partners: SortPartners | None = None,
     chosen_nll_logps: Tensor | None = None,
     chosen_nll_num_tokens: Tensor | None = None,
+    reward_margins: Tensor | None = None,
 ) -> DPOLossOutput:
     """Per-pair DPO-family loss: one catalogue entry, or a weighted sum of several.
 
@@ -147,6 +149,8 @@ def dpo_loss(
             chosen completions' (TRL's ORPO: prompt and completion tokens), with grad; None:
             the completions'.
         chosen_nll_num_tokens: [B] their token counts (with ``chosen_nll_logps``).
+        reward_margins: [B] g = gt_reward_scale × (chosen reward − rejected reward) from the
+            data, constant; read by the RPO losses (``rpo_sq``, ``rpo_fwd_kl``, ``rpo_bwd_kl``).
 
     Returns:
         :class:`DPOLossOutput`; the reference-free types' rewards are β × the policy log-probs
@@ -176,6 +180,10 @@ def dpo_loss(
             "chosen_num_tokens": chosen_num_tokens,
             "rejected_num_tokens": rejected_num_tokens,
         }
+    if needs_rewards(names):
+        if reward_margins is None:
+            raise ValueError(f"loss_type {list(names)} needs the pairs' reward_margins")
+        tensors["reward_margins"] = reward_margins
     needs_counts = [t for t in names if DPO_LOSSES[t].needs_token_counts]
     if needs_counts and not counted:
         raise ValueError(
@@ -237,6 +245,9 @@ def dpo_loss(
         simpo_gamma=simpo_gamma,
         cpo_alpha=cpo_alpha,
         partners=sort_partners if sorts_batch(names) else None,
+        reward_margins=(
+            as_float(reward_margins.detach()).to(pc.dtype) if needs_rewards(names) else None
+        ),
         **per_token,
     )
     if len(names) == 1 and weights[0] == 1.0:
@@ -286,6 +297,7 @@ def dpo_total_loss(
     sort_partners: SortPartners | None = None,
     chosen_nll_logps: Tensor | None = None,
     chosen_nll_num_tokens: Tensor | None = None,
+    reward_margins: Tensor | None = None,
 ) -> DPOTotalLossOutput:
     """DPO loss plus the optional SFT term on the chosen completions, reduced to a scalar.
 
@@ -304,7 +316,7 @@ def dpo_total_loss(
         preference_loss_weight: weight of the DPO term.
         loss_weights, discopop_tau, rejected_num_tokens, f_divergence_type,
             f_alpha_divergence_coef, simpo_gamma, cpo_alpha, sort_partners,
-            chosen_nll_logps, chosen_nll_num_tokens: as in :func:`dpo_loss`.
+            chosen_nll_logps, chosen_nll_num_tokens, reward_margins: as in :func:`dpo_loss`.
 
     Returns:
         :class:`DPOTotalLossOutput`.
@@ -332,6 +344,7 @@ def dpo_total_loss(
         sort_partners=sort_partners,
         chosen_nll_logps=chosen_nll_logps,
         chosen_nll_num_tokens=chosen_nll_num_tokens,
+        reward_margins=reward_margins,
     )
     if sft_loss_weight != 0.0:
         if chosen_num_tokens is None:

@@ -78,6 +78,8 @@ from megatron_kto.models.schedule import (
 
 REF_CHOSEN = "ref_policy_log_probs_chosen"
 REF_REJECTED = "ref_policy_log_probs_rejected"
+#: Batch keys of the pairs' chosen and rejected rewards from the data (`data.collate`; RPO).
+REWARDS = ("chosen_rewards", "rejected_rewards")
 #: A micro-batch's keys for its pairs' `SortPartners` fields (aot, aot_unpaired).
 _PARTNERS = ("aot_offset", "unpaired_rejected", "unpaired_chosen")
 
@@ -113,6 +115,8 @@ class DPOSettings:
     """γ, SimPO's target margin."""
     cpo_alpha: float = 1.0
     """α, the chosen NLL's weight in CPO and SimPO."""
+    gt_reward_scale: float = 1.0
+    """RPO losses: the reward gap is gt_reward_scale × (chosen − rejected reward) of the data."""
     prompt_nll: bool = False
     """The reference-free NLL also scores the chosen rows' prompt tokens (TRL's ORPO;
     `models.prompt_nll`)."""
@@ -241,6 +245,11 @@ class MegatronGPTDPOModel:
             cpo_alpha=s.cpo_alpha,
             chosen_nll_logps=nll_logps if s.prompt_nll else None,
             chosen_nll_num_tokens=nll_tokens if s.prompt_nll else None,
+            reward_margins=(
+                s.gt_reward_scale * (batch[REWARDS[0]] - batch[REWARDS[1]])
+                if REWARDS[0] in batch
+                else None
+            ),
             sort_partners=(
                 SortPartners(*(batch[k].to(logps.dtype) for k in _PARTNERS))
                 if self.sorts_batch
@@ -301,6 +310,9 @@ class MegatronGPTDPOModel:
             if partners is not None:
                 mine = partners.rows(sl)
                 micro[-1].update({k: getattr(mine, k) for k in _PARTNERS})
+            for key in REWARDS:  # the pairs' rewards from the data (RPO losses)
+                if key in batch:
+                    micro[-1][key] = batch[key][sl]
             if self.needs_reference:
                 micro[-1]["ref_chosen"] = batch[REF_CHOSEN][sl]
                 micro[-1]["ref_rejected"] = batch[REF_REJECTED][sl]
