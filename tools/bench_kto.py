@@ -26,6 +26,9 @@ process) trains ``trl.KTOTrainer`` on a ``transformers`` ``LlamaForCausalLM`` of
 randomly initialised, on the same rows tokenised by the same tokenizer, with the same β, λ_D/λ_U,
 schedule, Adam settings, clip, batch size (one micro-batch) and ``max_length``; each step is timed
 from the end of the previous one, data loading included, as on our side (``tools/trl_baseline.py``).
+With ``--objective cpo|simpo|orpo`` (a DPO-family run on the preset's rows as pairs) the TRL
+side is TRL's experimental ``CPOTrainer`` / ``ORPOTrainer`` on the same model and pairs, in the
+same micro-batches (``tools/bench_trl.py``); other objectives run our side only.
 
 LoRA (``--lora RANK``, or the ``model.peft.*`` overrides themselves): our side trains adapters of
 that rank on ``--lora-targets`` (default ``all``) with the adapters switched off as the reference;
@@ -73,6 +76,7 @@ from typing import Any
 
 from bench_presets import BENCH_DEFAULTS, bench_defaults, preset_overrides  # noqa: F401
 from bench_report import FIGURES, combine_runs, render_header, render_notes, render_table
+from bench_trl import TRL_PREFERENCE, lora_spec, preference_spec, resolved_architecture
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
@@ -96,19 +100,6 @@ def _compose(config_name: str, overrides: list[str]) -> Any:
     return compose_run_config(config_name, overrides, algorithm, config_dir=CONF_DIR).cfg
 
 
-def _resolved_architecture(cfg: Any, vocab_size: int):
-    """The model shape a run of `cfg` builds (the pretrained checkpoint's, if one is given)."""
-    from megatron_kto.checkpointing.model_io import read_architecture
-    from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir
-    from megatron_kto.config.schema import architecture_of
-
-    path = cfg.pretrained_checkpoint.restore_from_path
-    arch = read_architecture(resolve_pretrained_dir(path)) if path else architecture_of(cfg.model)
-    if arch.vocab_size is None:
-        arch.vocab_size = vocab_size
-    return arch
-
-
 def trl_spec(cfg: Any) -> dict[str, Any]:
     """Everything the TRL side needs to run the same training as `cfg`, as plain data."""
     from megatron_kto.data.pipeline import resolve_path
@@ -118,7 +109,7 @@ def trl_spec(cfg: Any) -> dict[str, Any]:
     m = cfg.model
     tok_path = str(resolve_path(m.tokenizer.model))
     tokenizer = load_tokenizer(m.tokenizer.library, tok_path, m.tokenizer.chat_template)
-    arch = _resolved_architecture(cfg, tokenizer.vocab_size)
+    arch = resolved_architecture(cfg, tokenizer.vocab_size)
     return {
         "architecture": arch.to_dict(),
         "padded_vocab": arch.padded_vocab(m.tensor_model_parallel_size),
@@ -158,49 +149,6 @@ def trl_spec(cfg: Any) -> dict[str, Any]:
             "eps": m.optim.eps,
             "clip": cfg.trainer.kto.gradient_clip_val,
         },
-    }
-
-
-def shape_spec(cfg: Any) -> dict[str, Any]:
-    """What an `--objective` (DPO) run reports of its setup: the shape, batch and precision
-    (there is no TRL side to mirror)."""
-    from megatron_kto.data.pipeline import resolve_path
-    from megatron_kto.data.tokenizers import load_tokenizer
-
-    m = cfg.model
-    tokenizer = load_tokenizer(
-        m.tokenizer.library, str(resolve_path(m.tokenizer.model)), m.tokenizer.chat_template
-    )
-    arch = _resolved_architecture(cfg, tokenizer.vocab_size)
-    return {
-        "architecture": arch.to_dict(),
-        "padded_vocab": arch.padded_vocab(m.tensor_model_parallel_size),
-        "max_length": m.data.max_length or arch.encoder_seq_length,
-        "global_batch_size": m.global_batch_size,
-        "micro_batch_size": m.micro_batch_size,
-        "precision": str(cfg.trainer.precision),
-        "dpo": {"loss_type": m.dpo.loss_type, "beta": m.dpo.ref_policy_kl_penalty},
-    }
-
-
-def lora_spec(model_cfg: Any, arch: Any) -> dict[str, Any] | None:
-    """The run's LoRA adapters as `peft.LoraConfig` arguments (None without LoRA), and the
-    number of adapter parameters they add to the unsharded model: the TRL side wraps its model
-    in the same adapters and reports its own count, which must be this one."""
-    from megatron_kto.peft.hf_peft import peft_config
-    from megatron_kto.peft.settings import lora_settings, uses_lora
-    from megatron_kto.peft.targets import projection_shape, selected_layers
-
-    if not uses_lora(model_cfg):
-        return None
-    settings = lora_settings(model_cfg)
-    config = peft_config(settings, arch, None)
-    layers = selected_layers(settings.layer_selection, arch.num_layers)
-    per_layer = sum(sum(projection_shape(p, arch)) for p in config["target_modules"])
-    keys = ("r", "lora_alpha", "lora_dropout", "target_modules", "layers_to_transform")
-    return {
-        **{k: config[k] for k in keys},
-        "adapter_parameters": settings.rank * per_layer * len(layers),
     }
 
 
@@ -273,7 +221,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any] | None:
         "trainer.log_every_n_steps=1",
     ]
     cfg = _compose("gpt_dpo" if args.objective else args.config_name, overrides)
-    spec = trl_spec(cfg) if algorithm == "kto" else shape_spec(cfg)
+    spec = trl_spec(cfg) if algorithm == "kto" else preference_spec(cfg)
     # Decided here rather than inside the run so that both sides use one and the same peak.
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else "cpu"
@@ -321,10 +269,14 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any] | None:
 def run_trl(
     spec: dict[str, Any], peak_flops: float, warmup: int, steps: int, threads: int | None
 ) -> dict[str, Any]:
-    """Time TRL's KTOTrainer on the run `spec` describes; per-step figures as on our side."""
+    """Time TRL's KTOTrainer (CPOTrainer / ORPOTrainer for an `--objective` run, `bench_trl`) on
+    the run `spec` describes; per-step figures as on our side."""
+    from bench_trl import run_trl_preference
     from trl_baseline import trl_figures
 
     threads = _set_threads(threads)
+    if "dpo" in spec:  # --objective cpo|simpo|orpo: CPOTrainer / ORPOTrainer
+        return {**run_trl_preference(spec, peak_flops, warmup, steps), "threads": threads}
     return {**trl_figures(spec, peak_flops, warmup, steps), "threads": threads}
 
 
@@ -415,8 +367,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--objective",
         help="a DPO-family model.dpo.loss_type (sigmoid, simpo, orpo, ...): train it on the "
-        "preset's rows as pairs (8 pairs a step, 2 a micro-batch) from the DPO entry; our side "
-        "only",
+        "preset's rows as pairs (8 pairs a step, 2 a micro-batch) from the DPO entry; TRL's "
+        "CPOTrainer / ORPOTrainer mirror cpo, simpo and orpo (tools/bench_trl.py)",
     )
     parser.add_argument("--verbose", action="store_true", help="show the workers' output")
     parser.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
@@ -503,10 +455,12 @@ def main(argv: list[str] | None = None) -> int:
             _publish(report, args.json)
         return 0
 
-    if args.objective and args.trl:
-        print("error: --trl mirrors KTO runs only; leave it out with --objective", file=sys.stderr)
+    if args.objective not in (None, *TRL_PREFERENCE) and args.trl:
+        print(f"error: --trl mirrors KTO and {', '.join(TRL_PREFERENCE)} runs only; leave it "
+              f"out with --objective {args.objective}", file=sys.stderr)  # fmt: skip
         return 2
-    want_trl = not args.objective and (args.trl if args.trl is not None else _trl_available())
+    mirrored = args.objective in (None, *TRL_PREFERENCE)
+    want_trl = mirrored and (args.trl if args.trl is not None else _trl_available())
     runs: dict[str, list[dict[str, Any]]] = {"ours": [], "trl": []}
     for _ in range(args.repeat):  # alternate the sides so both meet the same load drift
         extra = []

@@ -1,0 +1,277 @@
+"""What `tools/bench_kto.py` hands its TRL side: the run described as plain data (a *spec*), and
+for `--objective cpo|simpo|orpo` the TRL 1.16 baseline itself — its experimental `CPOTrainer`
+(`loss_type` "sigmoid" / "simpo") or `ORPOTrainer` on a `LlamaForCausalLM` of the run's shape.
+
+The preference baseline mirrors the run as `trl_baseline` mirrors a KTO run: the same model shape
+(random init, seeded), the same pairs in file order, β, `cpo_alpha`, `simpo_gamma`, ε, schedule,
+Adam settings, clip and `max_length`, and the run's micro-batch (`per_device_train_batch_size` =
+our micro-batch in pairs, gradient accumulation up to the global batch), so both sides hold the
+activations of the same number of pairs. TRL pads each micro-batch's chosen and rejected rows to
+its longest row, as it does; tokens are counted as ours (the unpadded input positions, length − 1
+per row), MFU as ours (policy forward+backward on the chosen and rejected rows, no reference).
+Each step is timed from the end of the previous one, data loading included.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+#: The objectives TRL's experimental reference-free trainers run: ours -> (trainer, loss_type).
+TRL_PREFERENCE = {"cpo": ("cpo", "sigmoid"), "simpo": ("cpo", "simpo"), "orpo": ("orpo", None)}
+
+
+def resolved_architecture(cfg: Any, vocab_size: int):
+    """The model shape a run of `cfg` builds (the pretrained checkpoint's, if one is given)."""
+    from megatron_kto.checkpointing.model_io import read_architecture
+    from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir
+    from megatron_kto.config.schema import architecture_of
+
+    path = cfg.pretrained_checkpoint.restore_from_path
+    arch = read_architecture(resolve_pretrained_dir(path)) if path else architecture_of(cfg.model)
+    if arch.vocab_size is None:
+        arch.vocab_size = vocab_size
+    return arch
+
+
+def lora_spec(model_cfg: Any, arch: Any) -> dict[str, Any] | None:
+    """The run's LoRA adapters as `peft.LoraConfig` arguments (None without LoRA), and the
+    number of adapter parameters they add to the unsharded model: the TRL side wraps its model
+    in the same adapters and reports its own count, which must be this one."""
+    from megatron_kto.peft.hf_peft import peft_config
+    from megatron_kto.peft.settings import lora_settings, uses_lora
+    from megatron_kto.peft.targets import projection_shape, selected_layers
+
+    if not uses_lora(model_cfg):
+        return None
+    settings = lora_settings(model_cfg)
+    config = peft_config(settings, arch, None)
+    layers = selected_layers(settings.layer_selection, arch.num_layers)
+    per_layer = sum(sum(projection_shape(p, arch)) for p in config["target_modules"])
+    keys = ("r", "lora_alpha", "lora_dropout", "target_modules", "layers_to_transform")
+    return {
+        **{k: config[k] for k in keys},
+        "adapter_parameters": settings.rank * per_layer * len(layers),
+    }
+
+
+def preference_spec(cfg: Any) -> dict[str, Any]:
+    """What an `--objective` (DPO-family) run reports of its setup, and what the TRL side needs
+    to mirror it (`run_trl_preference`), as plain data."""
+    from megatron_kto.data.pipeline import resolve_path
+    from megatron_kto.data.tokenizers import load_tokenizer
+
+    m = cfg.model
+    tok_path = str(resolve_path(m.tokenizer.model))
+    tokenizer = load_tokenizer(m.tokenizer.library, tok_path, m.tokenizer.chat_template)
+    arch = resolved_architecture(cfg, tokenizer.vocab_size)
+    return {
+        "architecture": arch.to_dict(),
+        "padded_vocab": arch.padded_vocab(m.tensor_model_parallel_size),
+        "tokenizer": {
+            "library": m.tokenizer.library,
+            "model": tok_path,
+            "bos_id": tokenizer.bos_id,
+            "adds_bos": tokenizer.adds_bos,
+            "eos_id": tokenizer.eos_id,
+            "pad_id": tokenizer.pad_id,
+        },
+        "train_files": [str(resolve_path(p)) for p in m.data.data_prefix.train],
+        "max_length": m.data.max_length or arch.encoder_seq_length,
+        "global_batch_size": m.global_batch_size,
+        "micro_batch_size": m.micro_batch_size,
+        "precision": str(cfg.trainer.precision),
+        "seed": m.seed,
+        "dpo": {
+            "loss_type": m.dpo.loss_type,
+            "beta": m.dpo.ref_policy_kl_penalty,
+            "label_smoothing": m.dpo.label_smoothing,
+            "cpo_alpha": m.dpo.cpo_alpha,
+            "simpo_gamma": m.dpo.simpo_gamma,
+        },
+        "optim": {
+            "lr": m.optim.lr,
+            "min_lr": m.optim.sched.min_lr,
+            "sched": m.optim.sched.name,
+            "warmup_steps": m.optim.sched.warmup_steps,
+            "weight_decay": m.optim.weight_decay,
+            "betas": list(m.optim.betas),
+            "eps": m.optim.eps,
+            "clip": cfg.trainer.dpo.gradient_clip_val,
+        },
+    }
+
+
+def _config(spec: dict[str, Any], max_steps: int, output_dir: Path):
+    from trl.experimental.cpo import CPOConfig
+    from trl.experimental.orpo import ORPOConfig
+    from trl_baseline import _HF_SCHEDULERS
+
+    d, o = spec["dpo"], spec["optim"]
+    kind, loss_type = TRL_PREFERENCE[d["loss_type"]]
+    scheduler = _HF_SCHEDULERS[o["sched"]]
+    loss: dict[str, Any] = {"beta": d["beta"]}
+    if kind == "cpo":
+        loss |= {"loss_type": loss_type, "cpo_alpha": d["cpo_alpha"],
+                 "simpo_gamma": d["simpo_gamma"], "label_smoothing": d["label_smoothing"]}  # fmt: skip
+    micro = spec["micro_batch_size"]
+    return (CPOConfig if kind == "cpo" else ORPOConfig)(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=spec["global_batch_size"] // micro,
+        max_steps=max_steps,
+        learning_rate=o["lr"],
+        lr_scheduler_type=scheduler,
+        lr_scheduler_kwargs={"min_lr": o["min_lr"]} if scheduler == "cosine_with_min_lr" else {},
+        warmup_steps=o["warmup_steps"],
+        weight_decay=o["weight_decay"],
+        adam_beta1=o["betas"][0],
+        adam_beta2=o["betas"][1],
+        adam_epsilon=o["eps"],
+        max_grad_norm=o["clip"],
+        max_length=spec["max_length"],
+        gradient_checkpointing=False,
+        bf16=spec["precision"] == "bf16",
+        seed=spec["seed"],
+        dataloader_drop_last=True,
+        logging_steps=max_steps,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        **loss,
+    )
+
+
+def _train(spec: dict[str, Any], max_steps: int, workdir: Path) -> dict[str, Any]:
+    import torch
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+    from trl_baseline import _llama, hf_tokenizer
+
+    from megatron_kto.data.formats import iter_dpo_examples
+
+    rows = [e for path in spec["train_files"] for e in iter_dpo_examples(path)]
+    if not all(isinstance(getattr(e, k), str) for e in rows for k in ("prompt", "chosen")):
+        raise ValueError("the TRL baseline supports plain-text pairs only")
+    data = Dataset.from_dict(
+        {k: [getattr(e, k) for e in rows] for k in ("prompt", "chosen", "rejected")}
+    )
+    base = CPOTrainer if TRL_PREFERENCE[spec["dpo"]["loss_type"]][0] == "cpo" else ORPOTrainer
+    marks: dict[str, list] = {"times": [], "cpu": [], "rows": [[]]}
+
+    class StepTimer(TrainerCallback):
+        def on_train_begin(self, *_, **__) -> None:
+            marks["last"] = (time.perf_counter(), time.process_time())
+
+        def on_step_end(self, *_, **__) -> None:
+            now = (time.perf_counter(), time.process_time())
+            marks["times"].append(now[0] - marks["last"][0])
+            marks["cpu"].append(now[1] - marks["last"][1])
+            marks["last"] = now
+            marks["rows"].append([])
+
+    class Counting(base):
+        """Records each micro-batch's unpadded input positions per row (chosen, rejected)."""
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            for side in ("chosen", "rejected"):
+                marks["rows"][-1] += (inputs[f"{side}_attention_mask"].sum(-1) - 1).tolist()
+            return super().training_step(model, inputs, num_items_in_batch)
+
+        def _get_train_sampler(self, train_dataset=None):  # file order, as our side
+            from torch.utils.data import SequentialSampler
+
+            return SequentialSampler(train_dataset or self.train_dataset)
+
+    config = _config(spec, max_steps, workdir / "out")
+    trainer = Counting(
+        model=_llama(spec),
+        args=config,
+        train_dataset=data,
+        processing_class=hf_tokenizer(spec["tokenizer"], workdir),
+        callbacks=[StepTimer()],
+    )
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return {
+        "step_times": marks["times"],
+        "step_cpu_times": marks["cpu"],
+        "row_lengths": marks["rows"][:-1],
+        "peak_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "versions": {
+            "trl": trl.__version__,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+        },  # fmt: skip
+        "trainer": base.__name__,
+        "final_log": logs[-1] if logs else {},
+        "batch_size": config.per_device_train_batch_size * config.gradient_accumulation_steps,
+        "micro_batch_size": config.per_device_train_batch_size,
+    }
+
+
+def run_trl_preference(
+    spec: dict[str, Any], peak_flops: float, warmup: int, steps: int
+) -> dict[str, Any]:
+    """TRL's CPOTrainer / ORPOTrainer for `warmup + steps` steps on the run `spec` describes
+    (`preference_spec`); the timed steps' figures counted as our trainer counts its own.
+
+    Raises:
+        ValueError: an objective TRL's reference-free trainers do not run, a model shape a
+            `LlamaForCausalLM` cannot mirror, or conversational rows.
+    """
+    import torch
+    from trl_baseline import check_llama_compatible
+
+    from megatron_kto.config.architecture import GPTArchitecture
+    from megatron_kto.logging.throughput import (
+        FWD_BWD_MULTIPLIER,
+        architecture_flops,
+        dpo_pass_tokens,
+    )
+
+    if spec["dpo"]["loss_type"] not in TRL_PREFERENCE:
+        raise ValueError(
+            f"--objective {spec['dpo']['loss_type']}: the TRL baseline runs "
+            f"{', '.join(TRL_PREFERENCE)} (TRL's CPOTrainer / ORPOTrainer)"
+        )
+    if spec["precision"] != "32" and not torch.cuda.is_available():
+        raise ValueError("the preference baseline runs fp32 on CPU")
+    check_llama_compatible(spec["architecture"])
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ.setdefault(var, "1")
+    with tempfile.TemporaryDirectory(prefix="trl_preference_") as tmp:
+        run = _train(spec, warmup + steps, Path(tmp))
+    flops = architecture_flops(
+        GPTArchitecture.from_dict(spec["architecture"]), spec["padded_vocab"]
+    )
+    per_step = []
+    for i in range(warmup, warmup + steps):
+        seconds, lengths = run["step_times"][i], run["row_lengths"][i]
+        forward_only, forward_backward = dpo_pass_tokens(
+            flops.rows(torch.tensor(lengths, dtype=torch.long)), reference_forward=False
+        )
+        per_step.append(
+            {
+                "step": i + 1,
+                "step_time": seconds,
+                "samples_per_sec": spec["global_batch_size"] / seconds,
+                "tokens_per_sec": sum(lengths) / seconds,
+                "mfu": (forward_only + FWD_BWD_MULTIPLIER * forward_backward)
+                / seconds
+                / peak_flops,
+                "tokens": sum(lengths),
+                "cpu_time": run["step_cpu_times"][i],
+            }
+        )
+    keys = ("versions", "trainer", "final_log", "batch_size", "micro_batch_size")
+    return {"steps": per_step, "peak_memory_gb": run["peak_memory_gb"], **{k: run[k] for k in keys}}
