@@ -76,7 +76,7 @@ from typing import Any
 
 from bench_presets import BENCH_DEFAULTS, bench_defaults, preset_overrides  # noqa: F401
 from bench_report import FIGURES, combine_runs, render_header, render_notes, render_table
-from bench_trl import TRL_PREFERENCE, lora_spec, preference_spec, resolved_architecture
+from bench_trl import TRL_PREFERENCE, lora_spec, preference_spec, run_spec
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
@@ -102,34 +102,15 @@ def _compose(config_name: str, overrides: list[str]) -> Any:
 
 def trl_spec(cfg: Any) -> dict[str, Any]:
     """Everything the TRL side needs to run the same training as `cfg`, as plain data."""
-    from megatron_kto.data.pipeline import resolve_path
-    from megatron_kto.data.tokenizers import load_tokenizer
     from megatron_kto.peft.settings import reference_strategy
 
     m = cfg.model
-    tok_path = str(resolve_path(m.tokenizer.model))
-    tokenizer = load_tokenizer(m.tokenizer.library, tok_path, m.tokenizer.chat_template)
-    arch = resolved_architecture(cfg, tokenizer.vocab_size)
+    spec, arch = run_spec(cfg, "kto")  # its micro_batch_size is ours only (TRL: one micro-batch)
     return {
-        "architecture": arch.to_dict(),
-        "padded_vocab": arch.padded_vocab(m.tensor_model_parallel_size),
-        "tokenizer": {
-            "library": m.tokenizer.library,
-            "model": tok_path,
-            "bos_id": tokenizer.bos_id,
-            "adds_bos": tokenizer.adds_bos,
-            "eos_id": tokenizer.eos_id,
-            "pad_id": tokenizer.pad_id,
-        },
-        "train_files": [str(resolve_path(p)) for p in m.data.data_prefix.train],
-        "max_length": m.data.max_length or arch.encoder_seq_length,
+        **spec,
         "pad_to_multiple_of": m.data.pad_to_multiple_of,
-        "global_batch_size": m.global_batch_size,
-        "micro_batch_size": m.micro_batch_size,  # ours only (TRL: one micro-batch)
         "reference_policy": reference_strategy(m, "kto"),  # ours only
         "lora": lora_spec(m, arch),
-        "seed": m.seed,
-        "precision": str(cfg.trainer.precision),
         "gradient_checkpointing": m.activations_checkpoint_granularity is not None,
         "kto": {
             "beta": m.kto.ref_policy_kl_penalty,
@@ -138,16 +119,6 @@ def trl_spec(cfg: Any) -> dict[str, Any]:
             "loss_type": m.kto.loss_type,
             "sft_loss_weight": m.kto.sft_loss_weight,
             "precomputed_reference": m.kto.reference_policy == "precomputed",
-        },
-        "optim": {
-            "lr": m.optim.lr,
-            "min_lr": m.optim.sched.min_lr,
-            "sched": m.optim.sched.name,
-            "warmup_steps": m.optim.sched.warmup_steps,
-            "weight_decay": m.optim.weight_decay,
-            "betas": list(m.optim.betas),
-            "eps": m.optim.eps,
-            "clip": cfg.trainer.kto.gradient_clip_val,
         },
     }
 

@@ -59,9 +59,14 @@ def lora_spec(model_cfg: Any, arch: Any) -> dict[str, Any] | None:
     }
 
 
-def preference_spec(cfg: Any) -> dict[str, Any]:
-    """What an `--objective` (DPO-family) run reports of its setup, and what the TRL side needs
-    to mirror it (`run_trl_preference`), as plain data."""
+def run_spec(cfg: Any, algorithm: str) -> tuple[dict[str, Any], Any]:
+    """What every TRL mirror of a run needs, as plain data (shape, tokenizer, files, batch,
+    precision, seed, optimizer), and the run's `GPTArchitecture`.
+
+    Args:
+        cfg: the composed run config.
+        algorithm: "kto" or "dpo" (whose `trainer.<algorithm>` clip is read).
+    """
     from megatron_kto.data.pipeline import resolve_path
     from megatron_kto.data.tokenizers import load_tokenizer
 
@@ -69,7 +74,7 @@ def preference_spec(cfg: Any) -> dict[str, Any]:
     tok_path = str(resolve_path(m.tokenizer.model))
     tokenizer = load_tokenizer(m.tokenizer.library, tok_path, m.tokenizer.chat_template)
     arch = resolved_architecture(cfg, tokenizer.vocab_size)
-    return {
+    spec = {
         "architecture": arch.to_dict(),
         "padded_vocab": arch.padded_vocab(m.tensor_model_parallel_size),
         "tokenizer": {
@@ -86,13 +91,6 @@ def preference_spec(cfg: Any) -> dict[str, Any]:
         "micro_batch_size": m.micro_batch_size,
         "precision": str(cfg.trainer.precision),
         "seed": m.seed,
-        "dpo": {
-            "loss_type": m.dpo.loss_type,
-            "beta": m.dpo.ref_policy_kl_penalty,
-            "label_smoothing": m.dpo.label_smoothing,
-            "cpo_alpha": m.dpo.cpo_alpha,
-            "simpo_gamma": m.dpo.simpo_gamma,
-        },
         "optim": {
             "lr": m.optim.lr,
             "min_lr": m.optim.sched.min_lr,
@@ -101,48 +99,44 @@ def preference_spec(cfg: Any) -> dict[str, Any]:
             "weight_decay": m.optim.weight_decay,
             "betas": list(m.optim.betas),
             "eps": m.optim.eps,
-            "clip": cfg.trainer.dpo.gradient_clip_val,
+            "clip": getattr(cfg.trainer, algorithm).gradient_clip_val,
         },
     }
+    return spec, arch
+
+
+def preference_spec(cfg: Any) -> dict[str, Any]:
+    """What an `--objective` (DPO-family) run reports of its setup, and what the TRL side needs
+    to mirror it (`run_trl_preference`), as plain data."""
+    d = cfg.model.dpo
+    spec, _ = run_spec(cfg, "dpo")
+    spec["dpo"] = {
+        "loss_type": d.loss_type,
+        "beta": d.ref_policy_kl_penalty,
+        "label_smoothing": d.label_smoothing,
+        "cpo_alpha": d.cpo_alpha,
+        "simpo_gamma": d.simpo_gamma,
+    }
+    return spec
 
 
 def _config(spec: dict[str, Any], max_steps: int, output_dir: Path):
     from trl.experimental.cpo import CPOConfig
     from trl.experimental.orpo import ORPOConfig
-    from trl_baseline import _HF_SCHEDULERS
+    from trl_baseline import hf_training_args
 
-    d, o = spec["dpo"], spec["optim"]
+    d = spec["dpo"]
     kind, loss_type = TRL_PREFERENCE[d["loss_type"]]
-    scheduler = _HF_SCHEDULERS[o["sched"]]
     loss: dict[str, Any] = {"beta": d["beta"]}
     if kind == "cpo":
         loss |= {"loss_type": loss_type, "cpo_alpha": d["cpo_alpha"],
                  "simpo_gamma": d["simpo_gamma"], "label_smoothing": d["label_smoothing"]}  # fmt: skip
     micro = spec["micro_batch_size"]
     return (CPOConfig if kind == "cpo" else ORPOConfig)(
-        output_dir=str(output_dir),
+        **hf_training_args(spec, max_steps, output_dir),
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=spec["global_batch_size"] // micro,
-        max_steps=max_steps,
-        learning_rate=o["lr"],
-        lr_scheduler_type=scheduler,
-        lr_scheduler_kwargs={"min_lr": o["min_lr"]} if scheduler == "cosine_with_min_lr" else {},
-        warmup_steps=o["warmup_steps"],
-        weight_decay=o["weight_decay"],
-        adam_beta1=o["betas"][0],
-        adam_beta2=o["betas"][1],
-        adam_epsilon=o["eps"],
-        max_grad_norm=o["clip"],
-        max_length=spec["max_length"],
         gradient_checkpointing=False,
-        bf16=spec["precision"] == "bf16",
-        seed=spec["seed"],
-        dataloader_drop_last=True,
-        logging_steps=max_steps,
-        save_strategy="no",
-        eval_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
         **loss,
     )
 
