@@ -405,6 +405,24 @@ def test_dpo_step_packed_equals_padded(runtime):
         assert (g_b[name] - want).abs().max() <= TOL * want.abs().max(), name
 
 
+def test_prompt_scored_labels_hand_example():
+    """Rows 'p1 p2 c1 c2' (input p1 p2 c1, labels − c1 c2) and 'p1 c1' + 2 padding (input p1 _ _,
+    labels c1 − −): the prompt's targets are the following inputs, padding stays unscored, and
+    the NLL-only marks are exactly the added positions."""
+    from megatron_kto.models.prompt_nll import CHOSEN_NLL_ONLY, with_prompt_nll
+    from megatron_kto.models.schedule import HOST_SCORED, HOST_SPANS, to_device
+
+    tokens = torch.tensor([[11, 12, 21], [11, 0, 0]])
+    labels = torch.tensor([[-100, 21, 22], [21, -100, -100]])
+    batch = to_device({"chosen": tokens, "chosen_labels": labels}, torch.device("cpu"))
+    out = with_prompt_nll(batch)
+    assert out["chosen_labels"].tolist() == [[12, 21, 22], [21, -100, -100]]
+    assert out[CHOSEN_NLL_ONLY].tolist() == [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    assert out[HOST_SCORED]["chosen_labels"] == [3, 1]
+    assert out[HOST_SPANS]["chosen_labels"] == [((0, 3),), ((0, 1),)]
+    assert torch.equal(batch["chosen_labels"], labels)  # the batch given is left as it was
+
+
 def test_reference_free_step_packed_equals_padded(runtime):
     """ORPO (reference-free): the step is one forward+backward of the policy — the positions fed
     equal the rows' once, its reference refuses any call — with chunked log-probs, packed equal
