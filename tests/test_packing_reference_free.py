@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_packing import TOL, VOCAB, _examples, _grads, _models, _TokenCounter
+from test_packing import TOL, _dpo_settings, _grads, _models, _pairs_batch, _TokenCounter
 
-from megatron_kto.data.collate import dpo_custom_collate
-from megatron_kto.models.dpo_model import DPOSettings, MegatronGPTDPOModel
+from megatron_kto.models.dpo_model import MegatronGPTDPOModel
 from megatron_kto.models.schedule import to_device
 from megatron_kto.runtime import init_runtime, teardown
 
@@ -24,7 +23,7 @@ def test_prompt_scored_labels_hand_example():
     labels c1 − −): the prompt's targets are the following inputs, padding stays unscored, and
     the NLL-only marks are exactly the added positions."""
     from megatron_kto.models.prompt_nll import CHOSEN_NLL_ONLY, with_prompt_nll
-    from megatron_kto.models.schedule import HOST_SCORED, HOST_SPANS, to_device
+    from megatron_kto.models.schedule import HOST_SCORED, HOST_SPANS
 
     tokens = torch.tensor([[11, 12, 21], [11, 0, 0]])
     labels = torch.tensor([[-100, 21, 22], [21, -100, -100]])
@@ -44,23 +43,15 @@ def test_reference_free_step_packed_equals_padded(runtime):
     over the prompt too (``prompt_nll``) the full-logits pass (chunk size 0) equals them."""
     from megatron_kto.algorithms.reference_strategies import NoReferencePolicy
 
-    examples = _examples(8, seed=5)
-    pairs = [
-        {"prompt_ids": a["prompt_ids"], "chosen_ids": a["completion_ids"],
-         "rejected_ids": b["completion_ids"]}
-        for a, b in zip(examples[::2], examples[1::2], strict=True)
-    ]  # fmt: skip
-    batch = to_device(dpo_custom_collate(pairs, pad_id=0), runtime.device)
+    batch = _pairs_batch(runtime, seed=5)
     real = int(batch["chosen_lengths"].sum() + batch["rejected_lengths"].sum())
     out = {}
     for pack, prompt_nll, chunk in ((False, False, 4), (True, False, 4), (False, True, 4),
                                     (True, True, 4), (False, True, 0), (True, True, 0)):  # fmt: skip
         chunks, _ = _models(runtime)
-        settings = DPOSettings(
-            beta=0.3, loss_type="orpo", label_smoothing=0.0, average_log_probs=True,
-            sft_loss_weight=0.0, micro_batch_size=2, forward_micro_batch_size=4,
-            vocab_size=VOCAB, logprob_chunk_size=chunk, pack_sequences=pack,
-            prompt_nll=prompt_nll,
+        settings = _dpo_settings(
+            loss_type="orpo", average_log_probs=True, logprob_chunk_size=chunk,
+            pack_sequences=pack, prompt_nll=prompt_nll,
         )  # fmt: skip
         model = MegatronGPTDPOModel(chunks, NoReferencePolicy("orpo"), settings)
         assert not model.needs_reference
