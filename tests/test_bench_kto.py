@@ -72,13 +72,31 @@ def test_bench_runs_and_reports_positive_figures(tmp_path):
 
 @pytest.mark.e2e
 def test_objective_mode_runs_a_dpo_family_loss(tmp_path):
-    """`--objective simpo`: the DPO entry with that loss type, our side only, its own header."""
+    """`--objective orpo`: the DPO entry with that loss type, its own header; with TRL installed
+    TRL's ORPOTrainer runs the same pairs (`tools/bench_trl.py`), tokenised alike."""
     out = tmp_path / "bench.json"
-    proc = _bench(out, "--objective=simpo")
-    assert "DPO-family step benchmark" in proc.stdout and "loss_type simpo" in proc.stdout
+    proc = _bench(out, "--objective=orpo", "--trl" if HAS_TRL else "--no-trl")
+    assert "DPO-family step benchmark" in proc.stdout and "loss_type orpo" in proc.stdout
     report = json.loads(out.read_text())
-    assert "trl" not in report and report["ours"]["spec"]["dpo"]["loss_type"] == "simpo"
+    assert report["ours"]["spec"]["dpo"]["loss_type"] == "orpo"
     assert _positive(report["ours"]["samples_per_sec"]["median"])
+    if HAS_TRL:
+        assert "TRL ORPOTrainer" in proc.stdout and report["trl"]["trainer"] == "ORPOTrainer"
+        assert report["trl"]["micro_batch_size"] == 2 and report["trl"]["batch_size"] == 4
+        assert _positive(report["trl"]["samples_per_sec"]["median"])
+        assert report["ours"]["tokens_per_step"] == report["trl"]["tokens_per_step"]
+
+
+def test_objective_without_a_trl_trainer_refuses_trl_in_one_line():
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--objective=sigmoid", "--trl"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "error: --trl mirrors KTO and cpo, simpo, orpo runs only; leave it out with "
+        "--objective sigmoid"
+    )
 
 
 @pytest.mark.e2e

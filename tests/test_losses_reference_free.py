@@ -80,6 +80,14 @@ def test_alpha_zero_simpo_is_the_paper_and_means_give_the_same_loss():
     torch.testing.assert_close(means.chosen_rewards, 0.1 * PC / NC)  # TRL: β × mean log-prob
 
 
+def test_orpo_nll_over_the_prompt_reads_its_own_sums():
+    """TRL's ORPO NLL (``chosen_nll_logps``): the chosen rows' whole sums, prompt included —
+    say −7 over 5 tokens and −9 over 6: NLL 16/11 replaces 4/3; the odds ratio is unchanged."""
+    full = _total("orpo", chosen_nll_logps=torch.tensor([-7.0, -9.0], dtype=F64),
+                  chosen_nll_num_tokens=torch.tensor([5.0, 6.0], dtype=F64))  # fmt: skip
+    torch.testing.assert_close(full.per_example, _total("orpo").per_example - 4 / 3 + 16 / 11)
+
+
 def test_reference_based_types_still_need_a_reference():
     with pytest.raises(ValueError, match="needs reference log-probs"):
         dpo_total_loss(PC, PR, None, None, 0.1, loss_type="sigmoid")

@@ -197,59 +197,36 @@ def test_dpo_keys():
     cfg, ignored = _dpo(
         {
             "preference_loss": "ipo",
-            "gt_reward_scale": 1.0,
+            "gt_reward_scale": 2.0,
             "preference_loss_weight": 0.5,
             "sft_average_log_probs": False,
         }  # fmt: skip
     )
     d = cfg.model.dpo
     assert (d.loss_type, d.preference_loss_weight, d.sft_average_log_probs) == ("ipo", 0.5, False)
-    assert ignored == ["model.dpo.gt_reward_scale"]
+    assert d.gt_reward_scale == 2.0 and ignored == []
     assert _dpo({"preference_loss": "dpo"})[0].model.dpo.loss_type == "sigmoid"
-    with pytest.raises(ConfigError, match=r"^model.dpo.preference_loss: 'rpo_sq' is not supported"):
-        _dpo({"preference_loss": "rpo_sq"})
+    with pytest.raises(ConfigError, match=r"^model.dpo.preference_loss: 'rpo_xx' is not supported"):
+        _dpo({"preference_loss": "rpo_xx"})
 
 
-@pytest.mark.parametrize(
-    "name,nearest",
-    [("rpo_fwd_kl", "loss_type=exo_pair"), ("rpo_bwd_kl", "loss_type=sigmoid"),
-     ("rpo_sq", "loss_type=ipo")],
-)  # fmt: skip
-def test_rpo_losses_are_refused_naming_the_nearest_choice(name, nearest):
-    with pytest.raises(ConfigError, match=rf"^model.dpo.preference_loss: '{name}'") as e:
-        _dpo({"preference_loss": name})
-    assert f"nearest: model.dpo.{nearest}" in str(e.value) and "\n" not in str(e.value)
-
-
-def test_rpo_kl_forms_with_one_reward_gap_are_the_named_choices():
-    """NeMo-Aligner's formulas (its dpo model; written here from them), Δ the log-ratio margin,
-    g = gt_reward_scale × (reward gap), the same for every pair: rpo_fwd_kl = KL(σ(±βΔ) ‖ σ(±g))
-    is exo_pair at ε = σ(−g); rpo_bwd_kl = KL(σ(±g) ‖ σ(±βΔ)) is sigmoid at that ε plus the
-    constant −H(σ(g)) (the same gradient)."""
-    import math
-
-    import torch
-    import torch.nn.functional as F
-
-    from megatron_kto.losses import dpo_loss
-
-    beta, g = 0.3, 1.2
-    eps = 1.0 / (1.0 + math.exp(g))  # σ(−g)
-    pc = torch.tensor([-3.0, -7.5, -2.0], dtype=torch.float64, requires_grad=True)
-    pr, rc, rr = (torch.tensor(v, dtype=torch.float64) for v in
-                  ([-4.0, -6.0, -9.0], [-3.5, -7.0, -2.5], [-3.0, -6.5, -8.0]))  # fmt: skip
-    x = beta * ((pc - rc) - (pr - rr))
-    la, lb = (
-        F.logsigmoid(torch.tensor([g, -g], dtype=torch.float64)),
-        (F.logsigmoid(x), F.logsigmoid(-x)),
-    )
-    fwd = lb[0].exp() * (lb[0] - la[0]) + lb[1].exp() * (lb[1] - la[1])
-    bwd = la[0].exp() * (la[0] - lb[0]) + la[1].exp() * (la[1] - lb[1])
-    exo = dpo_loss(pc, pr, rc, rr, beta, "exo_pair", label_smoothing=eps).losses
-    torch.testing.assert_close(exo, fwd)
-    sig = dpo_loss(pc, pr, rc, rr, beta, "sigmoid", label_smoothing=eps).losses
-    entropy = -(la.exp() * la).sum()
-    torch.testing.assert_close(sig, bwd + entropy)
+@pytest.mark.parametrize("name", ["rpo_sq", "rpo_fwd_kl", "rpo_bwd_kl"])
+def test_rpo_losses_keep_their_names_and_keys(name):
+    """NeMo-Aligner's RPO losses are ours by the same name (`losses.dpo_types`), with its
+    `gt_reward_scale` and `model.data.default_*_reward`."""
+    base = {
+        "trainer": {"dpo": {"max_steps": 3}},
+        "model": {
+            "dpo": {"preference_loss": name, "gt_reward_scale": 0.5},
+            "data": {"default_chosen_reward": 1.0, "default_rejected_reward": 0.0},
+        },
+    }
+    cfg, ignored = adapt_nemo_aligner_config(OmegaConf.create(base), "dpo")
+    assert (cfg.model.dpo.loss_type, cfg.model.dpo.gt_reward_scale) == (name, 0.5)
+    assert (cfg.model.data.default_chosen_reward, cfg.model.data.default_rejected_reward) == (
+        1.0, 0.0,
+    )  # fmt: skip
+    assert ignored == []
 
 
 #: NeMo's MoE model keys with the values of a Mixtral / Qwen3-MoE recipe (megatron-core names).

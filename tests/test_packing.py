@@ -405,44 +405,6 @@ def test_dpo_step_packed_equals_padded(runtime):
         assert (g_b[name] - want).abs().max() <= TOL * want.abs().max(), name
 
 
-def test_reference_free_step_packed_equals_padded(runtime):
-    """ORPO (reference-free): the step is one forward+backward of the policy — the positions fed
-    equal the rows' once, its reference refuses any call — with chunked log-probs, packed equal
-    to padded: loss, TRL's metrics (``nll_loss``, ``log_odds_*``) and gradients."""
-    from megatron_kto.algorithms.reference_strategies import NoReferencePolicy
-
-    examples = _examples(8, seed=5)
-    pairs = [
-        {"prompt_ids": a["prompt_ids"], "chosen_ids": a["completion_ids"],
-         "rejected_ids": b["completion_ids"]}
-        for a, b in zip(examples[::2], examples[1::2], strict=True)
-    ]  # fmt: skip
-    batch = to_device(dpo_custom_collate(pairs, pad_id=0), runtime.device)
-    real = int(batch["chosen_lengths"].sum() + batch["rejected_lengths"].sum())
-    out = {}
-    for pack in (False, True):
-        chunks, _ = _models(runtime)
-        settings = DPOSettings(
-            beta=0.3, loss_type="orpo", label_smoothing=0.0, average_log_probs=True,
-            sft_loss_weight=0.0, micro_batch_size=2, forward_micro_batch_size=4,
-            vocab_size=VOCAB, logprob_chunk_size=4, pack_sequences=pack,
-        )  # fmt: skip
-        model = MegatronGPTDPOModel(chunks, NoReferencePolicy("orpo"), settings)
-        assert not model.needs_reference
-        counter = _TokenCounter(chunks)
-        for c in chunks:
-            c.zero_grad_buffer()
-        _, metrics = model.get_loss_and_metrics(dict(batch), forward_only=False)
-        out[pack] = (metrics, _grads(chunks), counter.positions)
-    (m_a, g_a, n_a), (m_b, g_b, n_b) = out[False], out[True]
-    assert n_a == batch["chosen"].numel() + batch["rejected"].numel() and n_b == real
-    assert {"nll_loss", "log_odds_ratio", "log_odds_chosen"} <= m_a.keys()
-    for name, want in m_a.items():
-        assert abs(m_b[name] - want) <= TOL * max(1.0, abs(want)), name
-    for name, want in g_a.items():
-        assert (g_b[name] - want).abs().max() <= TOL * want.abs().max(), name
-
-
 def test_forward_pass_without_host_lengths_packs_the_same(runtime):
     """`forward_sequence_stats` on device tensors with no recorded host lengths (the eval tool's
     path) computes them from the labels and equals the padded pass."""

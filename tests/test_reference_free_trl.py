@@ -12,7 +12,9 @@ tokenized rows (prompt tokens, then the completion's) and TRL's own loss code â€
 `ORPOTrainer.odds_ratio_loss` run unmodified on a stand-in ``self`` â€” plus the NLL its
 `concatenated_forward` takes (`nn.CrossEntropyLoss` over the chosen rows' label tokens), and
 `torch.optim.Adam` + `clip_grad_norm_`. Step losses (and step 1's metrics) must agree to 1e-5.
-ORPO's NLL here covers the completion tokens (TRL's covers the prompt too: README "Objectives").
+ORPO runs with `model.dpo.orpo_prompt_nll=false` (the paper's NLL, of the chosen completion's
+tokens) against that NLL here; the default, TRL's NLL over prompt and completion, is compared
+with `ORPOTrainer` itself in `test_reference_free_trl_parity.py`.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def _ours(root, loss_type: str) -> list[dict]:
             f"model.dpo.loss_type={loss_type}",
             f"model.dpo.ref_policy_kl_penalty={BETA}",
             f"model.dpo.simpo_gamma={GAMMA}",
+            f"model.dpo.orpo_prompt_nll={loss_type != 'orpo'}",
             *trl_optimizer_overrides(LR, EPS),
         ],
         timeout=600,

@@ -28,6 +28,9 @@ process) trains ``trl.KTOTrainer`` on a ``transformers`` ``LlamaForCausalLM`` of
 randomly initialised, on the same rows tokenised by the same tokenizer, with the same β, λ_D/λ_U,
 schedule, Adam settings, clip, batch size (one micro-batch) and ``max_length``; each step is timed
 from the end of the previous one, data loading included, as on our side (``tools/trl_baseline.py``).
+With ``--objective cpo|simpo|orpo`` (a DPO-family run on the preset's rows as pairs) the TRL
+side is TRL's experimental ``CPOTrainer`` / ``ORPOTrainer`` on the same model and pairs, in the
+same micro-batches (``tools/bench_trl.py``); other objectives run our side only.
 
 LoRA (``--lora RANK``, or the ``model.peft.*`` overrides themselves): our side trains adapters of
 that rank on ``--lora-targets`` (default ``all``) with the adapters switched off as the reference;
@@ -75,7 +78,8 @@ from typing import Any
 
 from bench_presets import BENCH_DEFAULTS, bench_defaults, preset_overrides  # noqa: F401
 from bench_report import FIGURES, combine_runs, render_header, render_notes, render_table
-from bench_spec import lora_spec, shape_spec, trl_spec  # noqa: F401
+from bench_spec import lora_spec, preference_spec, trl_spec  # noqa: F401
+from bench_trl import TRL_PREFERENCE
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
@@ -168,7 +172,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any] | None:
         "trainer.log_every_n_steps=1",
     ]
     cfg = _compose("gpt_dpo" if args.objective else args.config_name, overrides)
-    spec = trl_spec(cfg) if algorithm == "kto" else shape_spec(cfg)
+    spec = trl_spec(cfg) if algorithm == "kto" else preference_spec(cfg)
     # Decided here rather than inside the run so that both sides use one and the same peak.
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else "cpu"
@@ -216,10 +220,14 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any] | None:
 def run_trl(
     spec: dict[str, Any], peak_flops: float, warmup: int, steps: int, threads: int | None
 ) -> dict[str, Any]:
-    """Time TRL's KTOTrainer on the run `spec` describes; per-step figures as on our side."""
+    """Time TRL's KTOTrainer (CPOTrainer / ORPOTrainer for an `--objective` run, `bench_trl`) on
+    the run `spec` describes; per-step figures as on our side."""
+    from bench_trl import run_trl_preference
     from trl_baseline import trl_figures
 
     threads = _set_threads(threads)
+    if "dpo" in spec:  # --objective cpo|simpo|orpo: CPOTrainer / ORPOTrainer
+        return {**run_trl_preference(spec, peak_flops, warmup, steps), "threads": threads}
     return {**trl_figures(spec, peak_flops, warmup, steps), "threads": threads}
 
 
@@ -311,8 +319,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--objective",
         help="a DPO-family model.dpo.loss_type (sigmoid, simpo, orpo, ...): train it on the "
-        "preset's rows as pairs (8 pairs a step, 2 a micro-batch) from the DPO entry; our side "
-        "only",
+        "preset's rows as pairs (8 pairs a step, 2 a micro-batch) from the DPO entry; TRL's "
+        "CPOTrainer / ORPOTrainer mirror cpo, simpo and orpo (tools/bench_trl.py)",
     )
     parser.add_argument("--verbose", action="store_true", help="show the workers' output")
     parser.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
@@ -399,10 +407,12 @@ def main(argv: list[str] | None = None) -> int:
             _publish(report, args.json)
         return 0
 
-    if args.objective and args.trl:
-        print("error: --trl mirrors KTO runs only; leave it out with --objective", file=sys.stderr)
+    if args.objective not in (None, *TRL_PREFERENCE) and args.trl:
+        print(f"error: --trl mirrors KTO and {', '.join(TRL_PREFERENCE)} runs only; leave it "
+              f"out with --objective {args.objective}", file=sys.stderr)  # fmt: skip
         return 2
-    want_trl = not args.objective and (args.trl if args.trl is not None else _trl_available())
+    mirrored = args.objective in (None, *TRL_PREFERENCE)
+    want_trl = mirrored and (args.trl if args.trl is not None else _trl_available())
     runs: dict[str, list[dict[str, Any]]] = {"ours": [], "trl": []}
     for _ in range(args.repeat):  # alternate the sides so both meet the same load drift
         extra = []

@@ -48,7 +48,8 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 def render_table(report: dict[str, Any]) -> str:
     """The human-readable report."""
     ours, trl = report["ours"], report.get("trl")
-    sides = [("megatron_kto", ours)] + ([("TRL KTOTrainer", trl)] if trl else [])
+    name = f"TRL {trl.get('trainer', 'KTOTrainer')}" if trl else ""
+    sides = [("megatron_kto", ours)] + ([(name, trl)] if trl else [])
     header = f"{'':26}" + "".join(f"{name:>24}" for name, _ in sides)
     if trl:
         header += f"{'ours/TRL':>12}"
@@ -130,7 +131,7 @@ def render_header(report: dict[str, Any]) -> str:
     ours = report["ours"]
     spec, arch = ours["spec"], ours["spec"]["architecture"]
     env = report["environment"]
-    if "dpo" in spec:  # an --objective run (shape_spec)
+    if "dpo" in spec:  # an --objective run (bench_trl.preference_spec)
         data = (
             f"  data ({report.get('preset', 'example')} preset, as pairs): global batch "
             f"{spec['global_batch_size']} pairs (micro-batch {spec['micro_batch_size']}), "
@@ -169,6 +170,16 @@ def render_notes(report: dict[str, Any]) -> str:
     if not trl:
         return ""
     v = trl["versions"]
+    if "dpo" in report["ours"]["spec"]:  # --objective cpo|simpo|orpo (tools/bench_trl.py)
+        return "\n".join("  * " + n for n in (
+            f"TRL side: {trl['trainer']} of trl {v['trl']}, transformers {v['transformers']}, "
+            f"torch {v['torch']}; micro-batch {trl['micro_batch_size']} pairs, "
+            f"{trl['batch_size']} a step, as ours.",
+            "Same passes per step on both sides: no reference; policy forward+backward over "
+            "the chosen and rejected rows. We pack the rows without padding and run the output "
+            "layer on completion positions (with ORPO's TRL NLL, the chosen rows' prompt too); "
+            "TRL pads each micro-batch to its longest row and computes full logits.",
+        ))  # fmt: skip
     sft = report["ours"]["spec"]["kto"]["sft_loss_weight"]
     notes = [
         f"TRL side: trl {v['trl']}, transformers {v['transformers']}, torch {v['torch']}; "

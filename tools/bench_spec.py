@@ -1,5 +1,6 @@
 """What `tools/bench_kto.py` hands its TRL side (and reports of a DPO run): one of our runs as
-plain data — architecture, tokenizer, data files, loss, optimizer and LoRA settings, and, when
+plain data — architecture, tokenizer, data files, loss, optimizer and LoRA settings (a KTO run:
+`trl_spec`; a DPO-family `--objective` run: `preference_spec`, which `bench_trl` mirrors), and, when
 the run starts from a Hugging Face directory, that directory, which the TRL side then loads as
 its model (`tools/trl_baseline.py`): the same `transformers` model on both sides.
 
@@ -24,13 +25,18 @@ def _resolved_architecture(cfg: Any, vocab_size: int):
     return arch
 
 
-def trl_spec(cfg: Any) -> dict[str, Any]:
-    """Everything the TRL side needs to run the same training as `cfg`, as plain data."""
+def run_spec(cfg: Any, algorithm: str) -> tuple[dict[str, Any], Any]:
+    """What every TRL mirror of a run needs, as plain data (shape, tokenizer, files, batch,
+    precision, seed, optimizer), and the run's `GPTArchitecture`.
+
+    Args:
+        cfg: the composed run config.
+        algorithm: "kto" or "dpo" (whose `trainer.<algorithm>` clip is read).
+    """
     from megatron_kto.checkpointing.pretrained import resolve_pretrained_dir
     from megatron_kto.conversion.hf_dir import looks_like_hf_dir
     from megatron_kto.data.pipeline import resolve_path
     from megatron_kto.data.tokenizers import load_tokenizer
-    from megatron_kto.peft.settings import reference_strategy
 
     m = cfg.model
     tok_path = str(resolve_path(m.tokenizer.model))
@@ -38,7 +44,7 @@ def trl_spec(cfg: Any) -> dict[str, Any]:
     arch = _resolved_architecture(cfg, tokenizer.vocab_size)
     path = cfg.pretrained_checkpoint.restore_from_path
     hf_model = str(resolve_pretrained_dir(path)) if path else None
-    return {
+    spec = {
         "architecture": arch.to_dict(),
         "padded_vocab": arch.padded_vocab(m.tensor_model_parallel_size),
         # A Hugging Face directory we start from: the TRL side loads this very model.
@@ -53,13 +59,35 @@ def trl_spec(cfg: Any) -> dict[str, Any]:
         },
         "train_files": [str(resolve_path(p)) for p in m.data.data_prefix.train],
         "max_length": m.data.max_length or arch.encoder_seq_length,
-        "pad_to_multiple_of": m.data.pad_to_multiple_of,
         "global_batch_size": m.global_batch_size,
-        "micro_batch_size": m.micro_batch_size,  # ours only (TRL: one micro-batch)
+        "micro_batch_size": m.micro_batch_size,
+        "precision": str(cfg.trainer.precision),
+        "seed": m.seed,
+        "optim": {
+            "lr": m.optim.lr,
+            "min_lr": m.optim.sched.min_lr,
+            "sched": m.optim.sched.name,
+            "warmup_steps": m.optim.sched.warmup_steps,
+            "weight_decay": m.optim.weight_decay,
+            "betas": list(m.optim.betas),
+            "eps": m.optim.eps,
+            "clip": getattr(cfg.trainer, algorithm).gradient_clip_val,
+        },
+    }
+    return spec, arch
+
+
+def trl_spec(cfg: Any) -> dict[str, Any]:
+    """Everything the TRL side needs to run the same training as `cfg`, as plain data."""
+    from megatron_kto.peft.settings import reference_strategy
+
+    m = cfg.model
+    spec, arch = run_spec(cfg, "kto")  # its micro_batch_size is ours only (TRL: one micro-batch)
+    return {
+        **spec,
+        "pad_to_multiple_of": m.data.pad_to_multiple_of,
         "reference_policy": reference_strategy(m, "kto"),  # ours only
         "lora": lora_spec(m, arch),
-        "seed": m.seed,
-        "precision": str(cfg.trainer.precision),
         "gradient_checkpointing": m.activations_checkpoint_granularity is not None,
         "kto": {
             "beta": m.kto.ref_policy_kl_penalty,
@@ -69,39 +97,22 @@ def trl_spec(cfg: Any) -> dict[str, Any]:
             "sft_loss_weight": m.kto.sft_loss_weight,
             "precomputed_reference": m.kto.reference_policy == "precomputed",
         },
-        "optim": {
-            "lr": m.optim.lr,
-            "min_lr": m.optim.sched.min_lr,
-            "sched": m.optim.sched.name,
-            "warmup_steps": m.optim.sched.warmup_steps,
-            "weight_decay": m.optim.weight_decay,
-            "betas": list(m.optim.betas),
-            "eps": m.optim.eps,
-            "clip": cfg.trainer.kto.gradient_clip_val,
-        },
     }
 
 
-def shape_spec(cfg: Any) -> dict[str, Any]:
-    """What an `--objective` (DPO) run reports of its setup: the shape, batch and precision
-    (there is no TRL side to mirror)."""
-    from megatron_kto.data.pipeline import resolve_path
-    from megatron_kto.data.tokenizers import load_tokenizer
-
-    m = cfg.model
-    tokenizer = load_tokenizer(
-        m.tokenizer.library, str(resolve_path(m.tokenizer.model)), m.tokenizer.chat_template
-    )
-    arch = _resolved_architecture(cfg, tokenizer.vocab_size)
-    return {
-        "architecture": arch.to_dict(),
-        "padded_vocab": arch.padded_vocab(m.tensor_model_parallel_size),
-        "max_length": m.data.max_length or arch.encoder_seq_length,
-        "global_batch_size": m.global_batch_size,
-        "micro_batch_size": m.micro_batch_size,
-        "precision": str(cfg.trainer.precision),
-        "dpo": {"loss_type": m.dpo.loss_type, "beta": m.dpo.ref_policy_kl_penalty},
+def preference_spec(cfg: Any) -> dict[str, Any]:
+    """What an `--objective` (DPO-family) run reports of its setup, and what the TRL side needs
+    to mirror it (`run_trl_preference`), as plain data."""
+    d = cfg.model.dpo
+    spec, _ = run_spec(cfg, "dpo")
+    spec["dpo"] = {
+        "loss_type": d.loss_type,
+        "beta": d.ref_policy_kl_penalty,
+        "label_smoothing": d.label_smoothing,
+        "cpo_alpha": d.cpo_alpha,
+        "simpo_gamma": d.simpo_gamma,
     }
+    return spec
 
 
 def lora_spec(model_cfg: Any, arch: Any) -> dict[str, Any] | None:

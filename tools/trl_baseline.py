@@ -142,15 +142,13 @@ def _llama(spec: dict[str, Any]):
     return model.to(torch.bfloat16 if spec["precision"] == "bf16" else torch.float32)
 
 
-def _kto_config(spec: dict[str, Any], max_steps: int, output_dir: Path):
-    from trl import KTOConfig
-
-    k, o = spec["kto"], spec["optim"]
+def hf_training_args(spec: dict[str, Any], max_steps: int, output_dir: Path) -> dict[str, Any]:
+    """The `transformers.TrainingArguments` every TRL mirror shares: the spec's schedule, Adam,
+    clip, `max_length`, precision and seed; one log line after the last step; nothing saved."""
+    o = spec["optim"]
     scheduler = _HF_SCHEDULERS[o["sched"]]
-    return KTOConfig(
+    return dict(
         output_dir=str(output_dir),
-        per_device_train_batch_size=spec["global_batch_size"],
-        gradient_accumulation_steps=1,
         max_steps=max_steps,
         learning_rate=o["lr"],
         lr_scheduler_type=scheduler,
@@ -161,15 +159,7 @@ def _kto_config(spec: dict[str, Any], max_steps: int, output_dir: Path):
         adam_beta2=o["betas"][1],
         adam_epsilon=o["eps"],
         max_grad_norm=o["clip"],
-        beta=k["beta"],
-        desirable_weight=k["desirable_weight"],
-        undesirable_weight=k["undesirable_weight"],
-        loss_type=k["loss_type"],
-        precompute_ref_log_probs=k["precomputed_reference"],
         max_length=spec["max_length"],
-        pad_to_multiple_of=spec["pad_to_multiple_of"] if spec["pad_to_multiple_of"] > 1 else None,
-        # KTOConfig defaults these two to True; ours are set by the run's config.
-        gradient_checkpointing=spec["gradient_checkpointing"],
         bf16=spec["precision"] == "bf16",
         seed=spec["seed"],
         dataloader_drop_last=True,
@@ -178,6 +168,25 @@ def _kto_config(spec: dict[str, Any], max_steps: int, output_dir: Path):
         eval_strategy="no",
         report_to="none",
         disable_tqdm=True,
+    )
+
+
+def _kto_config(spec: dict[str, Any], max_steps: int, output_dir: Path):
+    from trl import KTOConfig
+
+    k = spec["kto"]
+    return KTOConfig(
+        **hf_training_args(spec, max_steps, output_dir),
+        per_device_train_batch_size=spec["global_batch_size"],
+        gradient_accumulation_steps=1,
+        beta=k["beta"],
+        desirable_weight=k["desirable_weight"],
+        undesirable_weight=k["undesirable_weight"],
+        loss_type=k["loss_type"],
+        precompute_ref_log_probs=k["precomputed_reference"],
+        pad_to_multiple_of=spec["pad_to_multiple_of"] if spec["pad_to_multiple_of"] > 1 else None,
+        # KTOConfig defaults this to True; ours is set by the run's config.
+        gradient_checkpointing=spec["gradient_checkpointing"],
     )
 
 

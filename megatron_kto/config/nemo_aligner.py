@@ -9,8 +9,8 @@ schema plus the keys that have no effect here (the caller lists them in one warn
 - renamed keys are moved (`model.dpo.preference_loss: dpo` -> `model.dpo.loss_type: sigmoid`);
 - Lightning/NeMo plumbing (`trainer.accelerator`, `exp_manager.exp_dir`, `model.mcore_gpt`, ...)
   is accepted and reported as having no effect;
-- a value that would change results and that we do not implement (RPO losses, resuming
-  from an explicit file, ...) is refused in one line naming the key;
+- a value that would change results and that we do not implement (resuming from an explicit
+  file, ...) is refused in one line naming the key;
 - anything else is an unknown key, as in our own configs.
 
 docs/migrating_from_nemo_aligner.md is the table in prose.
@@ -75,33 +75,19 @@ def _unset_or_equal_to(path: str) -> Callable[[Any, DictConfig, str], bool]:
     return accept
 
 
-#: NeMo-Aligner's RPO losses read a reward per completion from the data (g = gt_reward_scale ×
-#: (chosen reward − rejected reward), Δ the log-ratio margin): rpo_sq (βΔ − g)², rpo_fwd_kl
-#: KL(σ(±βΔ) ‖ σ(±g)), rpo_bwd_kl KL(σ(±g) ‖ σ(±βΔ)). Our data carries no rewards; with the same
-#: g for every pair the two KL forms are exo_pair and conservative sigmoid with ε = σ(−g) (the
-#: latter up to a constant), which is what the refusal names.
-_RPO_NEAREST = {
-    "rpo_fwd_kl": "model.dpo.loss_type=exo_pair with model.dpo.label_smoothing=σ(−g) (the same "
-    "loss when every pair has the same reward gap g)",
-    "rpo_bwd_kl": "model.dpo.loss_type=sigmoid with model.dpo.label_smoothing=σ(−g) (the same "
-    "gradient when every pair has the same reward gap g)",
-    "rpo_sq": "model.dpo.loss_type=ipo (a squared margin with a fixed target)",
-}
-
-
 def _dpo_preference_loss(value: Any) -> str:
-    known = {"dpo": "sigmoid", "ipo": "ipo"}
-    if value in _RPO_NEAREST:
-        raise ConfigError(
-            f"model.dpo.preference_loss: {value!r} is not supported (NeMo-Aligner's RPO losses "
-            "read a reward per completion from the data, which this trainer does not read); "
-            f"nearest: {_RPO_NEAREST[value]}"
-        )
+    """NeMo-Aligner's `preference_loss` as our `loss_type`: dpo is sigmoid; ipo and the RPO
+    losses (rewards from the data, `gt_reward_scale`) keep their names and meaning."""
+    known = {
+        "dpo": "sigmoid",
+        "ipo": "ipo",
+        **{k: k for k in ("rpo_sq", "rpo_fwd_kl", "rpo_bwd_kl")},
+    }
     if value not in known:
         raise ConfigError(
-            f"model.dpo.preference_loss: {value!r} is not supported; use dpo or ipo (our "
-            "model.dpo.loss_type also offers hinge, robust, apo_zero and the rest of "
-            "losses.DPO_LOSS_TYPES)"
+            f"model.dpo.preference_loss: {value!r} is not supported; use dpo, ipo, rpo_sq, "
+            "rpo_fwd_kl or rpo_bwd_kl (our model.dpo.loss_type also offers hinge, robust, "
+            "apo_zero and the rest of losses.DPO_LOSS_TYPES)"
         )
     return known[value]
 
@@ -244,14 +230,9 @@ RULES: dict[str, Rule] = {
     ),
     "model.dpo.preference_loss": Rule(
         "renamed",
-        "dpo -> sigmoid, ipo -> ipo",
+        "dpo -> sigmoid; ipo, rpo_sq, rpo_fwd_kl, rpo_bwd_kl keep their names",
         target="model.dpo.loss_type",
         convert=_dpo_preference_loss,
-    ),
-    "model.dpo.gt_reward_scale": Rule("no_effect", "used by NeMo-Aligner's RPO losses only"),
-    "model.data.default_chosen_reward": Rule("no_effect", "used by NeMo-Aligner's RPO losses only"),
-    "model.data.default_rejected_reward": Rule(
-        "no_effect", "used by NeMo-Aligner's RPO losses only"
     ),
     "model.data.pad_length_to_multiple_of": Rule(
         "renamed", "same meaning", target="model.data.pad_to_multiple_of"

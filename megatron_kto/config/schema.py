@@ -169,8 +169,9 @@ class DPOLossConfig:
     # cannot say in OmegaConf; validate checks the names.
     loss_type: Any = "sigmoid"
     """A name of losses.DPO_LOSS_TYPES (sigmoid, ipo, hinge, exo_pair, nca_pair, robust,
-    sppo_hard, apo_zero, apo_down, discopop, sigmoid_norm, sft; reference-free: cpo, simpo,
-    orpo) or a list of them (reference-free and reference-based names do not mix)."""
+    sppo_hard, apo_zero, apo_down, discopop, sigmoid_norm, sft; NeMo-Aligner's rpo_sq,
+    rpo_fwd_kl, rpo_bwd_kl, which read rewards from the data; reference-free: cpo, simpo, orpo)
+    or a list of them (reference-free and reference-based names do not mix)."""
     loss_weights: Optional[list[float]] = None
     """One weight per loss_type entry (the loss is their weighted sum); None means all 1."""
     label_smoothing: float = 0.0
@@ -186,6 +187,12 @@ class DPOLossConfig:
     """Weight of the chosen completions' NLL in cpo and simpo (TRL's CPOConfig.cpo_alpha)."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin γ (TRL's CPOConfig.simpo_gamma)."""
+    gt_reward_scale: float = 1.0
+    """RPO losses (rpo_sq, rpo_fwd_kl, rpo_bwd_kl; NeMo-Aligner's): the reward gap they target
+    is gt_reward_scale × (chosen_reward − rejected_reward), the rewards read from the data."""
+    orpo_prompt_nll: bool = True
+    """orpo: the NLL term scores the chosen rows' prompt tokens too, as TRL's ORPOTrainer
+    (True); False: the chosen completion only (the ORPO paper's formula)."""
     ld_alpha: Optional[float] = None
     """LD-DPO (TRL's DPOConfig.ld_alpha): in every log-prob (policy and reference) the tokens
     beyond the pair's shorter completion count α times, α in [0, 1]; None: plain sums."""
@@ -325,6 +332,11 @@ class DataConfig:
     """DataLoader workers."""
     use_cache: bool = True
     """Cache tokenised data next to the data files."""
+    default_chosen_reward: float | None = None
+    """RPO losses (model.dpo.loss_type rpo_*): the chosen_reward of a paired row without one
+    (NeMo-Aligner's key); None: such a row is an error."""
+    default_rejected_reward: float | None = None
+    """RPO losses: the rejected_reward of a paired row without one; None: an error."""
 
 
 @dataclass

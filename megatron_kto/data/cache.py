@@ -1,7 +1,8 @@
 """On-disk cache of tokenised shards, so tokenisation runs once per (data, tokenizer, limits).
 
 Layout: ``<cache root>/<key>/`` with ``tokens.npy`` (int32), ``offsets.npy`` (int64),
-``labels.npy`` (uint8, KTO only), ``prompt_keys.npy`` (int64, KTO only) and ``meta.json``. The cache root is
+``labels.npy`` (uint8, KTO only), ``prompt_keys.npy`` (int64, KTO only), ``rewards.npy``
+(float64, DPO only) and ``meta.json``. The cache root is
 ``<data file>.mkto_cache/`` beside the data, or ``<cache_dir>/<file name>.mkto_cache/``.
 Arrays are plain ``.npy`` files (never pickle) and are memory-mapped on load, so start-up from
 the cache costs a content hash and a few ``open`` calls, whatever the dataset size.
@@ -35,8 +36,8 @@ from megatron_kto.data.shards import TokenizedShard
 from megatron_kto.data.stats import DatasetStats
 
 #: 2: TRL's tokenisation rule (whole text, completion after the common prefix) and per-example
-#: prompt keys for KL pairing.
-CACHE_VERSION = 2
+#: prompt keys for KL pairing. 3: DPO entries keep the rows' rewards (NeMo-Aligner's RPO).
+CACHE_VERSION = 3
 CACHE_SUFFIX = ".mkto_cache"
 _HASH_CHUNK = 1 << 22
 
@@ -124,7 +125,9 @@ def load_shard(entry: Path, key: dict[str, Any]) -> TokenizedShard | None:
             return None
         tokens = np.load(entry / "tokens.npy", mmap_mode="r", allow_pickle=False)
         offsets = np.load(entry / "offsets.npy", mmap_mode="r", allow_pickle=False)
-        labels = prompt_keys = None
+        labels = prompt_keys = rewards = None
+        if key["kind"] == "dpo":
+            rewards = np.load(entry / "rewards.npy", mmap_mode="r", allow_pickle=False)
         if key["kind"] == "kto":
             labels = np.load(entry / "labels.npy", mmap_mode="r", allow_pickle=False)
             prompt_keys = np.load(entry / "prompt_keys.npy", mmap_mode="r", allow_pickle=False)
@@ -133,10 +136,16 @@ def load_shard(entry: Path, key: dict[str, Any]) -> TokenizedShard | None:
         return None
     if offsets.shape[0] != meta.get("num_examples") or tokens.shape[0] != meta.get("num_tokens"):
         return None
-    if prompt_keys is not None and prompt_keys.shape[0] != offsets.shape[0]:
-        return None
+    for per_example in (prompt_keys, rewards):
+        if per_example is not None and per_example.shape[0] != offsets.shape[0]:
+            return None
     return TokenizedShard(
-        tokens=tokens, offsets=offsets, labels=labels, stats=stats, prompt_keys=prompt_keys
+        tokens=tokens,
+        offsets=offsets,
+        labels=labels,
+        stats=stats,
+        prompt_keys=prompt_keys,
+        rewards=rewards,
     )
 
 
@@ -160,6 +169,8 @@ def save_shard(shard: TokenizedShard, entry: Path, key: dict[str, Any]) -> None:
             np.save(tmp / "labels.npy", np.ascontiguousarray(shard.labels, dtype=np.uint8))
         if shard.prompt_keys is not None:
             np.save(tmp / "prompt_keys.npy", np.ascontiguousarray(shard.prompt_keys, np.int64))
+        if shard.rewards is not None:
+            np.save(tmp / "rewards.npy", np.ascontiguousarray(shard.rewards, np.float64))
         meta = {
             "key": key,
             "num_examples": int(shard.offsets.shape[0]),

@@ -217,7 +217,9 @@ def dpo_custom_collate(
 
     Returns:
         ``chosen``, ``rejected``, ``chosen_labels``, ``rejected_labels``, ``position_ids``:
-        LongTensor [B, T]; ``chosen_lengths``, ``rejected_lengths``: LongTensor [B].
+        LongTensor [B, T]; ``chosen_lengths``, ``rejected_lengths``: LongTensor [B]; with
+        rewards in the examples (the RPO losses), ``chosen_rewards``, ``rejected_rewards``:
+        float32 [B].
     """
     if not examples:
         raise ValueError("dpo_custom_collate got an empty batch")
@@ -226,9 +228,15 @@ def dpo_custom_collate(
     chosen_lengths = [len(r[0]) for r in chosen]
     rejected_lengths = [len(r[0]) for r in rejected]
     length = _padded_length(chosen_lengths + rejected_lengths, pad_to_multiple_of)
+    rewards = {
+        f"{side}_rewards": torch.tensor([e[f"{side}_reward"] for e in examples])
+        for side in ("chosen", "rejected")
+        if "chosen_reward" in examples[0]
+    }
     return _with_index(
         examples,
-        {
+        rewards
+        | {
             "chosen": _padded([r[0] for r in chosen], length, pad_id),
             "rejected": _padded([r[0] for r in rejected], length, pad_id),
             "chosen_labels": _padded([r[1] for r in chosen], length, IGNORE_INDEX),

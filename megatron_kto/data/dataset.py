@@ -86,12 +86,23 @@ class KTODataset(_ShardedDataset):
 
 
 class DPODataset(_ShardedDataset):
-    """DPO pairs: ``{"prompt_ids", "chosen_ids", "rejected_ids"}`` (lists of ints)."""
+    """DPO pairs: ``{"prompt_ids", "chosen_ids", "rejected_ids"}`` (lists of ints), plus
+    ``chosen_reward`` / ``rejected_reward`` (floats) once ``rewards`` is set (the RPO losses;
+    `data.rewards.pair_rewards`)."""
 
-    def __getitem__(self, index: int) -> dict[str, list[int]]:
+    rewards: np.ndarray | None = None
+    """[n, 2] the pairs' (chosen, rejected) rewards, or None: items carry none."""
+
+    def __getitem__(self, index: int) -> dict[str, list[int] | float]:
         shard, local = self._locate(index)
         prompt_ids, chosen_ids, rejected_ids = shard.segments(local)
-        return {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids}
+        item: dict[str, list[int] | float] = {
+            "prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids
+        }  # fmt: skip
+        if self.rewards is not None:
+            i = index + len(self) if index < 0 else index
+            item["chosen_reward"], item["rejected_reward"] = map(float, self.rewards[i])
+        return item
 
 
 def _as_paths(paths: PathList) -> list[Path]:

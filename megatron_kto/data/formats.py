@@ -19,6 +19,7 @@ they are data bugs, and there is nothing to score without a completion.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,12 +92,16 @@ class PairedExample:
         chosen: the preferred completion (same kind as ``prompt``).
         rejected: the dispreferred completion (same kind as ``prompt``).
         where: the source row, for error messages.
+        chosen_reward: the row's ``chosen_reward`` (NeMo-Aligner's RPO data), None if absent.
+        rejected_reward: the row's ``rejected_reward``, None if absent.
     """
 
     prompt: Text
     chosen: Text
     rejected: Text
     where: RowLocation
+    chosen_reward: float | None = None
+    rejected_reward: float | None = None
 
     def unpaired(self) -> tuple[UnpairedExample, UnpairedExample]:
         """The two KTO rows of this pair: (desirable chosen, undesirable rejected)."""
@@ -207,6 +212,21 @@ def _check_same_kind(prompt: Text, other: Text, field: str, where: RowLocation) 
         )
 
 
+#: NeMo-Aligner's optional per-completion rewards of a paired row (read by its RPO losses).
+REWARD_FIELDS = ("chosen_reward", "rejected_reward")
+
+
+def _parse_reward(row: Row, field: str, where: RowLocation) -> float | None:
+    """A paired row's optional reward: a finite number, or None when absent or null."""
+    value = row.get(field)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        shown = f"{_json_type(value)} {value!r}" if isinstance(value, str) else repr(value)
+        raise where.error(field, f"expected a finite number, got {shown}")
+    return float(value)
+
+
 def normalize_row(row: Row, where: RowLocation) -> NormalizedRow:
     """Validate one raw row and convert it to the internal example type.
 
@@ -227,7 +247,8 @@ def normalize_row(row: Row, where: RowLocation) -> NormalizedRow:
         rejected = _parse_text(row, "rejected", where, is_completion=True)
         _check_same_kind(prompt, chosen, "chosen", where)
         _check_same_kind(prompt, rejected, "rejected", where)
-        return PairedExample(prompt, chosen, rejected, where)
+        rewards = (_parse_reward(row, f, where) for f in REWARD_FIELDS)
+        return PairedExample(prompt, chosen, rejected, where, *rewards)
     text_field = "completion" if fmt is RowFormat.UNPAIRED else "response"
     completion = _parse_text(row, text_field, where, is_completion=True)
     _check_same_kind(prompt, completion, text_field, where)

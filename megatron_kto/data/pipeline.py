@@ -15,6 +15,7 @@ from megatron_kto.config.validate import ConfigError
 from megatron_kto.data.collate import dpo_custom_collate, kto_custom_collate
 from megatron_kto.data.dataset import build_dpo_dataset, build_kto_dataset
 from megatron_kto.data.kl_pairs import BatchKLPartners, IndexedExamples, check_distinct_prompts
+from megatron_kto.data.rewards import pair_rewards
 from megatron_kto.data.samplers import (
     TrainingBatchSampler,
     ValidationBatchSampler,
@@ -22,6 +23,7 @@ from megatron_kto.data.samplers import (
 )
 from megatron_kto.data.stats import DatasetStats
 from megatron_kto.data.tokenizers import Tokenizer
+from megatron_kto.losses.dpo_types import loss_type_names, needs_rewards
 from megatron_kto.losses.kto import uses_kl_reference_point
 
 #: Where relative paths in the bundled configs are anchored when not found from the cwd.
@@ -165,6 +167,13 @@ def build_split(
         barrier=torch.distributed.barrier if torch.distributed.is_initialized() else None,
         use_cache=d.use_cache,
     )
+    if algorithm == "dpo" and needs_rewards(m.dpo.loss_type):
+        dataset.rewards = pair_rewards(
+            dataset,
+            paths,
+            (d.default_chosen_reward, d.default_rejected_reward),
+            loss_type_names(m.dpo.loss_type)[0],
+        )
     # KTO KL partners are chosen over the global batch (so KL rows and z0 do not depend on the
     # data-parallel size), never among rows that answer the same prompt.
     keys = None

@@ -5,7 +5,8 @@ A shard stores example ``i`` as consecutive segments of one int32 buffer:
     KTO: tokens[offsets[i,0]:offsets[i,1]] = prompt, tokens[offsets[i,1]:offsets[i,2]] = completion
     DPO: prompt, chosen, rejected between offsets[i,0..3]
 
-plus, for KTO, ``labels[i]`` (1 desirable, 0 undesirable) and ``prompt_keys[i]`` (a hash of
+plus, for DPO, ``rewards[i]`` (the row's ``chosen_reward`` and ``rejected_reward``, NaN where
+absent; NeMo-Aligner's RPO losses read them), for KTO, ``labels[i]`` (1 desirable, 0 undesirable) and ``prompt_keys[i]`` (a hash of
 the prompt text: rows with equal keys answer the same prompt, which KL pairing must know). The file is read as a stream and
 tokenised in chunks (so the tokenizer's batch encoder is used) straight into ``array`` buffers:
 memory grows with the number of tokens, not with Python objects per row. The same layout is
@@ -14,6 +15,7 @@ what the cache stores on disk and memory-maps on load.
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -53,6 +55,8 @@ class TokenizedShard:
         prompt_keys: int64 [n] prompt identities (``encoding.prompt_key``), or None for DPO.
         raw_lengths: int64 [m, S] token lengths of *every* example before the length policy
             (dropped ones included), only when requested; used by the ``stats`` tool.
+        rewards: float64 [n, 2] DPO: each pair's chosen and rejected reward from the data,
+            NaN where the row has none; None for KTO.
     """
 
     tokens: np.ndarray
@@ -61,6 +65,7 @@ class TokenizedShard:
     stats: DatasetStats
     prompt_keys: np.ndarray | None = None
     raw_lengths: np.ndarray | None = None
+    rewards: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.offsets.shape[0])
@@ -102,6 +107,7 @@ class _ShardWriter:
         self.offsets = array("q")
         self.labels = array("B")
         self.prompt_keys = array("q")
+        self.rewards = array("d")
         self.raw = array("q") if record_lengths else None
 
     def add_chunk(
@@ -136,6 +142,9 @@ class _ShardWriter:
                 self.tokens.extend(ids[:keep])
                 self.offsets.append(len(self.tokens))
             self.stats.examples += 1
+            if isinstance(item, PairedExample):
+                for reward in (item.chosen_reward, item.rejected_reward):
+                    self.rewards.append(math.nan if reward is None else reward)
             if isinstance(item, UnpairedExample):
                 self.labels.append(int(item.label))
                 self.prompt_keys.append(encoded.prompt_key)
@@ -159,6 +168,9 @@ class _ShardWriter:
             if self.kind == "kto"
             else None,
             raw_lengths=raw,
+            rewards=np.frombuffer(self.rewards, dtype=np.float64).reshape(-1, 2)
+            if self.kind == "dpo"
+            else None,
         )
 
 

@@ -44,6 +44,7 @@ from megatron_kto.losses.dpo_types import (
     check_loss_mixture,
     loss_type_names,
     needs_reference,
+    needs_rewards,
     sorts_batch,
 )
 from megatron_kto.losses.f_divergence import (
@@ -111,6 +112,9 @@ def dpo_loss(
     simpo_gamma: float = 0.5,
     cpo_alpha: float = 1.0,
     sort_partners: SortPartners | None = None,
+    chosen_nll_logps: Tensor | None = None,
+    chosen_nll_num_tokens: Tensor | None = None,
+    reward_margins: Tensor | None = None,
 ) -> DPOLossOutput:
     """Per-pair DPO-family loss: one catalogue entry, or a weighted sum of several.
 
@@ -141,6 +145,12 @@ def dpo_loss(
         sort_partners: the pairs' rank partners over the global batch (``aot``,
             ``aot_unpaired``); None: the pairs given are the whole batch, and they are computed
             from them.
+        chosen_nll_logps: [B] summed log-probs the reference-free NLL reads instead of the
+            chosen completions' (TRL's ORPO: prompt and completion tokens), with grad; None:
+            the completions'.
+        chosen_nll_num_tokens: [B] their token counts (with ``chosen_nll_logps``).
+        reward_margins: [B] g = gt_reward_scale × (chosen reward − rejected reward) from the
+            data, constant; read by the RPO losses (``rpo_sq``, ``rpo_fwd_kl``, ``rpo_bwd_kl``).
 
     Returns:
         :class:`DPOLossOutput`; the reference-free types' rewards are β × the policy log-probs
@@ -170,6 +180,10 @@ def dpo_loss(
             "chosen_num_tokens": chosen_num_tokens,
             "rejected_num_tokens": rejected_num_tokens,
         }
+    if needs_rewards(names):
+        if reward_margins is None:
+            raise ValueError(f"loss_type {list(names)} needs the pairs' reward_margins")
+        tensors["reward_margins"] = reward_margins
     needs_counts = [t for t in names if DPO_LOSSES[t].needs_token_counts]
     if needs_counts and not counted:
         raise ValueError(
@@ -208,7 +222,14 @@ def dpo_loss(
                 ),
             }
             chosen_nll_per_token = -per_token_mean(pc, chosen_num_tokens)
-        chosen_nll_token_mean = chosen_nll_token_mean_of(pc, chosen_num_tokens, average_log_probs)
+        if chosen_nll_logps is not None and chosen_nll_num_tokens is not None:
+            chosen_nll_token_mean = chosen_nll_token_mean_of(
+                as_float(chosen_nll_logps).to(pc.dtype), chosen_nll_num_tokens, False
+            )
+        else:
+            chosen_nll_token_mean = chosen_nll_token_mean_of(
+                pc, chosen_num_tokens, average_log_probs
+            )
     else:
         chosen_nll_token_mean = None
     if sorts_batch(names) and sort_partners is None:
@@ -224,6 +245,9 @@ def dpo_loss(
         simpo_gamma=simpo_gamma,
         cpo_alpha=cpo_alpha,
         partners=sort_partners if sorts_batch(names) else None,
+        reward_margins=(
+            as_float(reward_margins.detach()).to(pc.dtype) if needs_rewards(names) else None
+        ),
         **per_token,
     )
     if len(names) == 1 and weights[0] == 1.0:
@@ -271,6 +295,9 @@ def dpo_total_loss(
     simpo_gamma: float = 0.5,
     cpo_alpha: float = 1.0,
     sort_partners: SortPartners | None = None,
+    chosen_nll_logps: Tensor | None = None,
+    chosen_nll_num_tokens: Tensor | None = None,
+    reward_margins: Tensor | None = None,
 ) -> DPOTotalLossOutput:
     """DPO loss plus the optional SFT term on the chosen completions, reduced to a scalar.
 
@@ -288,8 +315,8 @@ def dpo_total_loss(
         sft_average_log_probs: the SFT NLL per token (True) or summed (False).
         preference_loss_weight: weight of the DPO term.
         loss_weights, discopop_tau, rejected_num_tokens, f_divergence_type,
-            f_alpha_divergence_coef, simpo_gamma, cpo_alpha, sort_partners: as in
-            :func:`dpo_loss`.
+            f_alpha_divergence_coef, simpo_gamma, cpo_alpha, sort_partners,
+            chosen_nll_logps, chosen_nll_num_tokens, reward_margins: as in :func:`dpo_loss`.
 
     Returns:
         :class:`DPOTotalLossOutput`.
@@ -315,6 +342,9 @@ def dpo_total_loss(
         simpo_gamma=simpo_gamma,
         cpo_alpha=cpo_alpha,
         sort_partners=sort_partners,
+        chosen_nll_logps=chosen_nll_logps,
+        chosen_nll_num_tokens=chosen_nll_num_tokens,
+        reward_margins=reward_margins,
     )
     if sft_loss_weight != 0.0:
         if chosen_num_tokens is None:

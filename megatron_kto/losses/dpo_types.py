@@ -31,7 +31,16 @@ name                      per-pair loss                                         
 ``cpo``                   −(1 − ε)·log σ(x) − ε·log σ(−x) + α·NLL    (no reference)   optional
 ``simpo``                 −(1 − ε)·log σ(y) − ε·log σ(−y) + α·NLL    (no reference)   optional
 ``orpo``                  −β·log σ(o) + NLL                          (no reference)   —
+``rpo_sq``                (x − g)²                                 (rewards g)       —
+``rpo_fwd_kl``            Σ± σ(±x)(log σ(±x) − log σ(±g))          (rewards g)       —
+``rpo_bwd_kl``            Σ± σ(±g)(log σ(±g) − log σ(±x))          (rewards g)       —
 ========================  ========================================================  =========
+
+**NeMo-Aligner's RPO** (``model.dpo.preference_loss: rpo_*``, its ``megatron_gpt_dpo_model.py``):
+g = ``gt_reward_scale`` × (chosen reward − rejected reward), the pair's reward gap from the data
+(``needs_rewards``); ``rpo_sq`` regresses the implicit reward gap x = β·h onto g, the two KL forms
+compare the Bernoulli preference distributions (σ(x), σ(−x)) of the policy and (σ(g), σ(−g)) of
+the rewards: ``rpo_fwd_kl`` = KL(policy ‖ rewards), ``rpo_bwd_kl`` = KL(rewards ‖ policy).
 
 **Reference-free objectives** (``needs_reference=False``: the run builds no reference model and
 runs no reference pass; c and r are then the policy log-probs themselves, ref = 0). As TRL 1.16's
@@ -49,8 +58,9 @@ on one process with the whole global batch.
 
 NLL is TRL's: the chosen completions' negative log-likelihood as one token-weighted mean over
 the pairs given (Σ_i −π_c,i / Σ_i n_c,i, a micro-batch in training), added to every pair's loss
-(so the mean over pairs adds it once). TRL's ORPO takes that NLL over the prompt tokens too;
-ours covers the completion tokens only (the prompt is never scored here).
+(so the mean over pairs adds it once). TRL's ORPO takes that NLL over the chosen rows' prompt
+tokens too: a run does the same by passing those rows' whole sums (``dpo_loss``'s
+``chosen_nll_logps``; ``model.dpo.orpo_prompt_nll``, `models.prompt_nll`).
 
 TRL's ``ipo`` divides the log-ratios by the token counts itself; ours (unchanged) does so when
 the caller passes per-token means (``model.dpo.preference_average_log_probs``). TRL's ``sft`` is
@@ -92,6 +102,8 @@ class DPOPairs:
         cpo_alpha: α, the NLL weight of ``cpo`` and ``simpo``.
         partners: each pair's rank partners over the global batch (``aot``, ``aot_unpaired``;
             None for the other losses).
+        reward_margins: g, each pair's scaled reward gap from the data (the RPO losses; None
+            for the others).
     """
 
     chosen_logratios: Tensor
@@ -106,6 +118,7 @@ class DPOPairs:
     simpo_gamma: float = 0.5
     cpo_alpha: float = 1.0
     partners: SortPartners | None = None
+    reward_margins: Tensor | None = None
 
     @property
     def logits(self) -> Tensor:
@@ -252,6 +265,28 @@ def _orpo(p: DPOPairs) -> Tensor:
     return -p.beta * F.logsigmoid(log_odds) + _nll(p)
 
 
+def _rpo_sq(p: DPOPairs) -> Tensor:
+    assert p.reward_margins is not None  # dpo_loss checks needs_rewards
+    return (p.beta * p.logits - p.reward_margins) ** 2
+
+
+def _bernoulli_kl(log_p: Tensor, log_q: Tensor, log_p_flip: Tensor, log_q_flip: Tensor) -> Tensor:
+    """KL((p, 1 − p) ‖ (q, 1 − q)) from log p, log q, log(1 − p), log(1 − q)."""
+    return torch.exp(log_p) * (log_p - log_q) + torch.exp(log_p_flip) * (log_p_flip - log_q_flip)
+
+
+def _rpo_fwd_kl(p: DPOPairs) -> Tensor:
+    assert p.reward_margins is not None
+    x, g = p.beta * p.logits, p.reward_margins
+    return _bernoulli_kl(F.logsigmoid(x), F.logsigmoid(g), F.logsigmoid(-x), F.logsigmoid(-g))
+
+
+def _rpo_bwd_kl(p: DPOPairs) -> Tensor:
+    assert p.reward_margins is not None
+    x, g = p.beta * p.logits, p.reward_margins
+    return _bernoulli_kl(F.logsigmoid(g), F.logsigmoid(x), F.logsigmoid(-g), F.logsigmoid(-x))
+
+
 @dataclass(frozen=True)
 class DPOLossKind:
     """One catalogue entry.
@@ -276,6 +311,7 @@ class DPOLossKind:
     needs_reference: bool = True
     averages_log_probs: bool = False
     sorts_batch: bool = False
+    needs_rewards: bool = False
 
 
 DPO_LOSSES: dict[str, DPOLossKind] = {
@@ -307,6 +343,9 @@ DPO_LOSSES: dict[str, DPOLossKind] = {
     "orpo": DPOLossKind(
         _orpo, needs_token_counts=True, needs_reference=False, averages_log_probs=True
     ),
+    "rpo_sq": DPOLossKind(_rpo_sq, needs_rewards=True),
+    "rpo_fwd_kl": DPOLossKind(_rpo_fwd_kl, needs_rewards=True),
+    "rpo_bwd_kl": DPOLossKind(_rpo_bwd_kl, needs_rewards=True),
 }
 DPO_LOSS_TYPES: tuple[str, ...] = tuple(DPO_LOSSES)
 
@@ -341,6 +380,11 @@ def needs_reference(loss_type: str | list[str] | tuple[str, ...]) -> bool:
 def sorts_batch(loss_type: str | list[str] | tuple[str, ...]) -> bool:
     """Whether a (checked) loss type or list pairs values by rank over the global batch."""
     return any(DPO_LOSSES[t].sorts_batch for t in loss_type_names(loss_type) if t in DPO_LOSSES)
+
+
+def needs_rewards(loss_type: str | list[str] | tuple[str, ...]) -> bool:
+    """Whether a (checked) loss type or list reads each pair's reward gap from the data."""
+    return any(DPO_LOSSES[t].needs_rewards for t in loss_type_names(loss_type) if t in DPO_LOSSES)
 
 
 def averages_log_probs(loss_type: str | list[str] | tuple[str, ...]) -> bool:

@@ -37,7 +37,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron_kto.models.packing import NUM_SCORED, PACKED, SCORED_SPANS, PackedRows
 
 #: Micro-batch keys of [rows, T] tensors that the split follows.
-SPLIT_KEYS = ("tokens", "labels", "position_ids", "label_weights")
+SPLIT_KEYS = ("tokens", "labels", "position_ids", "label_weights", "nll_only")
 
 
 def context_parallel_size() -> int:

@@ -41,6 +41,8 @@ from megatron_kto.models.forward import (
     LABEL_WEIGHTS,
     LOGIT_SUM,
     LOGP_SUM,
+    NLL_LOGP_SUM,
+    NLL_NUM_TOKENS,
     NUM_TOKENS,
     data_parallel_all_gather,
     data_parallel_all_reduce,
@@ -51,10 +53,12 @@ from megatron_kto.models.logprobs import IGNORE_INDEX
 from megatron_kto.models.output_head import DEFAULT_LOGPROB_CHUNK_SIZE
 from megatron_kto.models.packing import (
     DEFAULT_PACK_SEQUENCES,
+    NLL_ONLY,
     NUM_SCORED,
     ROW_LENGTHS,
     SCORED_SPANS,
 )
+from megatron_kto.models.prompt_nll import CHOSEN_NLL_ONLY, with_prompt_nll
 from megatron_kto.models.reference import ReferencePolicy
 from megatron_kto.models.router_stats import (
     RouterStatistics,
@@ -74,6 +78,8 @@ from megatron_kto.models.schedule import (
 
 REF_CHOSEN = "ref_policy_log_probs_chosen"
 REF_REJECTED = "ref_policy_log_probs_rejected"
+#: Batch keys of the pairs' chosen and rejected rewards from the data (`data.collate`; RPO).
+REWARDS = ("chosen_rewards", "rejected_rewards")
 #: A micro-batch's keys for its pairs' `SortPartners` fields (aot, aot_unpaired).
 _PARTNERS = ("aot_offset", "unpaired_rejected", "unpaired_chosen")
 
@@ -109,6 +115,11 @@ class DPOSettings:
     """γ, SimPO's target margin."""
     cpo_alpha: float = 1.0
     """α, the chosen NLL's weight in CPO and SimPO."""
+    gt_reward_scale: float = 1.0
+    """RPO losses: the reward gap is gt_reward_scale × (chosen − rejected reward) of the data."""
+    prompt_nll: bool = False
+    """The reference-free NLL also scores the chosen rows' prompt tokens (TRL's ORPO;
+    `models.prompt_nll`)."""
     ld_alpha: float | None = None
     """LD-DPO: the weight of the tokens beyond the pair's shorter completion in every log-prob
     (policy and reference; `losses.length_desensitized`); None: plain sums."""
@@ -208,6 +219,9 @@ class MegatronGPTDPOModel:
         n = stats.shape[0] // 2
         logps = _logps(stats, s.average_log_probs)
         chosen_tokens = stats[:n, NUM_TOKENS]
+        # The NLL's own sums: the whole chosen rows' with prompt_nll, else the completions'.
+        nll_columns = (NLL_LOGP_SUM, NLL_NUM_TOKENS) if s.prompt_nll else (LOGP_SUM, NUM_TOKENS)
+        nll_logps, nll_tokens = (stats[:n, c] for c in nll_columns)
         reference = self.needs_reference
         out = dpo_total_loss(
             logps[:n],
@@ -229,6 +243,13 @@ class MegatronGPTDPOModel:
             f_alpha_divergence_coef=s.f_alpha_divergence_coef,
             simpo_gamma=s.simpo_gamma,
             cpo_alpha=s.cpo_alpha,
+            chosen_nll_logps=nll_logps if s.prompt_nll else None,
+            chosen_nll_num_tokens=nll_tokens if s.prompt_nll else None,
+            reward_margins=(
+                s.gt_reward_scale * (batch[REWARDS[0]] - batch[REWARDS[1]])
+                if REWARDS[0] in batch
+                else None
+            ),
             sort_partners=(
                 SortPartners(*(batch[k].to(logps.dtype) for k in _PARTNERS))
                 if self.sorts_batch
@@ -250,7 +271,7 @@ class MegatronGPTDPOModel:
             per_token = stats[:, LOGP_SUM] / stats[:, NUM_TOKENS].clamp(min=1)
             log_odds = orpo_log_odds(per_token[:n].detach(), per_token[n:].detach())
             sums = reference_free_metric_sums(
-                self.metrics, sums, -stats[:n, LOGP_SUM].detach().sum(), chosen_tokens, log_odds
+                self.metrics, sums, -nll_logps.detach().sum(), nll_tokens, log_odds
             )
         return out.loss, {"sums": sums}
 
@@ -283,9 +304,15 @@ class MegatronGPTDPOModel:
             )
             if weights is not None:
                 micro[-1][LABEL_WEIGHTS] = torch.cat([weights[0][sl], weights[1][sl]])
+            if CHOSEN_NLL_ONLY in batch:  # the rejected rows score nothing for the NLL alone
+                marks = batch[CHOSEN_NLL_ONLY][sl]
+                micro[-1][NLL_ONLY] = torch.cat([marks, torch.zeros_like(marks)])
             if partners is not None:
                 mine = partners.rows(sl)
                 micro[-1].update({k: getattr(mine, k) for k in _PARTNERS})
+            for key in REWARDS:  # the pairs' rewards from the data (RPO losses)
+                if key in batch:
+                    micro[-1][key] = batch[key][sl]
             if self.needs_reference:
                 micro[-1]["ref_chosen"] = batch[REF_CHOSEN][sl]
                 micro[-1]["ref_rejected"] = batch[REF_REJECTED][sl]
@@ -304,6 +331,8 @@ class MegatronGPTDPOModel:
         s = self.settings
         step = stats_forward_step(self._loss_fn, s.vocab_size, s.logprob_chunk_size)
         partners = self.global_sort_partners(batch) if self.sorts_batch else None
+        if s.prompt_nll:
+            batch = with_prompt_nll(batch)
         micro = self._micro_batches(batch, partners)
         pack = s.pack_sequences
         if forward_only:

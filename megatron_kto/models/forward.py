@@ -14,6 +14,7 @@ from megatron_kto.models.logprobs import (
     masked_sum,
     mean_logit_sums,
     mean_logits,
+    position_columns,
     token_logprobs,
 )
 from megatron_kto.models.output_head import (
@@ -25,6 +26,7 @@ from megatron_kto.models.output_head import (
 from megatron_kto.models.packing import (
     DEFAULT_PACK_SEQUENCES,
     LABEL_WEIGHTS,
+    NLL_ONLY,
     NUM_SCORED,
     PACKED,
     PackedRows,
@@ -42,6 +44,9 @@ from megatron_kto.models.schedule import (
 
 #: Columns of the per-row statistics returned by `forward_sequence_stats`.
 LOGP_SUM, NUM_TOKENS, LOGIT_SUM = 0, 1, 2
+#: Two more columns when a micro-batch carries `NLL_ONLY` marks: the log-prob sum and count
+#: over every scored position, the NLL-only ones included (the three above leave them out).
+NLL_LOGP_SUM, NLL_NUM_TOKENS = 3, 4
 
 
 def sequence_stats(
@@ -50,17 +55,19 @@ def sequence_stats(
     vocab_size: int,
     packed: PackedRows | None = None,
     weights: torch.Tensor | None = None,
+    nll_only: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-row [logp_sum, num_tokens, logit_sum] from this TP rank's logits ([N, 3] float32).
 
     `weights` ([N, T] like `labels`, or None for 1) multiply each position's log-prob in
-    `logp_sum` (LD-DPO).
+    `logp_sum` (LD-DPO). `nll_only` ([N, T], or None): positions scored for the two NLL columns
+    only (`logprobs.position_columns`; the result is then [N, 5]).
 
     `vocab_size` is the real vocabulary: padded logit columns are not tokens. `logit_sum` is read
     before `token_logprobs`, which may normalise fp32 logits in place. A packed micro-batch
     ([1, L] logits and labels, `packed` its `PackedRows`) gives one row per packed row.
     """
-    if packed is None:
+    if packed is None and nll_only is None:
         logit_sum = mean_logit_sums(logits, labels, vocab_size)
         logp = token_logprobs(logits, labels, vocab_size)
         logp_sum, count = masked_sum(logp if weights is None else logp * weights, labels)
@@ -68,9 +75,13 @@ def sequence_stats(
     mask = (labels != IGNORE_INDEX).reshape(-1)
     logit_mean = mean_logits(logits, vocab_size).reshape(-1) * mask
     logp = token_logprobs(logits, labels, vocab_size).reshape(-1)
-    if weights is not None:
-        logp = logp * weights.reshape(-1)
-    per_position = torch.stack([logp, mask.to(logp.dtype), logit_mean], dim=-1)
+    per_position = position_columns(
+        logp,
+        mask.to(logp.dtype),
+        logit_mean,
+        weights.reshape(-1) if weights is not None else None,
+        nll_only.reshape(-1) if nll_only is not None else None,
+    )
     positions = torch.arange(per_position.shape[0], device=per_position.device)
     return segment_sums(per_position, positions, *labels.shape, packed)
 
@@ -106,7 +117,7 @@ def stats_forward_step(
     """A megatron-core forward step whose loss function sees per-row statistics, not logits.
 
     `loss_fn(batch, stats)` gets the micro-batch and its `sequence_stats`-style [N, 3] tensor
-    (`LOGP_SUM`, `NUM_TOKENS`, `LOGIT_SUM`). With `chunk_size` > 0 the model's last stage stops
+    (`LOGP_SUM`, `NUM_TOKENS`, `LOGIT_SUM`; [N, 5] with `NLL_ONLY` marks). With `chunk_size` > 0 the model's last stage stops
     at its hidden states and the output layer runs on completion positions only, `chunk_size`
     tokens at a time (`models.output_head`); 0 computes full logits at every position.
     """
@@ -131,6 +142,7 @@ def stats_forward_step(
                     batch.get(NUM_SCORED),
                     batch.get(PACKED),
                     batch.get(LABEL_WEIGHTS),
+                    batch.get(NLL_ONLY),
                 )
             else:
                 stats = sequence_stats(
@@ -139,6 +151,7 @@ def stats_forward_step(
                     vocab_size,
                     batch.get(PACKED),
                     batch.get(LABEL_WEIGHTS),
+                    batch.get(NLL_ONLY),
                 )
             # Under context parallelism each rank holds its chunks' part of every row.
             return loss_fn(batch, reduce_row_stats(stats))

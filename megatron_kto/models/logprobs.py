@@ -103,3 +103,28 @@ def mean_logit_sums(
         [B] detached float32 sums; divide by the token count for a mean.
     """
     return (mean_logits(vocab_parallel_logits, vocab_size) * (labels != IGNORE_INDEX)).sum(dim=-1)
+
+
+def position_columns(
+    logp: torch.Tensor,
+    mask: torch.Tensor,
+    logit_mean: torch.Tensor,
+    weights: torch.Tensor | None,
+    nll_only: torch.Tensor | None,
+) -> torch.Tensor:
+    """Per-position values whose row sums are the statistics' columns ([n, 3], or [n, 5] with
+    `nll_only`).
+
+    Args:
+        logp: [n] log-probs of the positions' labels.
+        mask: [n] 1 where a label is scored, 0 elsewhere.
+        logit_mean: [n] mean logit over the real vocabulary (0 where not scored).
+        weights: [n] LD-DPO weights of the log-probs in `LOGP_SUM`, or None.
+        nll_only: [n] 1 where the label is scored for the NLL columns only, or None.
+    """
+    weighted = logp if weights is None else logp * weights
+    if nll_only is None:
+        return torch.stack([weighted, mask, logit_mean], dim=-1)
+    keep = mask * (1 - nll_only.to(mask.dtype))
+    columns = [weighted * keep, keep, logit_mean * keep, logp * mask, mask]
+    return torch.stack(columns, dim=-1)

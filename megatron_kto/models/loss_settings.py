@@ -52,6 +52,8 @@ def loss_settings(cfg: Any, algorithm: str, vocab_size: int) -> KTOSettings | DP
         f_alpha_divergence_coef=m.dpo.f_alpha_divergence_coef,
         simpo_gamma=m.dpo.simpo_gamma,
         cpo_alpha=m.dpo.cpo_alpha,
+        gt_reward_scale=m.dpo.gt_reward_scale,
+        prompt_nll=m.dpo.orpo_prompt_nll and "orpo" in common["loss_type"],
         ld_alpha=m.dpo.ld_alpha,
         **common,
     )

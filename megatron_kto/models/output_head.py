@@ -39,7 +39,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron_kto.config.schema import ModelConfig
 from megatron_kto.models.builder import unwrap
 from megatron_kto.models.chunked_logprobs import chunked_token_logprobs
-from megatron_kto.models.logprobs import IGNORE_INDEX
+from megatron_kto.models.logprobs import IGNORE_INDEX, position_columns
 from megatron_kto.models.packing import PackedRows, segment_sums
 
 #: Default tokens per chunk of the completion-only output layer (the schema holds defaults).
@@ -130,8 +130,10 @@ def completion_stats(
     num_scored: int | None = None,
     packed: PackedRows | None = None,
     weights: torch.Tensor | None = None,
+    nll_only: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-row [logp_sum, num_tokens, logit_sum] from final hidden states ([B, 3] float32).
+    """Per-row [logp_sum, num_tokens, logit_sum] from final hidden states ([B, 3] float32;
+    [B, 5] with `nll_only`, `logprobs.position_columns`).
 
     The same statistics as `forward.sequence_stats` computes from full logits: summed completion
     log-prob (differentiable), number of completion tokens, and the sum over them of the mean
@@ -150,6 +152,8 @@ def completion_stats(
             the result then has one row per packed row.
         weights: [B, S] like `labels`: each position's log-prob is multiplied by its weight in
             `logp_sum` (LD-DPO); None: 1.
+        nll_only: [B, S] like `labels`: 1 where a scored label counts in the NLL columns only
+            (`packing.NLL_ONLY`); None: no NLL columns.
     """
     if head.sequence_parallel:
         hidden = tensor_parallel.gather_from_sequence_parallel_region(
@@ -170,7 +174,13 @@ def completion_stats(
     logp, mean_logit = chunked_token_logprobs(
         selected.to(head.weight.dtype), head.weight, target, chunk_size, vocab_size
     )
-    if weights is not None:
-        logp = logp * weights.reshape(-1).index_select(0, positions).to(logp.dtype)
-    per_token = torch.stack([logp, torch.ones_like(logp), mean_logit], dim=-1)
+
+    def picked(values: torch.Tensor | None) -> torch.Tensor | None:
+        return None if values is None else values.reshape(-1).index_select(0, positions)
+
+    w = picked(weights)
+    per_token = position_columns(
+        logp, torch.ones_like(logp), mean_logit, w.to(logp.dtype) if w is not None else None,
+        picked(nll_only),
+    )  # fmt: skip
     return segment_sums(per_token, positions, rows, seq, packed)

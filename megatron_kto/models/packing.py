@@ -66,7 +66,18 @@ SCORED_SPANS = "scored_spans"
 #: Optional micro-batch key: [rows, T] float weights of each position's log-prob in a row's sum
 #: (LD-DPO, `losses.length_desensitized`); packed, split and padded with the labels.
 LABEL_WEIGHTS = "label_weights"
-PAD_VALUES = {"tokens": 0, "labels": IGNORE_INDEX, "position_ids": 0, LABEL_WEIGHTS: 0}
+#: Optional micro-batch key: [rows, T] float, 1 where a label is scored for the NLL columns only
+#: (`forward.NLL_LOGP_SUM`; ORPO's prompt tokens as TRL scores them), 0 elsewhere.
+NLL_ONLY = "nll_only"
+#: The per-position keys besides `labels` that follow the labels (packed, split, padded).
+POSITION_KEYS = (LABEL_WEIGHTS, NLL_ONLY)
+PAD_VALUES = {
+    "tokens": 0,
+    "labels": IGNORE_INDEX,
+    "position_ids": 0,
+    LABEL_WEIGHTS: 0,
+    NLL_ONLY: 0,
+}
 
 
 @dataclass

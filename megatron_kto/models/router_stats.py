@@ -38,9 +38,9 @@ from torch import Tensor
 
 from megatron_kto.losses.router_aux import balance_loss, layer_sums
 from megatron_kto.models.packing import (
-    LABEL_WEIGHTS,
     PACKED,
     PAD_VALUES,
+    POSITION_KEYS,
     ROUTED_TAIL,
     ROW_LENGTHS,
     kept_lengths,
@@ -76,8 +76,9 @@ def append_final_tokens(micro: Batch) -> Batch:
         1, last + 1, positions.gather(1, last) + 1
     )
     out["labels"] = F.pad(labels, (0, 1), value=PAD_VALUES["labels"])
-    if LABEL_WEIGHTS in micro:  # LD-DPO's per-position weights follow the labels (0: unscored)
-        out[LABEL_WEIGHTS] = F.pad(micro[LABEL_WEIGHTS], (0, 1), value=PAD_VALUES[LABEL_WEIGHTS])
+    for key in POSITION_KEYS:  # LD-DPO's weights, ORPO's NLL-only marks follow the labels
+        if key in micro:
+            out[key] = F.pad(micro[key], (0, 1), value=PAD_VALUES[key])
     if ROW_LENGTHS in micro:
         out[ROW_LENGTHS] = [n + 1 for n in micro[ROW_LENGTHS]]
     out[ROUTED_TAIL] = 1
