@@ -117,7 +117,10 @@ def head_dim_of(model: Any) -> int:
 
 def local_layers_only_of(model: Any) -> bool:
     """Whether anything with the GPTArchitecture fields has layers only the local spec builds
-    (post-norms, or a RoPE base of its own in sliding-window layers: `models.gemma_layers`)."""
+    (post-norms, or a RoPE base of its own in sliding-window layers: `models.gemma_layers`;
+    multi-latent attention: `models.mla`)."""
+    if getattr(model, "multi_latent_attention", False):
+        return True
     return bool(model.post_norms) or (
         model.rotary_base_local is not None and bool(model.sliding_window)
     )
