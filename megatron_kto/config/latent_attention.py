@@ -1,0 +1,38 @@
+"""Run-config checks of multi-latent attention models (DeepSeek-V3, `models/mla.py`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_kto.config.errors import need
+
+
+def check_latent_attention(m: Any) -> None:
+    """Multi-latent attention (DeepSeek-V3): the combinations not built yet, and the sizes
+    megatron-core splits over TP — before its asserts."""
+    if not m.multi_latent_attention:
+        return
+    need(
+        m.context_parallel_size == 1,
+        "model.context_parallel_size",
+        f"{m.context_parallel_size}: multi-latent attention (DeepSeek-V3) is not split over "
+        "context-parallel ranks yet (set it to 1)",
+    )
+    need(
+        str(m.peft.peft_scheme) == "none",
+        "model.peft.peft_scheme",
+        "LoRA on multi-latent attention (DeepSeek-V3: q_a_proj, q_b_proj / q_proj, "
+        "kv_a_proj_with_mqa, kv_b_proj, o_proj) is not supported yet",
+    )
+    tp = m.tensor_model_parallel_size
+    sizes = {
+        "num_attention_heads": m.num_attention_heads,
+        "kv_lora_rank + qk_rope_head_dim": m.kv_lora_rank + m.qk_rope_head_dim,
+        "q_lora_rank": m.q_lora_rank or tp,
+    }
+    for name, size in sizes.items():
+        need(
+            size % tp == 0,
+            "model.tensor_model_parallel_size",
+            f"{tp} must divide the multi-latent attention's {name} ({size})",
+        )

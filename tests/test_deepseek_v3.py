@@ -1,0 +1,347 @@
+"""DeepSeek-V3 (`deepseek_v3`) against `transformers`' DeepseekV3ForCausalLM: multi-latent
+attention (megatron-core's MLASelfAttention with our SDPA core attention) and the sigmoid-routed
+MoE GLM-4.5 shares (`test_glm4_moe.py` covers the routing refusals).
+
+Tiny random models (fp32): `qlora` — a query bottleneck (q_lora_rank 16), v_head_dim 12 != the
+qk head dim 24, YaRN (factor 4 over 16 original positions, so the 24-token rows reach the
+interpolated range) with mscale 0.9 / mscale_all_dim 0.7 (attention factor and softmax scale
+both != 1), 8 experts top-4 in 4 groups of which 2 are eligible, routed scaling 2.5, 2 shared
+experts, one dense first layer; `plain` — one query projection, plain RoPE, rms_norm_eps 1e-5
+(the q_a / kv_a norms keep 1e-6, as transformers builds them), 4 layers, 4 experts top-2.
+Norms are moved off 1, routers are decisive and every correction bias changes the routing.
+Shown here:
+
+* import (conversion) and the direct Hugging Face load -> our log-probs equal `transformers'`
+  at TP=1, and at TP=2, EP=2 and PP=2 (one 2-rank run), within 1e-5 relative;
+* every MoE layer chooses the same experts as Hugging Face for every token;
+* packed rows (THD) give the padded rows' log-probs;
+* export -> safetensors bit-identical to the source; `transformers` loads them with the same
+  logits and the same MLA / YaRN settings;
+* what is not built is refused in one line naming the key (config.json and run config).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from multirank import run_multirank
+from test_glm4_moe import (
+    _forward,
+    _hf_model,
+    _hf_run,
+    _packed_vs_padded,
+    _reference_logprobs,
+    _restore_and_run,
+    _safetensors,
+)
+
+VOCAB = 100  # test_glm4_moe's helpers read its VOCAB / SEQ / BATCH: the same here
+RELATIVE = 1e-5
+MODELS = ("qlora", "plain")
+LAYOUTS = {"tp2": (2, 1, 1), "ep2": (1, 1, 2), "pp2": (1, 2, 1)}
+
+
+def _hf_configs() -> dict[str, object]:
+    from transformers import DeepseekV3Config
+
+    common = dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        first_k_dense_replace=1,
+        tie_word_embeddings=False,
+        num_nextn_predict_layers=0,
+    )
+    return {
+        "qlora": DeepseekV3Config(
+            num_hidden_layers=2,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=2,
+            routed_scaling_factor=2.5,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            rms_norm_eps=1e-6,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "mscale": 0.9,
+                "mscale_all_dim": 0.7,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            },
+            **common,
+        ),
+        "plain": DeepseekV3Config(
+            num_hidden_layers=4,
+            intermediate_size=80,
+            moe_intermediate_size=48,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=1,
+            routed_scaling_factor=1.0,
+            q_lora_rank=None,
+            kv_lora_rank=24,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **common,
+        ),
+    }
+
+
+def _single_worker(rank: int, world_size: int, root: str) -> dict:
+    """Per model: import, TP=1 from the checkpoint (a different init) and from the HF directory
+    directly, packed vs padded, export."""
+    from megatron_kto.hf_writer.convert import export_hf, import_hf
+    from megatron_kto.runtime import init_runtime, teardown
+
+    out = {}
+    for name in MODELS:
+        base = Path(root) / name
+        out["arch", name] = import_hf(base / "hf", base / "mcore").to_dict()
+        rt = init_runtime(1, 1, seed=9)  # a different init: only the checkpoint can match
+        arch, chunks = _restore_and_run(base / "mcore", 1, 1, 1, rt)
+        out["tp1", name] = _forward(arch, chunks)
+        out["packed", name] = _packed_vs_padded(arch, chunks[0])
+        teardown()
+        rt = init_runtime(1, 1, seed=9)
+        out["hf_tp1", name] = _forward(*_restore_and_run(base / "hf", 1, 1, 1, rt))
+        teardown()
+        export_hf(base / "mcore", base / "export")
+    return out
+
+
+def _layout_worker(rank: int, world_size: int, root: str, layouts: dict) -> dict:
+    """TP=2, EP=2, PP=2 from our checkpoint; EP=2 also straight from the HF directory."""
+    from megatron_kto.runtime import init_runtime, teardown
+
+    out = {}
+    for layout, (tp, pp, ep) in layouts.items():
+        rt = init_runtime(tp, pp, seed=9, expert_parallel_size=ep)
+        for name in MODELS:
+            out[layout, name] = _forward(
+                *_restore_and_run(Path(root) / name / "mcore", tp, pp, ep, rt)
+            )
+            if layout == "ep2":
+                hf = _restore_and_run(Path(root) / name / "hf", tp, pp, ep, rt)
+                out["hf_ep2", name] = _forward(*hf)
+    teardown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("deepseek_v3")
+    reference = {}
+    for name, config in _hf_configs().items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "norm" in pname:  # away from 1: every norm shows
+                    p.add_(0.1 * torch.randn_like(p))
+                elif pname.endswith("mlp.gate.weight"):  # routers: decisive, far from ties
+                    p.normal_(0.0, 0.3)
+            for bname, b in model.named_buffers():
+                if bname.endswith("e_score_correction_bias"):
+                    b.copy_(0.3 * torch.randn_like(b))
+        model.save_pretrained(root / name / "hf")
+        hf = _hf_model(root / name / "hf")
+        logits, choices = _hf_run(hf)
+        with torch.no_grad():  # the bias must matter for this test to mean anything
+            for bname, b in hf.named_buffers():
+                if bname.endswith("e_score_correction_bias"):
+                    b.zero_()
+        unbiased, _ = _hf_run(hf)
+        reference[name] = {"logits": logits, "choices": choices, "unbiased": unbiased}
+    results = run_multirank(_single_worker, 1, str(root), timeout=600)[0]
+    for rank_out in run_multirank(_layout_worker, 2, str(root), LAYOUTS, timeout=600):
+        for key, (logprobs, maps) in rank_out.items():
+            entry = results.setdefault(key, (None, []))
+            if logprobs is not None:  # the last stage's (TP / EP ranks agree)
+                entry = results[key] = (logprobs, entry[1])
+            entry[1].append(maps)  # every rank's, in rank order
+    return root, reference, results
+
+
+def _relative_error(logprobs: torch.Tensor, name: str, reference: dict) -> float:
+    want = _reference_logprobs(reference[name]["logits"])
+    return ((logprobs - want).abs() / want.abs().clamp(min=1.0)).max().item()
+
+
+def test_the_correction_bias_changes_the_routing(converted):
+    _, reference, _ = converted
+    for name in MODELS:
+        ref = reference[name]
+        assert (ref["logits"] - ref["unbiased"]).abs().max() > 1e-3, name
+
+
+CASES = [(layout, name) for layout in ("tp1", "hf_tp1") for name in MODELS]
+
+
+@pytest.mark.parametrize("layout,name", CASES, ids=[f"{n}-{lay}" for lay, n in CASES])
+def test_single_rank_logprobs_and_choices_equal_transformers(converted, layout, name):
+    _, reference, results = converted
+    logprobs, maps = results[layout, name]
+    error = _relative_error(logprobs, name, reference)
+    print(f"{name} {layout}: max relative |Δ logp| {error:.2e}")
+    assert error <= RELATIVE
+    choices = reference[name]["choices"]
+    assert len(maps) == len(choices) == _hf_configs()[name].num_hidden_layers - 1
+    for ours, theirs in zip(maps, choices, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+LAYOUT_CASES = [(layout, name) for layout in (*LAYOUTS, "hf_ep2") for name in MODELS]
+
+
+@pytest.mark.parametrize("layout,name", LAYOUT_CASES, ids=[f"{n}-{lay}" for lay, n in LAYOUT_CASES])
+def test_parallel_logprobs_and_choices_equal_transformers(converted, layout, name):
+    """Log-probs from the last stage; every rank's routing maps of the layers it holds equal
+    HF's choices (TP and EP ranks route the same tokens, PP stages their own layers)."""
+    _, reference, results = converted
+    logprobs, per_rank = results[layout, name]
+    error = _relative_error(logprobs, name, reference)
+    print(f"{name} {layout}: max relative |Δ logp| {error:.2e}")
+    assert error <= RELATIVE
+    choices = reference[name]["choices"]
+    if layout == "pp2":  # stage 0 holds the first MoE layers, stage 1 the others
+        per_rank = [[m for maps in per_rank for m in maps]]
+    for maps in per_rank:
+        assert len(maps) == len(choices)
+        for ours, theirs in zip(maps, choices, strict=True):
+            assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_packed_rows_equal_padded_rows(converted, name):
+    _, _, results = converted
+    assert results["packed", name] <= 1e-5
+
+
+def test_mla_settings_follow_the_config(converted):
+    _, _, results = converted
+    qlora, plain = results["arch", "qlora"], results["arch", "plain"]
+    assert qlora["multi_latent_attention"] and plain["multi_latent_attention"]
+    assert (qlora["q_lora_rank"], qlora["kv_lora_rank"], qlora["v_head_dim"]) == (16, 16, 12)
+    assert (qlora["qk_nope_head_dim"], qlora["qk_rope_head_dim"], qlora["kv_channels"]) == (
+        16,
+        8,
+        24,
+    )
+    assert qlora["position_embedding_type"] == "yarn" and qlora["rope_scaling_factor"] == 4.0
+    assert (qlora["yarn_mscale"], qlora["yarn_mscale_all_dim"]) == (0.9, 0.7)
+    assert (qlora["moe_router_num_groups"], qlora["moe_router_group_topk"]) == (4, 2)
+    assert qlora["moe_layer_freq"] == [0, 1]
+    assert plain["q_lora_rank"] is None and plain["position_embedding_type"] == "rope"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_round_trip_is_bit_exact_and_loads_in_transformers(converted, name):
+    root, reference, _ = converted
+    original = _safetensors(root / name / "hf")
+    exported = _safetensors(root / name / "export")
+    assert exported.keys() == original.keys()
+    for key, tensor in original.items():
+        assert torch.equal(exported[key], tensor), key
+    config = json.loads((root / name / "export" / "config.json").read_text())
+    source = _hf_configs()[name]
+    for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"):
+        assert config[key] == getattr(source, key), key
+    assert config["v_head_dim"] == source.v_head_dim and config["first_k_dense_replace"] == 1
+    logits, _ = _hf_run(_hf_model(root / name / "export"))
+    assert torch.equal(logits, reference[name]["logits"])
+
+
+def _config(**changes) -> dict:
+    config = _hf_configs()["qlora"].to_dict()
+    config.update(changes)
+    return config
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"rope_interleave": False}, "rope_interleave false: only interleaved rotary dims"),
+        ({"attention_bias": True}, "attention_bias: biased MLA projections"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads 2: multi-latent attention has one"),
+        ({"qk_rope_head_dim": 7}, "qk_rope_head_dim 7: must be even"),
+        ({"rope": {"truncate": False}}, "rope_parameters: YaRN with truncate false"),
+        ({"rope": {"mscale": None}}, "rope_parameters: YaRN with mscale_all_dim without mscale"),
+        ({"rope": {"attention_factor": 1.2}}, "rope_parameters: YaRN with an explicit attention"),
+        ({"rope": {"rope_type": "linear"}}, "rope_parameters {"),
+    ],
+)
+def test_configs_that_would_compute_differently_are_refused(changes, message):
+    """One line naming the key; the routing refusals are GLM-4.5's (`test_glm4_moe.py`)."""
+    from megatron_kto.conversion.hf_config import ConversionError, architecture_from_hf
+
+    rope = changes.pop("rope", None)
+    config = _config(**changes)
+    if rope is not None:
+        config["rope_parameters"] = {**config["rope_parameters"], **rope}
+    with pytest.raises(ConversionError) as info:
+        architecture_from_hf(config, "cfg.json")
+    text = str(info.value)
+    assert text.startswith(f"cfg.json: {message}"), text
+    assert "\n" not in text
+
+
+def test_other_families_do_not_export_an_mla_model():
+    from megatron_kto.conversion.hf_config import architecture_from_hf
+    from megatron_kto.conversion.registry import expressing_types
+
+    assert expressing_types(architecture_from_hf(_config())) == ["deepseek_v3"]
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["model.context_parallel_size=2"], r"^model.context_parallel_size: 2: multi-latent"),
+        (["model.peft.peft_scheme=lora"], r"^model.peft.peft_scheme: LoRA on multi-latent"),
+        (
+            ["model.tensor_model_parallel_size=2", "model.kv_lora_rank=15"],
+            r"^model.tensor_model_parallel_size: 2 must divide the multi-latent attention's "
+            r"kv_lora_rank \+ qk_rope_head_dim \(23\)",
+        ),
+    ],
+)
+def test_run_config_refuses_what_mla_does_not_run(overrides, match):
+    from megatron_kto.config.schema import register
+    from megatron_kto.config.validate import ConfigError
+    from megatron_kto.entry import compose_run_config
+
+    register()
+    mla = [
+        "model.multi_latent_attention=true",
+        "model.kv_lora_rank=16",
+        "model.qk_nope_head_dim=8",
+        "model.qk_rope_head_dim=8",
+        "model.v_head_dim=8",
+        "model.kv_channels=16",
+    ]
+    compose_run_config("gpt_kto", mla, "kto", world_size=2)  # valid as it is
+    with pytest.raises(ConfigError, match=match) as e:
+        compose_run_config("gpt_kto", mla + overrides, "kto", world_size=2)
+    assert "\n" not in str(e.value)
