@@ -121,6 +121,7 @@ def _single_worker(rank: int, world_size: int, root: str) -> dict:
         rt = init_runtime(1, 1, seed=9)  # a different init: only the checkpoint can match
         arch, chunks = _restore_and_run(base / "mcore", 1, 1, 1, rt)
         out["tp1", name] = _forward(arch, chunks)
+        out["plan", name, "tp1"] = _planned_vs_built(arch, chunks, 1, 1)
         out["packed", name] = _packed_vs_padded(arch, chunks[0])
         teardown()
         rt = init_runtime(1, 1, seed=9)
@@ -138,14 +139,25 @@ def _layout_worker(rank: int, world_size: int, root: str, layouts: dict) -> dict
     for layout, (tp, pp, ep) in layouts.items():
         rt = init_runtime(tp, pp, seed=9, expert_parallel_size=ep)
         for name in MODELS:
-            out[layout, name] = _forward(
-                *_restore_and_run(Path(root) / name / "mcore", tp, pp, ep, rt)
-            )
+            arch, chunks = _restore_and_run(Path(root) / name / "mcore", tp, pp, ep, rt)
+            out[layout, name] = _forward(arch, chunks)
+            if layout == "tp2":
+                out["plan", name, "tp2"] = _planned_vs_built(arch, chunks, tp, ep)
             if layout == "ep2":
                 hf = _restore_and_run(Path(root) / name / "hf", tp, pp, ep, rt)
                 out["hf_ep2", name] = _forward(*hf)
     teardown()
     return out
+
+
+def _planned_vs_built(arch, chunks, tp: int, ep: int) -> tuple[list, list]:
+    """(the memory plan's parameters, the built chunk's) as (name, elements) lists."""
+    from megatron_kto.models.builder import unwrap
+    from megatron_kto.planning.model_state import ParallelDims, chunk_parameters
+
+    plan = chunk_parameters(arch, ParallelDims(tp=tp, dp=2 // tp, ep=ep), 0)
+    built = [(n, p.numel()) for n, p in unwrap(chunks[0]).named_parameters()]
+    return [(p.name, p.numel) for p in plan], built
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +189,11 @@ def converted(tmp_path_factory):
         reference[name] = {"logits": logits, "choices": choices, "unbiased": unbiased}
     results = run_multirank(_single_worker, 1, str(root), timeout=600)[0]
     for rank_out in run_multirank(_layout_worker, 2, str(root), LAYOUTS, timeout=600):
-        for key, (logprobs, maps) in rank_out.items():
+        for key, value in rank_out.items():
+            if key[0] == "plan":
+                results.setdefault(key, value)
+                continue
+            logprobs, maps = value
             entry = results.setdefault(key, (None, []))
             if logprobs is not None:  # the last stage's (TP / EP ranks agree)
                 entry = results[key] = (logprobs, entry[1])
@@ -232,6 +248,15 @@ def test_parallel_logprobs_and_choices_equal_transformers(converted, layout, nam
         assert len(maps) == len(choices)
         for ours, theirs in zip(maps, choices, strict=True):
             assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("tp", ["tp1", "tp2"])
+@pytest.mark.parametrize("name", MODELS)
+def test_memory_plan_counts_the_built_mla_parameters(converted, name, tp):
+    """The plan's parameters of a chunk (names, sizes, order) are the built model's."""
+    _, _, results = converted
+    planned, built = results["plan", name, tp]
+    assert planned == built
 
 
 @pytest.mark.parametrize("name", MODELS)

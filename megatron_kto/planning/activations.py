@@ -87,6 +87,7 @@ from dataclasses import dataclass, replace
 
 from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.peft.targets import projection_shape, resolve_targets
+from megatron_kto.planning.mla import mla_largest_weight, mla_saved_bytes
 from megatron_kto.planning.model_state import LoRAShape, ParallelDims, layers_per_chunk
 
 ACT_BYTES = {"32": 4, "bf16": 2, "16": 2}
@@ -176,14 +177,18 @@ def layer_bytes(
     else:  # norm inputs and 1/rms; a norm output only as an adapted linear's input
         inputs = 2 + ("linear_qkv" in adapted) + ("linear_fc1" in adapted)
         total = t // sp * (inputs * h * e + 2 * 4)
-    if x.native_gqa or g == n:
-        total += t * ((n + 2 * g) + (n + g)) * d // T * e
+    if arch.multi_latent_attention:
+        total += mla_saved_bytes(arch, T, t, e)
+        total += 4 * arch.qk_rope_head_dim * e * (t if x.packed else x.seq_len)
     else:
-        total += t * 3 * n * d // T * e
-    if arch.position_embedding_type == "rope":
-        rot = int(d * arch.rotary_percent)
-        total += 4 * rot * e * (t if x.packed else x.seq_len)
-    total += t * n * d // T * e
+        if x.native_gqa or g == n:
+            total += t * ((n + 2 * g) + (n + g)) * d // T * e
+        else:
+            total += t * 3 * n * d // T * e
+        if arch.position_embedding_type == "rope":
+            rot = int(d * arch.rotary_percent)
+            total += 4 * rot * e * (t if x.packed else x.seq_len)
+        total += t * n * d // T * e
     if x.recompute != "selective":
         total += t * n // T * 4
     if x.packed and (adapted is None or "linear_proj" in adapted):
@@ -357,13 +362,15 @@ def activation_bytes(
         moe_f = arch.moe_ffn_hidden_size or f
         shared = arch.moe_shared_expert_intermediate_size or 0
         mlp_weight = max(mlp_weight, 2 * moe_f * h // dims.expert_tp, 2 * shared * h // T)
-    largest_weight = max(
-        mlp_weight,
-        (arch.num_attention_heads + 2 * (arch.num_query_groups or arch.num_attention_heads))
+    attention_weight = (
+        mla_largest_weight(arch, T)
+        if arch.multi_latent_attention
+        else (arch.num_attention_heads + 2 * (arch.num_query_groups or arch.num_attention_heads))
         * (arch.kv_channels or h // arch.num_attention_heads)
         * h
-        // T,
+        // T
     )
+    largest_weight = max(mlp_weight, attention_weight)
     # A weight's gradient exists in the compute dtype before megatron adds it to the fp32
     # buffer (plus an fp32 copy of it for the addition when the dtypes differ).
     weight_grad = 0 if lora is not None else largest_weight * (e + (4 if e != 4 else 0))

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.peft.targets import projection_shape, resolve_targets, selected_layers
+from megatron_kto.planning.mla import mla_param_shapes
 
 #: Bytes per element of each precision's parameters.
 PARAM_BYTES = {"32": 4, "bf16": 2, "16": 2}
@@ -177,12 +178,15 @@ def _layer_params(
     out: list[Param] = [Param(f"{prefix}input_layernorm.weight", h)]
     if norm_bias:
         out.append(Param(f"{prefix}input_layernorm.bias", h))
-    out.append(Param(f"{prefix}self_attention.linear_proj.weight", h * heads * d // tp))
+    if arch.multi_latent_attention:
+        out += [Param(name, numel) for name, numel in mla_param_shapes(arch, tp, prefix)]
+    else:
+        out.append(Param(f"{prefix}self_attention.linear_proj.weight", h * heads * d // tp))
     if bias:
         out.append(Param(f"{prefix}self_attention.linear_proj.bias", h))
-    out.append(
-        Param(f"{prefix}self_attention.linear_qkv.weight", (heads + 2 * groups) * d // tp * h)
-    )
+    if not arch.multi_latent_attention:
+        qkv = (heads + 2 * groups) * d // tp * h
+        out.append(Param(f"{prefix}self_attention.linear_qkv.weight", qkv))
     if bias or arch.add_qkv_bias:
         out.append(Param(f"{prefix}self_attention.linear_qkv.bias", (heads + 2 * groups) * d // tp))
     if arch.attention_sinks:  # one logit per query head, split over TP (GPT-OSS)
