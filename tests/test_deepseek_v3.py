@@ -22,6 +22,7 @@ Shown here:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -387,3 +388,30 @@ def test_an_fp8_block_scaled_checkpoint_is_refused_naming_the_tensor(tmp_path):
     with pytest.raises(ConversionError, match=rf"{name}.weight_scale_inv: fp8 block-scaled") as e:
         HFWeights(tmp_path)
     assert "\n" not in str(e.value)
+
+
+def test_model_flops_count_the_mla_projections():
+    """Forward FLOPs per token = 2 x the matmul weights a token uses (`transformers`' own
+    DeepseekV3 parameter count of the attention projections) + the output layer, and per
+    position 2·n·(qh + v) per layer — not the dense QKV formula's."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_kto.conversion.hf_config import architecture_from_hf
+    from megatron_kto.logging.throughput import architecture_flops
+
+    config = _hf_configs()["qlora"]
+    arch = architecture_from_hf(config.to_dict())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    attention = sum(
+        p.numel() for n, p in model.named_parameters() if ".self_attn." in n and "norm" not in n
+    )
+    dense = model.model.layers[0].mlp
+    # Every layer dense: the MoE FLOPs are `moe_flops_per_token`'s, tested with the MoE families.
+    dense_arch = dataclasses.replace(arch, num_moe_experts=None, moe_layer_freq=None)
+    flops = architecture_flops(dense_arch, VOCAB)
+    mlp = sum(p.numel() for p in dense.parameters())
+    want = 2 * (attention + arch.num_layers * mlp + VOCAB * arch.hidden_size)
+    assert flops.per_token == want
+    n, qh = arch.num_attention_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim
+    assert flops.per_position == arch.num_layers * 2 * n * (qh + arch.v_head_dim)
