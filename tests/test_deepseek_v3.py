@@ -347,6 +347,11 @@ def test_other_families_do_not_export_an_mla_model():
         (["model.context_parallel_size=2"], r"^model.context_parallel_size: 2: multi-latent"),
         (["model.peft.peft_scheme=lora"], r"^model.peft.peft_scheme: LoRA on multi-latent"),
         (
+            ["model.attention_backend=local", "model.data.pack_sequences=false"],
+            r"^model.attention_backend: 'local' cannot run multi-latent attention",
+        ),
+        (["model.attention_backend=te"], r"^model.attention_backend: 'te' .* multi-latent"),
+        (
             ["model.tensor_model_parallel_size=2", "model.kv_lora_rank=15"],
             r"^model.tensor_model_parallel_size: 2 must divide the multi-latent attention's "
             r"kv_lora_rank \+ qk_rope_head_dim \(23\)",

@@ -24,6 +24,12 @@ def check_latent_attention(m: Any) -> None:
         "LoRA on multi-latent attention (DeepSeek-V3: q_a_proj, q_b_proj / q_proj, "
         "kv_a_proj_with_mqa, kv_b_proj, o_proj) is not supported yet",
     )
+    need(
+        str(m.attention_backend) in ("auto", "sdpa"),
+        "model.attention_backend",
+        f"{m.attention_backend!r} cannot run multi-latent attention (DeepSeek-V3: a value head "
+        "dim of its own); set model.attention_backend=sdpa (or auto)",
+    )
     tp = m.tensor_model_parallel_size
     sizes = {
         "num_attention_heads": m.num_attention_heads,

@@ -283,8 +283,9 @@ def choose_attention_backend(
     if local_layers_only:
         if request == "te":
             raise ValueError(
-                f"{key}: 'te' has no post-norms or per-layer RoPE base (Gemma 3); set "
-                f"{names.set(key, 'sdpa')} (or auto)"
+                f"{key}: 'te' has no post-norms or per-layer RoPE base (Gemma 3) and does not "
+                f"run our multi-latent attention (DeepSeek-V3); set {names.set(key, 'sdpa')} "
+                "(or auto)"
             )
         if request == "auto":
             return AttentionChoice("sdpa", "the model's layers are built on the local spec only")
