@@ -34,13 +34,15 @@ from test_glm4_moe import (
     _hf_model,
     _hf_run,
     _packed_vs_padded,
-    _reference_logprobs,
     _restore_and_run,
     _safetensors,
+    check_parallel,
+    check_single_rank,
+    merge_rank_outputs,
+    sigmoid_moe_references,
 )
 
 VOCAB = 100  # test_glm4_moe's helpers read its VOCAB / SEQ / BATCH: the same here
-RELATIVE = 1e-5
 MODELS = ("qlora", "plain")
 LAYOUTS = {"tp2": (2, 1, 1), "ep2": (1, 1, 2), "pp2": (1, 2, 1)}
 
@@ -163,48 +165,11 @@ def _planned_vs_built(arch, chunks, tp: int, ep: int) -> tuple[list, list]:
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
     root = tmp_path_factory.mktemp("deepseek_v3")
-    reference = {}
-    for name, config in _hf_configs().items():
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if "norm" in pname:  # away from 1: every norm shows
-                    p.add_(0.1 * torch.randn_like(p))
-                elif pname.endswith("mlp.gate.weight"):  # routers: decisive, far from ties
-                    p.normal_(0.0, 0.3)
-            for bname, b in model.named_buffers():
-                if bname.endswith("e_score_correction_bias"):
-                    b.copy_(0.3 * torch.randn_like(b))
-        model.save_pretrained(root / name / "hf")
-        hf = _hf_model(root / name / "hf")
-        logits, choices = _hf_run(hf)
-        with torch.no_grad():  # the bias must matter for this test to mean anything
-            for bname, b in hf.named_buffers():
-                if bname.endswith("e_score_correction_bias"):
-                    b.zero_()
-        unbiased, _ = _hf_run(hf)
-        reference[name] = {"logits": logits, "choices": choices, "unbiased": unbiased}
+    reference = sigmoid_moe_references(root, _hf_configs())
     results = run_multirank(_single_worker, 1, str(root), timeout=600)[0]
-    for rank_out in run_multirank(_layout_worker, 2, str(root), LAYOUTS, timeout=600):
-        for key, value in rank_out.items():
-            if key[0] == "plan":
-                results.setdefault(key, value)
-                continue
-            logprobs, maps = value
-            entry = results.setdefault(key, (None, []))
-            if logprobs is not None:  # the last stage's (TP / EP ranks agree)
-                entry = results[key] = (logprobs, entry[1])
-            entry[1].append(maps)  # every rank's, in rank order
-    return root, reference, results
-
-
-def _relative_error(logprobs: torch.Tensor, name: str, reference: dict) -> float:
-    want = _reference_logprobs(reference[name]["logits"])
-    return ((logprobs - want).abs() / want.abs().clamp(min=1.0)).max().item()
+    ranks = run_multirank(_layout_worker, 2, str(root), LAYOUTS, timeout=600)
+    return root, reference, merge_rank_outputs(results, ranks, ("plan",))
 
 
 def test_the_correction_bias_changes_the_routing(converted):
@@ -219,15 +184,7 @@ CASES = [(layout, name) for layout in ("tp1", "hf_tp1") for name in MODELS]
 
 @pytest.mark.parametrize("layout,name", CASES, ids=[f"{n}-{lay}" for lay, n in CASES])
 def test_single_rank_logprobs_and_choices_equal_transformers(converted, layout, name):
-    _, reference, results = converted
-    logprobs, maps = results[layout, name]
-    error = _relative_error(logprobs, name, reference)
-    print(f"{name} {layout}: max relative |Δ logp| {error:.2e}")
-    assert error <= RELATIVE
-    choices = reference[name]["choices"]
-    assert len(maps) == len(choices) == _hf_configs()[name].num_hidden_layers - 1
-    for ours, theirs in zip(maps, choices, strict=True):
-        assert torch.equal(ours, theirs)
+    check_single_rank(converted, layout, name, _hf_configs()[name].num_hidden_layers - 1)
 
 
 LAYOUT_CASES = [(layout, name) for layout in (*LAYOUTS, "hf_ep2") for name in MODELS]
@@ -235,20 +192,8 @@ LAYOUT_CASES = [(layout, name) for layout in (*LAYOUTS, "hf_ep2") for name in MO
 
 @pytest.mark.parametrize("layout,name", LAYOUT_CASES, ids=[f"{n}-{lay}" for lay, n in LAYOUT_CASES])
 def test_parallel_logprobs_and_choices_equal_transformers(converted, layout, name):
-    """Log-probs from the last stage; every rank's routing maps of the layers it holds equal
-    HF's choices (TP and EP ranks route the same tokens, PP stages their own layers)."""
-    _, reference, results = converted
-    logprobs, per_rank = results[layout, name]
-    error = _relative_error(logprobs, name, reference)
-    print(f"{name} {layout}: max relative |Δ logp| {error:.2e}")
-    assert error <= RELATIVE
-    choices = reference[name]["choices"]
-    if layout == "pp2":  # stage 0 holds the first MoE layers, stage 1 the others
-        per_rank = [[m for maps in per_rank for m in maps]]
-    for maps in per_rank:
-        assert len(maps) == len(choices)
-        for ours, theirs in zip(maps, choices, strict=True):
-            assert torch.equal(ours, theirs)
+    """TP2 / EP2 / PP2 (and EP2 straight from the HF directory), checked as test_glm4_moe does."""
+    check_parallel(converted, layout, name)
 
 
 @pytest.mark.parametrize("tp", ["tp1", "tp2"])
