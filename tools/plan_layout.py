@@ -5,7 +5,8 @@
     python tools/plan_layout.py --hf-config config.json --gpus 1 --gpu-memory 24GB --lora-rank 16
 
 Reads a Hugging Face config.json (a file or the directory holding it; Llama / Mistral / Qwen2 /
-Qwen3, and the mixture-of-experts Qwen3-MoE / Mixtral / Qwen2-MoE), enumerates every valid
+Qwen3, and the mixture-of-experts Qwen3-MoE / Mixtral / Qwen2-MoE / GLM-4.5 / DeepSeek-V3 —
+any family conversion reads), enumerates every valid
 TP / PP / DP (× EP / ETP for an MoE model) × micro-batch × recomputation × reference strategy for
 a KTO run (a LoRA run with `--lora-rank`: adapters on `--lora-targets`, reference adapters-off
 or precomputed; not for MoE models, refused with exit code 2), and prints the fastest few that

@@ -12,7 +12,9 @@ What it keeps from megatron's contract:
 
 * inputs are this TP rank's heads: query [sq, b, heads/TP, d], key/value [sk, b, groups/TP, d]
   (GQA: each group serves heads/groups consecutive query heads, as in megatron's
-  `repeat_interleave`); output [sq, b, heads/TP · d];
+  `repeat_interleave`); output [sq, b, heads/TP · d]; the value head dim may differ from the
+  query/key one (multi-latent attention, `models.mla`: megatron's `k_channels` / `v_channels`),
+  the output then [sq, b, heads/TP · d_v];
 * causal masking from `attn_mask_type` when no mask is given; a given `attention_mask` is
   megatron's boolean "True = masked out" tensor broadcastable to [b, heads, sq, sk] and is used
   as is (megatron's masks already contain the causal part, e.g. `get_ltor_masks_and_position_ids`);

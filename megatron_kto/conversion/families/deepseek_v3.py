@@ -35,7 +35,8 @@ from megatron_kto.conversion.families.glm4_moe import (
     sigmoid_moe_fields,
     sigmoid_moe_mismatch,
 )
-from megatron_kto.conversion.moe import expert_mappings, shared_expert_mappings
+from megatron_kto.conversion.families.qwen3_moe import routed_expert_mappings
+from megatron_kto.conversion.moe import shared_expert_mappings
 
 _ATTN = "self_attention."
 _YARN_KEYS = ("factor", "original_max_position_embeddings")
@@ -70,14 +71,7 @@ def layer_mappings(arch: GPTArchitecture, norms: dict[str, str]) -> tuple[Mappin
     experts and the ungated shared expert."""
     if not arch.num_moe_experts:
         return mla_mappings(arch) + dense_mlp_mappings()
-    experts = expert_mappings(
-        arch,
-        norms,
-        "mlp.gate.weight",
-        "mlp.experts.{e}.gate_proj.weight",
-        "mlp.experts.{e}.up_proj.weight",
-        "mlp.experts.{e}.down_proj.weight",
-    )
+    experts = routed_expert_mappings(arch, norms)
     bias = Mapping("mlp.router.expert_bias", ("mlp.gate.e_score_correction_bias",))
     return (
         mla_mappings(arch) + experts + (bias,) + shared_expert_mappings("mlp.shared_experts", None)
