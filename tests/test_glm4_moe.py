@@ -266,13 +266,14 @@ def _layout_worker(rank: int, world_size: int, root: str, layouts: dict) -> dict
     return out
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    root = tmp_path_factory.mktemp("glm4_moe")
-    reference = {}
+def sigmoid_moe_references(root: Path, configs: dict) -> dict:
+    """Save each tiny random model of `configs` (norms and biases off 1 / 0, decisive routers,
+    non-zero correction biases) under `root / name / "hf"`; per model HF's logits, expert choices,
+    logits without the correction bias, and the bias buffers as reloaded."""
     from transformers import AutoModelForCausalLM
 
-    for name, config in _hf_configs().items():
+    reference = {}
+    for name, config in configs.items():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with torch.no_grad():
@@ -303,18 +304,33 @@ def converted(tmp_path_factory):
             "unbiased": unbiased,
             "buffers": buffers,
         }
-    results = run_multirank(_single_worker, 1, str(root), timeout=600)[0]
-    for rank_out in run_multirank(_layout_worker, 2, str(root), LAYOUTS, timeout=600):
+    return reference
+
+
+def merge_rank_outputs(results: dict, rank_outputs: list[dict], whole: tuple[str, ...]) -> dict:
+    """Fold every rank's {key: (log-probs or None, routing maps)} into `results`: the last
+    stage's log-probs (TP / EP ranks agree) and every rank's maps in rank order; keys starting
+    with one of `whole` are taken as they are (from the first rank)."""
+    for rank_out in rank_outputs:
         for key, value in rank_out.items():
-            if key[0] == "cp2_sums":
+            if key[0] in whole:
                 results.setdefault(key, value)
                 continue
             logprobs, maps = value
             entry = results.setdefault(key, (None, []))
-            if logprobs is not None:  # the last stage's (TP / EP ranks agree)
+            if logprobs is not None:
                 entry = results[key] = (logprobs, entry[1])
-            entry[1].append(maps)  # every rank's, in rank order
-    return root, reference, results
+            entry[1].append(maps)
+    return results
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("glm4_moe")
+    reference = sigmoid_moe_references(root, _hf_configs())
+    results = run_multirank(_single_worker, 1, str(root), timeout=600)[0]
+    ranks = run_multirank(_layout_worker, 2, str(root), LAYOUTS, timeout=600)
+    return root, reference, merge_rank_outputs(results, ranks, ("cp2_sums",))
 
 
 def _relative_error(logprobs: torch.Tensor, name: str, reference: dict) -> float:
@@ -334,13 +350,18 @@ CASES = [(layout, name) for layout in ("tp1", "hf_tp1") for name in MODELS]
 
 @pytest.mark.parametrize("layout,name", CASES, ids=[f"{n}-{lay}" for lay, n in CASES])
 def test_single_rank_logprobs_and_choices_equal_transformers(converted, layout, name):
+    check_single_rank(converted, layout, name, _hf_configs()[name].num_hidden_layers - 1)
+
+
+def check_single_rank(converted, layout: str, name: str, moe_layers: int) -> None:
+    """One rank's log-probs within `RELATIVE` of HF's, and the same experts in every layer."""
     _, reference, results = converted
     logprobs, maps = results[layout, name]
     error = _relative_error(logprobs, name, reference)
     print(f"{name} {layout}: max relative |Δ logp| {error:.2e}")
     assert error <= RELATIVE
     choices = reference[name]["choices"]
-    assert len(maps) == len(choices) == _hf_configs()[name].num_hidden_layers - 1
+    assert len(maps) == len(choices) == moe_layers
     for ours, theirs in zip(maps, choices, strict=True):
         assert torch.equal(ours, theirs)
 
@@ -350,6 +371,10 @@ LAYOUT_CASES = [(layout, name) for layout in (*LAYOUTS, "hf_ep2") for name in MO
 
 @pytest.mark.parametrize("layout,name", LAYOUT_CASES, ids=[f"{n}-{lay}" for lay, n in LAYOUT_CASES])
 def test_parallel_logprobs_and_choices_equal_transformers(converted, layout, name):
+    check_parallel(converted, layout, name)
+
+
+def check_parallel(converted, layout: str, name: str) -> None:
     """Log-probs from the last stage; every rank's routing maps of the layers it holds (TP and
     EP ranks route the same tokens, PP stages their own layers) equal HF's choices."""
     _, reference, results = converted

@@ -82,6 +82,23 @@ def _tiny(family: str):
             use_qk_norm=True,
         )
         return transformers.Glm4MoeConfig(**COMMON, **extra), transformers.Glm4MoeForCausalLM
+    if family == "deepseek_v3":  # multi-latent attention (q-LoRA), GLM-4.5's experts
+        extra = dict(
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            num_key_value_heads=8,
+            q_lora_rank=16,
+            kv_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_group=1,
+            topk_group=1,
+        )
+        config = transformers.DeepseekV3Config(**{**COMMON, **extra})
+        return config, transformers.DeepseekV3ForCausalLM
     if family == "mixtral":
         config = transformers.MixtralConfig(**COMMON, num_local_experts=4)
         return config, transformers.MixtralForCausalLM
@@ -108,7 +125,9 @@ def _hf_count(config, model_cls) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss", "glm4_moe"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss", "glm4_moe", "deepseek_v3"]
+)
 def test_moe_parameter_count_equals_transformers(family):
     config, model_cls = _tiny(family)
     arch = architecture_from_hf(config.to_dict())

@@ -242,6 +242,7 @@ def choose_attention(settings: dict[str, Any]):
             head_dim=head_dim_of(arch),
             sliding_window=bool(arch.sliding_window),
             attention_sinks=bool(arch.attention_sinks),
+            latent_attention=arch.multi_latent_attention,
             context_parallel_size=settings["context_parallel_size"],
             names=SettingNames("--attention-backend", "--precision", packing=None),
         )

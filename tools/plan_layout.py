@@ -5,14 +5,14 @@
     python tools/plan_layout.py --hf-config config.json --gpus 1 --gpu-memory 24GB --lora-rank 16
 
 Reads a Hugging Face config.json (a file or the directory holding it; every family
-`tools/convert_checkpoint.py` imports, the mixture-of-experts ones and GPT-OSS included),
-enumerates every valid TP / PP / DP (× EP / ETP for an MoE model) × micro-batch × recomputation
-× reference strategy for a KTO run (a LoRA run with `--lora-rank`: adapters on `--lora-targets`,
-reference adapters-off or precomputed; an MoE model's adapters on its attention, its experts
-frozen and split over EP), and prints the fastest few that fit (or, if none does, the smallest
-and by how much it misses). How memory and time are estimated, and every assumption:
-`megatron_kto/planning/` (`model_state.py`, `memory.py`, `activations.py`, `layout.py`). Exit
-code 0 when something fits, 1 when nothing does, 2 for bad arguments.
+`tools/convert_checkpoint.py` imports, the mixture-of-experts ones, GPT-OSS and DeepSeek-V3
+included), enumerates every valid TP / PP / DP (× EP / ETP for an MoE model) × micro-batch ×
+recomputation × reference strategy for a KTO run (a LoRA run with `--lora-rank`: adapters on
+`--lora-targets`, reference adapters-off or precomputed; an MoE model's adapters on its
+attention, its experts frozen and split over EP), and prints the fastest few that fit (or, if
+none does, the smallest and by how much it misses). How memory and time are estimated, and every
+assumption: `megatron_kto/planning/` (`model_state.py`, `memory.py`, `activations.py`,
+`layout.py`). Exit code 0 when something fits, 1 when nothing does, 2 for bad arguments.
 """
 
 from __future__ import annotations

@@ -140,6 +140,28 @@ class GPTArchitecture:
     moe_router_topk_scaling_factor: float | None = None
     """Routing weights are multiplied by this (HF `routed_scaling_factor`); None: 1."""
 
+    multi_latent_attention: bool = False
+    """Multi-latent attention (DeepSeek-V2/V3; megatron-core's `MLASelfAttention`): queries
+    (through a rank-`q_lora_rank` bottleneck when set) and one compressed key/value latent of
+    rank `kv_lora_rank` per token; a query/key head is `qk_nope_head_dim` un-rotated dims then
+    `qk_rope_head_dim` rotated ones (the rotated key shared by every head), a value head
+    `v_head_dim`. `kv_channels` is then the query/key head dim (nope + rope)."""
+    q_lora_rank: int | None = None
+    """MLA: rank of the query bottleneck (HF `q_a_proj`); None: one query projection (`q_proj`)."""
+    kv_lora_rank: int = 512
+    """MLA: rank of the compressed key/value latent (HF `kv_a_proj_with_mqa`)."""
+    qk_nope_head_dim: int = 128
+    """MLA: un-rotated query/key dims per head."""
+    qk_rope_head_dim: int = 64
+    """MLA: rotated (decoupled RoPE) query/key dims per head."""
+    v_head_dim: int = 128
+    """MLA: value dims per head."""
+    yarn_mscale: float | None = None
+    """MLA YaRN: `mscale` (HF `rope_parameters.mscale`); with `yarn_mscale_all_dim` the RoPE
+    attention factor is mscale(factor, yarn_mscale) / mscale(factor, yarn_mscale_all_dim)."""
+    yarn_mscale_all_dim: float | None = None
+    """MLA YaRN: `mscale_all_dim`; the softmax scale is multiplied by mscale(factor, it)^2."""
+
     linear_attention_freq: list[int] | None = None
     """Which layers are gated DeltaNet (linear attention) layers: one 1 (DeltaNet) or 0 (full
     attention) per layer, megatron-core's list form (HF `layer_types` / `full_attention_interval`,

@@ -76,6 +76,7 @@ def attention_choice(cfg: Any, accelerator: Any = None) -> Any:
             sliding_window=bool(m.sliding_window),
             attention_sinks=bool(m.attention_sinks),
             attention_dropout=float(m.attention_dropout or 0.0),
+            latent_attention=bool(m.multi_latent_attention),
             sequence_parallel=m.sequence_parallel,
             context_parallel_size=m.context_parallel_size,
         )

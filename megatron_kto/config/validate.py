@@ -9,6 +9,7 @@ from typing import Any
 
 from megatron_kto.config.errors import ConfigError, need
 from megatron_kto.config.keys import check_known_keys
+from megatron_kto.config.latent_attention import check_latent_attention
 from megatron_kto.config.layout import check_expert_layout, check_layout, data_parallel_size
 from megatron_kto.config.machine import attention_choice, canonical_precision
 from megatron_kto.config.max_time import parse_max_time
@@ -224,6 +225,7 @@ def validate(
     _check_hf_output(cfg.exp_manager, m)
     _check_forward_micro_batch(m, algorithm, dp)
     _check_linear_attention(m)
+    check_latent_attention(m)
 
 
 def _check_linear_attention(m: Any) -> None:

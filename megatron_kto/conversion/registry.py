@@ -14,6 +14,7 @@ from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.conversion.errors import ConversionError
 from megatron_kto.conversion.families import (
     Family,
+    deepseek_v3,
     gemma3,
     glm4_moe,
     gpt_oss,
@@ -40,6 +41,7 @@ _MODULES = (
     qwen3_5,
     gpt_oss,
     glm4_moe,
+    deepseek_v3,
 )
 _FAMILIES: dict[str, Family] = {
     family.model_type: family for module in _MODULES for family in module.FAMILIES

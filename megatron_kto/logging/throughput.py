@@ -101,6 +101,26 @@ def moe_flops_per_token(arch: Any) -> float:
     return float(layers * (moe - per_hidden * arch.ffn_hidden_size))
 
 
+def mla_flops(arch: Any) -> tuple[float, float]:
+    """What multi-latent attention (DeepSeek-V3) changes in the dense counts: (per token, per
+    position). Its projections — q (h → n·qh, or h → q_lora → n·qh), kv down (h → kv_lora +
+    rope), kv up (kv_lora → n·(nope + v)), output (n·v → h) — replace QKV and the output
+    projection; scores and A·V cost 2·n·qh + 2·n·v per position instead of 4·n·d. (0, 0) for
+    any other attention."""
+    if not getattr(arch, "multi_latent_attention", False):
+        return 0.0, 0.0
+    h, n = arch.hidden_size, arch.num_attention_heads
+    d, g = arch.kv_channels or h // n, arch.num_query_groups or n
+    qh, v = arch.qk_nope_head_dim + arch.qk_rope_head_dim, arch.v_head_dim
+    q = h * n * qh if arch.q_lora_rank is None else arch.q_lora_rank * (h + n * qh)
+    kv = h * (arch.kv_lora_rank + arch.qk_rope_head_dim)
+    kv += arch.kv_lora_rank * n * (arch.qk_nope_head_dim + v)
+    mla = 2 * (q + kv + n * v * h)
+    dense = 2 * h * (n + 2 * g) * d + 2 * n * d * h
+    per_position = 2 * n * (qh + v) - 4 * n * d
+    return float(arch.num_layers * (mla - dense)), float(arch.num_layers * per_position)
+
+
 def architecture_flops(arch: Any, padded_vocab: int) -> ModelFlops:
     """`ModelFlops` of a `config.architecture.GPTArchitecture` with its padded vocabulary (terms
     as in `gpt_flops_per_token`; an MoE layer's MLP as `moe_flops_per_token` says: the FLOPs a
@@ -118,9 +138,11 @@ def architecture_flops(arch: Any, padded_vocab: int) -> ModelFlops:
         seq_len=0,
         swiglu=arch.activation in ("swiglu", "geglu", "quick_geglu"),
     )
+    mla_token, mla_position = mla_flops(arch)
     return ModelFlops(
-        per_token=float(per_token) + moe_flops_per_token(arch),
-        per_position=float(attention_flops_per_position(arch.num_layers, heads, kv_channels)),
+        per_token=float(per_token) + moe_flops_per_token(arch) + mla_token,
+        per_position=float(attention_flops_per_position(arch.num_layers, heads, kv_channels))
+        + mla_position,
     )
 
 

@@ -12,7 +12,9 @@ What it keeps from megatron's contract:
 
 * inputs are this TP rank's heads: query [sq, b, heads/TP, d], key/value [sk, b, groups/TP, d]
   (GQA: each group serves heads/groups consecutive query heads, as in megatron's
-  `repeat_interleave`); output [sq, b, heads/TP · d];
+  `repeat_interleave`); output [sq, b, heads/TP · d]; the value head dim may differ from the
+  query/key one (multi-latent attention, `models.mla`: megatron's `k_channels` / `v_channels`),
+  the output then [sq, b, heads/TP · d_v];
 * causal masking from `attn_mask_type` when no mask is given; a given `attention_mask` is
   megatron's boolean "True = masked out" tensor broadcastable to [b, heads, sq, sk] and is used
   as is (megatron's masks already contain the causal part, e.g. `get_ltor_masks_and_position_ids`);
@@ -83,6 +85,8 @@ class SDPAttention(MegatronModule):
         attention_type: str,
         attention_dropout: float | None = None,
         softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
     ):
@@ -94,6 +98,8 @@ class SDPAttention(MegatronModule):
             attention_type: 'self' or 'cross' (only the shapes matter here).
             attention_dropout: overrides `config.attention_dropout` when given.
             softmax_scale: overrides 1/sqrt(head dim) when given.
+            k_channels, v_channels: query/key and value head dims when they differ
+                (multi-latent attention, `models.mla`); None: `config.kv_channels` both.
             cp_comm_type: context-parallel communication; ours is always the all-gather of keys
                 and values (`models.cp_attention`), whatever is asked.
             pg_collection: process groups; megatron's global TP group when None.
@@ -120,7 +126,7 @@ class SDPAttention(MegatronModule):
         self.attention_type = attention_type
         self.heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.groups_per_partition = divide(config.num_query_groups, tp_size)
-        self.head_dim = config.kv_channels
+        self.head_dim = k_channels or config.kv_channels
         # megatron's apply_query_key_layer_scaling divides the scale by the layer number and
         # multiplies the fp32 softmax input back by it: mathematically the plain 1/sqrt(d).
         self.softmax_scale = (

@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.activations import quick_gelu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.models.gemma_layers import LayerExtras
@@ -30,6 +30,7 @@ from megatron_kto.models.hybrid import (
 )
 from megatron_kto.models.layer_options import moe_transformer_config
 from megatron_kto.models.layer_specs import decoder_block_spec
+from megatron_kto.models.mla import mla_transformer_config
 from megatron_kto.runtime.attention_backend import (
     AttentionChoice,
     choose_attention_backend,
@@ -139,9 +140,14 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
     bf16, fp16 = layout.precision == "bf16", layout.precision == "16"
     on_gpu = torch.cuda.is_available()
     recompute = layout.activations_checkpoint_granularity
-    yarn = _yarn_fields(arch)
-    return (YarnTransformerConfig if yarn else TransformerConfig)(
+    mla = mla_transformer_config(arch)  # MLA states its RoPE / YaRN in its own fields
+    yarn = {} if mla else _yarn_fields(arch)
+    config_class = (
+        MLATransformerConfig if mla else YarnTransformerConfig if yarn else TransformerConfig
+    )
+    return config_class(
         **yarn,
+        **mla,
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -238,6 +244,7 @@ def attention_choice(arch: GPTArchitecture, layout: ParallelLayout) -> Attention
             sliding_window=bool(arch.sliding_window),
             attention_sinks=arch.attention_sinks,
             attention_dropout=arch.attention_dropout,
+            latent_attention=arch.multi_latent_attention,
             sequence_parallel=layout.sequence_parallel,
             context_parallel_size=layout.context_parallel_size,
         )
@@ -297,7 +304,10 @@ def build_gpt_chunks(
                 ),
                 parallel_output=True,
                 share_embeddings_and_output_weights=arch.share_embeddings_and_output_weights,
-                position_embedding_type=arch.position_embedding_type,
+                # MLA applies its own (decoupled) RoPE; megatron's GPTModel then builds none.
+                position_embedding_type="rope"
+                if arch.multi_latent_attention
+                else arch.position_embedding_type,
                 rotary_percent=arch.rotary_percent,
                 rotary_base=arch.rotary_base,
                 rope_scaling=arch.rope_scaling,

@@ -49,6 +49,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron_kto.models.attention import SDPAttention
 from megatron_kto.models.gemma_layers import GemmaSelfAttention, LayerExtras, PostNormMLP
 from megatron_kto.models.layer_options import extend_local_layer
+from megatron_kto.models.mla import mla_layer_spec
 from megatron_kto.models.norms import LocalNorm
 from megatron_kto.models.packed_rope import PackedRoPESelfAttention
 
@@ -190,7 +191,10 @@ def decoder_block_spec(
         dense = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
         layers = _stage_layers(config, vp_stage, layer, dense, pattern)
         return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TENorm)
-    local = local_layer_spec(normalization, backend, extras)
+    if getattr(config, "multi_latent_attention", False):
+        local = mla_layer_spec(normalization, backend)
+    else:
+        local = local_layer_spec(normalization, backend, extras)
     layer = extend_local_layer(local, config)
     if not mixed:  # every layer has one spec: only the count per stage matters
         count = get_num_layers_to_build(config, vp_stage=vp_stage)

@@ -18,13 +18,13 @@ from megatron_kto.peft.adapter_config import (
     contradiction,
     peft_selection,
 )
+from megatron_kto.peft.hybrid_layout import check_tensor_parallel
 from megatron_kto.peft.targets import (
     DEFAULT_TARGET_MODULES,
     check_moe_targets,
     resolve_targets,
     selected_layers,
 )
-from megatron_kto.peft.hybrid_layout import check_tensor_parallel
 
 SCHEMES = ("none", "lora")
 #: `model.peft.reference`: the starting policy (base + starting adapter) or the base model.

@@ -87,6 +87,7 @@ from dataclasses import dataclass, replace
 
 from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.peft.targets import projection_shape, resolve_targets
+from megatron_kto.planning.mla import mla_largest_weight, mla_saved_bytes
 from megatron_kto.planning.model_state import (
     COLUMN_LINEARS,
     LoRAShape,
@@ -208,14 +209,18 @@ def _attention_bytes(
     """A full-attention layer's attention half (the QKV … packed rows of the table)."""
     _, _, n, g, d = _dims(arch)
     e, T, t = ACT_BYTES[dims.precision], dims.tp, x.tokens
-    if x.native_gqa or g == n:
-        total = t * ((n + 2 * g) + (n + g)) * d // T * e
+    if arch.multi_latent_attention:
+        total = mla_saved_bytes(arch, T, t, e)
+        total += 4 * arch.qk_rope_head_dim * e * (t if x.packed else x.seq_len)
     else:
-        total = t * 3 * n * d // T * e
-    if arch.position_embedding_type == "rope":
-        rot = int(d * arch.rotary_percent)
-        total += 4 * rot * e * (t if x.packed else x.seq_len)
-    total += t * n * d // T * e
+        if x.native_gqa or g == n:
+            total = t * ((n + 2 * g) + (n + g)) * d // T * e
+        else:
+            total = t * 3 * n * d // T * e
+        if arch.position_embedding_type == "rope":
+            rot = int(d * arch.rotary_percent)
+            total += 4 * rot * e * (t if x.packed else x.seq_len)
+        total += t * n * d // T * e
     if x.recompute != "selective":
         total += t * n // T * 4
     if x.packed and (adapted is None or "linear_proj" in adapted):
@@ -416,14 +421,15 @@ def activation_bytes(
         qk = arch.linear_num_key_heads * arch.linear_key_head_dim
         hv = arch.linear_num_value_heads
         in_proj = (2 * qk + 2 * hv * arch.linear_value_head_dim + 2 * hv) * h // T
-    largest_weight = max(
-        mlp_weight,
-        in_proj,
-        (arch.num_attention_heads + 2 * (arch.num_query_groups or arch.num_attention_heads))
+    attention_weight = (
+        mla_largest_weight(arch, T)
+        if arch.multi_latent_attention
+        else (arch.num_attention_heads + 2 * (arch.num_query_groups or arch.num_attention_heads))
         * (arch.kv_channels or h // arch.num_attention_heads)
         * h
-        // T,
+        // T
     )
+    largest_weight = max(mlp_weight, in_proj, attention_weight)
     # A weight's gradient exists in the compute dtype before megatron adds it to the fp32
     # buffer (plus an fp32 copy of it for the addition when the dtypes differ).
     weight_grad = 0 if lora is not None else largest_weight * (e + (4 if e != 4 else 0))

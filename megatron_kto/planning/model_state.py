@@ -64,6 +64,7 @@ from megatron_kto.peft.targets import (
     resolve_targets,
     selected_layers,
 )
+from megatron_kto.planning.mla import mla_param_shapes
 
 #: The column-parallel linears LoRA adapts (the others are row-parallel).
 COLUMN_LINEARS = ("self_attention.linear_qkv", "self_attention.in_proj", "mlp.linear_fc1")
@@ -182,10 +183,14 @@ def _attention_params(arch: GPTArchitecture, tp: int, prefix: str) -> list[Param
     d = arch.kv_channels or arch.hidden_size // heads
     h, bias = arch.hidden_size, arch.add_bias_linear
     rows = ((2 if arch.attention_output_gate else 1) * heads + 2 * groups) * d // tp
-    out = [Param(f"{prefix}self_attention.linear_proj.weight", h * heads * d // tp)]
+    if arch.multi_latent_attention:  # MLA's down / up projections, latent norms and output
+        out = [Param(name, numel) for name, numel in mla_param_shapes(arch, tp, prefix)]
+    else:
+        out = [Param(f"{prefix}self_attention.linear_proj.weight", h * heads * d // tp)]
     if bias:
         out.append(Param(f"{prefix}self_attention.linear_proj.bias", h))
-    out.append(Param(f"{prefix}self_attention.linear_qkv.weight", rows * h))
+    if not arch.multi_latent_attention:
+        out.append(Param(f"{prefix}self_attention.linear_qkv.weight", rows * h))
     if bias or arch.add_qkv_bias:
         out.append(Param(f"{prefix}self_attention.linear_qkv.bias", rows))
     if arch.attention_sinks:  # one logit per query head, split over TP (GPT-OSS)

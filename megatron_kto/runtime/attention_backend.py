@@ -346,6 +346,7 @@ def choose_attention_backend(
     sliding_window: bool = False,
     attention_sinks: bool = False,
     attention_dropout: float = 0.0,
+    latent_attention: bool = False,
     names: SettingNames = CONFIG_NAMES,
 ) -> AttentionChoice:
     """The attention backend for a configuration on a machine.
@@ -364,6 +365,7 @@ def choose_attention_backend(
             `sdpa`, or TE where its learnable softmax runs (module docstring); never under CP.
         attention_dropout: `model.attention_dropout`; with a sliding window, TE's fused
             attention needs it 0 (flash-attn takes either).
+        latent_attention: multi-latent attention (DeepSeek-V3, `models.mla`): `sdpa` only.
         names: how messages spell the settings (config keys by default).
 
     Returns:
@@ -408,6 +410,14 @@ def choose_attention_backend(
             f"{key}: 'local' (megatron's unfused attention) cannot run sliding-window attention "
             f"(model.sliding_window) here; set {names.set(key, 'sdpa')} (or auto)"
         )
+    if latent_attention:  # models/mla.py builds it on our SDPA core attention only
+        if request == "te":
+            raise ValueError(
+                f"{key}: 'te' does not run our multi-latent attention (DeepSeek-V3: a value head "
+                f"dim of its own); set {names.set(key, 'sdpa')} (or auto)"
+            )
+        if request == "auto":
+            return AttentionChoice("sdpa", "multi-latent attention runs on our SDPA attention")
     if attention_sinks and cp > 1:
         raise ValueError(
             f"model.context_parallel_size: attention sinks (model.attention_sinks, GPT-OSS) have "

@@ -130,8 +130,10 @@ def fusion_settings(accelerator: Accelerator, arch: Any) -> dict[str, bool]:
         # raises at construction without Apex's kernel, so the switch follows the kernel.
         "gradient_accumulation_fusion": cuda and accelerator.grad_accum_fusion_kernel,
         # megatron's rope_utils take the fused RoPE kernel from Transformer Engine.
+        # (Not MLA's: its fused path needs megatron's Triton kernels; the unfused one is exact.)
         "apply_rope_fusion": accelerator.has_transformer_engine
-        and arch.position_embedding_type == "rope",
+        and arch.position_embedding_type == "rope"
+        and not getattr(arch, "multi_latent_attention", False),
         "bias_activation_fusion": cuda and activation_fusable,
         "bias_dropout_fusion": cuda,
         # Unfused softmax / norms: the TE spec has its own fused attention and norms; the local

@@ -161,13 +161,14 @@ _FEATURES = {
         lambda a: bool(a.num_moe_experts) and a.moe_router_score_function == "sigmoid",
     ),
     "partial_rotary": ("partial rotary embeddings", lambda a: a.rotary_percent != 1.0),
+    "mla": ("multi-latent attention", lambda a: a.multi_latent_attention),
 }
 
 
 def mismatch(arch: GPTArchitecture, **has: bool) -> str | None:
     """Why `arch` differs from a family that has exactly the features `has` (qkv_bias, qk_norm,
     moe, shared_expert, ungated_shared_expert, dense_layers, gemma, linear_attention, output_gate,
-    offset_norms, sinks, sigmoid_router, partial_rotary — absent means False): one phrase, or None
+    offset_norms, sinks, sigmoid_router, partial_rotary, mla — absent means False): one phrase, or None
     when it matches."""
     for key in _FEATURES:
         wanted = has.get(key, False)

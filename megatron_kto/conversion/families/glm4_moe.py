@@ -99,16 +99,28 @@ def _routing(config: dict[str, Any], where: str) -> dict[str, Any]:
     )
 
 
-def _architecture(config: dict[str, Any], where: str) -> GPTArchitecture:
+def sigmoid_moe_fields(config: dict[str, Any], where: str, dense_default: int) -> dict[str, Any]:
+    """The `GPTArchitecture` MoE fields GLM-4.5 and DeepSeek-V3 share: sigmoid routing
+    (`_routing`), the ungated shared expert and the first `first_k_dense_replace` layers dense
+    (`dense_default` when the config does not say)."""
     routing = _routing(config, where)
     layers = config.get("num_hidden_layers")
-    dense = config.get("first_k_dense_replace", 1)
+    dense = config.get("first_k_dense_replace", dense_default)
     if not isinstance(dense, int) or not isinstance(layers, int) or not 0 <= dense < layers:
         raise ConversionError(
             f"{where}: first_k_dense_replace {dense!r}: must leave at least one of the "
             f"{layers} layers MoE"
         )
     shared = _positive_int(config, "n_shared_experts", where, 1)
+    return dict(
+        moe_shared_expert_intermediate_size=shared * routing["moe_ffn_hidden_size"],
+        moe_shared_expert_gate=False,
+        moe_layer_freq=[0] * dense + [1] * (layers - dense) if dense else None,
+        **routing,
+    )
+
+
+def _architecture(config: dict[str, Any], where: str) -> GPTArchitecture:
     heads = config.get("num_attention_heads") or 1
     head_dim = config.get("head_dim") or (config.get("hidden_size") or 0) // heads
     return dense_architecture(
@@ -117,10 +129,7 @@ def _architecture(config: dict[str, Any], where: str) -> GPTArchitecture:
         add_qkv_bias=bool(config.get("attention_bias", False)),
         qk_layernorm=bool(config.get("use_qk_norm", False)),
         rotary_percent=_partial_rotary(config, where, head_dim),
-        moe_shared_expert_intermediate_size=shared * routing["moe_ffn_hidden_size"],
-        moe_shared_expert_gate=False,
-        moe_layer_freq=[0] * dense + [1] * (layers - dense) if dense else None,
-        **routing,
+        **sigmoid_moe_fields(config, where, dense_default=1),
     )
 
 
@@ -131,14 +140,10 @@ def _dense_prefix(arch: GPTArchitecture) -> int | None:
     return k if all(pattern[k:]) else None
 
 
-def _config(arch: GPTArchitecture, config: dict[str, Any]) -> dict[str, Any]:
-    for key in ("num_local_experts", "num_experts", "partial_rotary_factor", "num_mtp_layers"):
-        config.pop(key, None)
+def sigmoid_moe_config(arch: GPTArchitecture) -> dict[str, Any]:
+    """config.json fields of `sigmoid_moe_fields` (GLM-4.5, DeepSeek-V3)."""
     width = arch.moe_ffn_hidden_size or arch.ffn_hidden_size
-    config.update(
-        attention_bias=arch.add_qkv_bias,
-        use_qk_norm=arch.qk_layernorm,
-        partial_rotary_factor=arch.rotary_percent,
+    return dict(
         n_routed_experts=arch.num_moe_experts,
         num_experts_per_tok=arch.moe_router_topk,
         moe_intermediate_size=width,
@@ -151,7 +156,30 @@ def _config(arch: GPTArchitecture, config: dict[str, Any]) -> dict[str, Any]:
         # The multi-token-prediction layers of a source checkpoint are not carried.
         num_nextn_predict_layers=0,
     )
+
+
+def _config(arch: GPTArchitecture, config: dict[str, Any]) -> dict[str, Any]:
+    for key in ("num_local_experts", "num_experts", "partial_rotary_factor", "num_mtp_layers"):
+        config.pop(key, None)
+    config.update(
+        attention_bias=arch.add_qkv_bias,
+        use_qk_norm=arch.qk_layernorm,
+        partial_rotary_factor=arch.rotary_percent,
+        **sigmoid_moe_config(arch),
+    )
     return config
+
+
+def sigmoid_moe_mismatch(arch: GPTArchitecture) -> str | None:
+    """Why `arch`'s experts are not `sigmoid_moe_fields`' (one phrase), or None."""
+    width = arch.moe_ffn_hidden_size or arch.ffn_hidden_size
+    if (arch.moe_shared_expert_intermediate_size or 0) % width:
+        return "the shared expert's width is not a multiple of an expert's"
+    if not arch.moe_router_enable_expert_bias:
+        return "the model's router has no expert bias"
+    if _dense_prefix(arch) is None:
+        return "the model's dense layers are not its first layers"
+    return None
 
 
 def _cannot_express(arch: GPTArchitecture) -> str | None:
@@ -165,16 +193,7 @@ def _cannot_express(arch: GPTArchitecture) -> str | None:
         sigmoid_router=True,
         partial_rotary=arch.rotary_percent != 1.0,
     )
-    if why:
-        return why
-    width = arch.moe_ffn_hidden_size or arch.ffn_hidden_size
-    if (arch.moe_shared_expert_intermediate_size or 0) % width:
-        return "the shared expert's width is not a multiple of an expert's"
-    if not arch.moe_router_enable_expert_bias:
-        return "the model's router has no expert bias"
-    if _dense_prefix(arch) is None:
-        return "the model's dense layers are not its first layers"
-    return None
+    return why or sigmoid_moe_mismatch(arch)
 
 
 FAMILIES = (

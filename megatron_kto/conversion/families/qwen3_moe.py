@@ -26,7 +26,13 @@ def layer_mappings(arch: GPTArchitecture, norms: dict[str, str]) -> tuple[Mappin
     dense layer (`arch` without experts), the dense MLP `mlp.*_proj`."""
     if not arch.num_moe_experts:
         return attention_mappings(arch) + dense_mlp_mappings()
-    return attention_mappings(arch) + expert_mappings(
+    return attention_mappings(arch) + routed_expert_mappings(arch, norms)
+
+
+def routed_expert_mappings(arch: GPTArchitecture, norms: dict[str, str]) -> tuple[Mapping, ...]:
+    """The pre-MLP norm, the router `mlp.gate` and `mlp.experts.{e}.{gate,up,down}_proj` (the
+    Qwen-MoE names GLM-4.5 and DeepSeek-V3 share)."""
+    return expert_mappings(
         arch,
         norms,
         "mlp.gate.weight",

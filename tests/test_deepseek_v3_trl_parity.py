@@ -1,0 +1,108 @@
+"""KTO on a tiny DeepSeek-V3-style model (`deepseek_v3`) against TRL 1.16's `KTOTrainer`: 8 steps.
+
+The model (2 layers: a dense first layer, then sigmoid-routed experts — 4, top-2, renormalised,
+routed_scaling_factor 1.5 — with an ungated shared expert) has multi-latent attention with a
+query bottleneck (q_lora_rank 16, kv_lora_rank 16, qk head dim 16 + 8 rotated, v head dim 12)
+and YaRN with mscale / mscale_all_dim. Both runs start from one Hugging Face directory whose
+expert-score correction biases are non-zero random values; the bias is frozen on both sides
+(`transformers` never updates the buffer, our `model.moe_router_bias_update_rate` defaults to 0).
+DeepseekV3 has no load-balancing loss, so neither side adds one.
+
+The harness is `test_glm4_moe_trl_parity.py`'s (its TRL run and our CLI run + export, packed
+rows); step losses and the final weights must agree to fp32 round-off, and the weights must have
+moved well beyond it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from e2e_cli import run_script
+from hf_tiny import make_tokenizer, write_kto_rows
+from test_glm4_moe_trl_parity import LOSS_RTOL, ROWS, STEPS, TOOL, WEIGHT_ATOL, _ours, _trl
+
+pytestmark = pytest.mark.e2e
+trl = pytest.importorskip("trl")
+
+
+def _make_deepseek(directory: Path) -> None:
+    """A random tiny deepseek_v3 with routers far from ties and non-zero correction biases."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    vocab = make_tokenizer(directory)
+    torch.manual_seed(0)
+    config = DeepseekV3Config(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=1,
+        routed_scaling_factor=1.5,
+        first_k_dense_replace=1,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        num_nextn_predict_layers=0,
+        vocab_size=vocab,
+        max_position_embeddings=128,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "mscale": 0.9,
+            "mscale_all_dim": 0.7,
+        },
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn_like(b))
+    model.save_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("deepseek_trl")
+    _make_deepseek(root / "hf")
+    write_kto_rows(root / "train.jsonl", 0, ROWS)
+    run_script(TOOL, ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "mcore")])
+    start = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).state_dict()
+    return root, _trl(root), {k: v.clone() for k, v in start.items()}
+
+
+def test_trajectory_equals_trl(prepared):
+    root, (trl_losses, _, trl_state), start = prepared
+    metrics, ours = _ours(root, "packed", pack=True)
+    losses = [r["loss"] for r in metrics]
+    print(f"\nours loss {losses}\ntrl  loss {trl_losses}")
+    assert len(losses) == len(trl_losses) == STEPS
+    assert losses == pytest.approx(trl_losses, rel=LOSS_RTOL)
+    assert ours.keys() == trl_state.keys()
+    worst = max((ours[k] - trl_state[k]).abs().max().item() for k in ours)
+    moved = {k: (trl_state[k] - start[k]).abs().max().item() for k in ours}
+    print(f"weights: max |ours - trl| {worst:.1e}; smallest move {min(moved.values()):.1e}")
+    assert worst <= WEIGHT_ATOL
+    biases = [k for k in ours if k.endswith("e_score_correction_bias")]
+    assert biases and all(torch.equal(ours[k], start[k]) for k in biases)  # frozen on both sides
+    latent = [k for k in ours if k.endswith(("kv_b_proj.weight", "q_a_proj.weight"))]
+    assert latent and all(moved[k] > 100 * WEIGHT_ATOL for k in latent)
