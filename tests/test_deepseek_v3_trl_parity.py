@@ -8,8 +8,7 @@ expert-score correction biases are non-zero random values; the bias is frozen on
 (`transformers` never updates the buffer, our `model.moe_router_bias_update_rate` defaults to 0).
 DeepseekV3 has no load-balancing loss, so neither side adds one.
 
-The harness is `test_glm4_moe_trl_parity.py`'s (its TRL run and our CLI run + export, packed
-rows); step losses and the final weights must agree to fp32 round-off, and the weights must have
+The harness is `trl_harness.py`'s (its TRL run and our CLI run + export, packed rows); step losses and the final weights must agree to fp32 round-off, and the weights must have
 moved well beyond it.
 """
 
@@ -19,9 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_cli import run_script
-from hf_tiny import make_tokenizer, write_kto_rows
-from test_glm4_moe_trl_parity import LOSS_RTOL, ROWS, STEPS, TOOL, WEIGHT_ATOL, _ours, _trl
+from hf_tiny import make_tokenizer
+from trl_harness import check_trajectory, prepare_trajectory
 
 pytestmark = pytest.mark.e2e
 trl = pytest.importorskip("trl")
@@ -80,29 +78,11 @@ def _make_deepseek(directory: Path) -> None:
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("deepseek_trl")
-    _make_deepseek(root / "hf")
-    write_kto_rows(root / "train.jsonl", 0, ROWS)
-    run_script(TOOL, ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "mcore")])
-    start = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).state_dict()
-    return root, _trl(root), {k: v.clone() for k, v in start.items()}
+    return prepare_trajectory(tmp_path_factory.mktemp("deepseek_trl"), _make_deepseek, aux=False)
 
 
 def test_trajectory_equals_trl(prepared):
-    root, (trl_losses, _, trl_state), start = prepared
-    metrics, ours = _ours(root, "packed", pack=True)
-    losses = [r["loss"] for r in metrics]
-    print(f"\nours loss {losses}\ntrl  loss {trl_losses}")
-    assert len(losses) == len(trl_losses) == STEPS
-    assert losses == pytest.approx(trl_losses, rel=LOSS_RTOL)
-    assert ours.keys() == trl_state.keys()
-    worst = max((ours[k] - trl_state[k]).abs().max().item() for k in ours)
-    moved = {k: (trl_state[k] - start[k]).abs().max().item() for k in ours}
-    print(f"weights: max |ours - trl| {worst:.1e}; smallest move {min(moved.values()):.1e}")
-    assert worst <= WEIGHT_ATOL
+    ours = check_trajectory(prepared, True, moving=("kv_b_proj.weight", "q_a_proj.weight"))
+    _, _, start, _ = prepared
     biases = [k for k in ours if k.endswith("e_score_correction_bias")]
     assert biases and all(torch.equal(ours[k], start[k]) for k in biases)  # frozen on both sides
-    latent = [k for k in ours if k.endswith(("kv_b_proj.weight", "q_a_proj.weight"))]
-    assert latent and all(moved[k] > 100 * WEIGHT_ATOL for k in latent)

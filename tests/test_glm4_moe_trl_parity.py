@@ -72,6 +72,6 @@ def prepared(tmp_path_factory):
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])
 def test_trajectory_equals_trl(prepared, pack):
     ours = check_trajectory(prepared, pack, moving=("mlp.gate.weight",))
-    _, _, start = prepared
+    _, _, start, _ = prepared
     biases = [k for k in ours if k.endswith("e_score_correction_bias")]
     assert biases and all(torch.equal(ours[k], start[k]) for k in biases)  # frozen on both sides

@@ -12,6 +12,12 @@ from typing import Any
 
 #: Activations whose MLP input projection holds a gate and an up half (fc1 = [gate; up]).
 GATED_ACTIVATIONS = ("swiglu", "geglu", "quick_geglu")
+#: Hugging Face's DeltaNet input projections by `GPTArchitecture.linear_in_proj`, in the order
+#: `conversion.deltanet.hybrid_fuse` takes them.
+IN_PROJ_NAMES: dict[str, tuple[str, ...]] = {
+    "qkvz_ba": ("in_proj_qkvz", "in_proj_ba"),
+    "qkv_z_b_a": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+}
 
 
 @dataclass

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_kto.config.architecture import IN_PROJ_NAMES
 from megatron_kto.config.errors import ConfigError, need
 from megatron_kto.config.keys import check_known_keys
 from megatron_kto.config.latent_attention import check_latent_attention
 from megatron_kto.config.layout import check_expert_layout, check_layout, data_parallel_size
 from megatron_kto.config.machine import attention_choice, canonical_precision
 from megatron_kto.config.max_time import parse_max_time
-from megatron_kto.conversion.deltanet import IN_PROJ_NAMES
 from megatron_kto.losses.dpo_types import (
     NO_REFERENCE,
     DPOLossConfigError,

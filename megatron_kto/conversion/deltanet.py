@@ -21,13 +21,6 @@ import torch
 
 from megatron_kto.config.architecture import GPTArchitecture
 
-#: Hugging Face's DeltaNet input projections by `GPTArchitecture.linear_in_proj`, in the order
-#: `hybrid_fuse` takes them.
-IN_PROJ_NAMES: dict[str, tuple[str, ...]] = {
-    "qkvz_ba": ("in_proj_qkvz", "in_proj_ba"),
-    "qkv_z_b_a": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
-}
-
 
 @dataclass(frozen=True)
 class DeltaNetShape:

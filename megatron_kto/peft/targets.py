@@ -35,9 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_kto.config.architecture import GATED_ACTIVATIONS
+from megatron_kto.config.architecture import GATED_ACTIVATIONS, IN_PROJ_NAMES
 from megatron_kto.conversion.addressing import LINEAR_MAPPINGS, Mapping
-from megatron_kto.conversion.deltanet import IN_PROJ_NAMES
 from megatron_kto.conversion.families.qwen3_next import deltanet_mappings, gated_attention_mappings
 
 #: The linears of a hybrid layer's attention that take adapters (conv1d, norms and gates do not).

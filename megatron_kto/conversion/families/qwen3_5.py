@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_kto.config.architecture import GPTArchitecture
+from megatron_kto.config.architecture import IN_PROJ_NAMES, GPTArchitecture
 from megatron_kto.conversion.addressing import Mapping, dense_mlp_mappings
-from megatron_kto.conversion.deltanet import IN_PROJ_NAMES
 from megatron_kto.conversion.errors import ConversionError
 from megatron_kto.conversion.families import Family, dense_architecture, mismatch
 from megatron_kto.conversion.families.qwen3_next import (

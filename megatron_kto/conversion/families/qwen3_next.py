@@ -21,9 +21,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from megatron_kto.config.architecture import GPTArchitecture
+from megatron_kto.config.architecture import IN_PROJ_NAMES, GPTArchitecture
 from megatron_kto.conversion.addressing import COLUMN, PROJ_WEIGHT, ROW, Mapping
-from megatron_kto.conversion.deltanet import IN_PROJ_NAMES
 from megatron_kto.conversion.errors import ConversionError
 from megatron_kto.conversion.families import Family, dense_architecture, mismatch
 from megatron_kto.conversion.families.qwen2_moe import layer_mappings as qwen2_moe_mappings
