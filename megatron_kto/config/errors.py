@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -14,6 +15,11 @@ def need(condition: bool, key: str, message: str) -> None:
     """Raise `ConfigError("<key>: <message>")` unless `condition` holds."""
     if not condition:
         raise ConfigError(f"{key}: {message}")
+
+
+def need_one_of(value: Any, key: str, choices: tuple[str, ...]) -> None:
+    """`need` for a key that takes one of `choices`."""
+    need(value in choices, key, f"must be one of {list(choices)}, got {value!r}")
 
 
 def suggestion(key: str, known: Iterable[str]) -> str:

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_kto.config.architecture import IN_PROJ_NAMES
-from megatron_kto.config.errors import ConfigError, need
+from megatron_kto.config.errors import ConfigError, need, need_one_of
 from megatron_kto.config.keys import check_known_keys
 from megatron_kto.config.latent_attention import check_latent_attention
 from megatron_kto.config.layout import check_expert_layout, check_layout, data_parallel_size
 from megatron_kto.config.machine import attention_choice, canonical_precision
 from megatron_kto.config.max_time import parse_max_time
+from megatron_kto.config.model_checks import (
+    check_architecture,
+    check_linear_attention,
+    check_router_loss,
+)
 from megatron_kto.losses.dpo_types import (
     NO_REFERENCE,
     DPOLossConfigError,
@@ -35,110 +39,11 @@ __all__ = [
 NON_FINITE_POLICIES = ("stop", "skip")
 
 
-def _choice(value: Any, key: str, choices: tuple[str, ...]) -> None:
-    need(value in choices, key, f"must be one of {list(choices)}, got {value!r}")
-
-
-def _check_architecture(m: Any) -> None:
-    """Shape checks megatron-core's TransformerConfig would otherwise make with a bare assert or
-    a message naming its own field names."""
-    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"):
-        value = getattr(m, key)
-        need(value is not None and value >= 1, f"model.{key}", f"must be >= 1, got {value}")
-    need(m.encoder_seq_length >= 1, "model.encoder_seq_length", "must be >= 1")
-    need(m.make_vocab_size_divisible_by >= 1, "model.make_vocab_size_divisible_by", "must be >= 1")
-    groups = m.num_query_groups or m.num_attention_heads
-    need(
-        m.num_attention_heads % groups == 0,
-        "model.num_query_groups",
-        f"{groups} query groups do not divide the {m.num_attention_heads} attention heads",
-    )
-    if m.kv_channels is None:
-        need(
-            m.hidden_size % m.num_attention_heads == 0,
-            "model.hidden_size",
-            f"{m.hidden_size} is not divisible by num_attention_heads ({m.num_attention_heads}); "
-            "set model.kv_channels (the head dimension) explicitly",
-        )
-    need(0.0 < m.rotary_percent <= 1.0, "model.rotary_percent", "must be in (0, 1]")
-    for key in ("hidden_dropout", "attention_dropout"):
-        need(0.0 <= getattr(m, key) < 1.0, f"model.{key}", "must be in [0, 1)")
-    _choice(m.normalization, "model.normalization", ("RMSNorm", "LayerNorm"))
-    _choice(m.activation, "model.activation", ("swiglu", "geglu", "quick_geglu", "gelu", "relu"))
-    _choice(
-        m.position_embedding_type,
-        "model.position_embedding_type",
-        ("rope", "yarn", "learned_absolute"),
-    )
-    if m.sliding_window is not None:
-        need(m.sliding_window >= 1, "model.sliding_window", "must be >= 1 (or null)")
-    if m.window_layers is not None:
-        pattern = list(m.window_layers)
-        need(bool(m.sliding_window), "model.window_layers", "needs model.sliding_window")
-        need(
-            len(pattern) == m.num_layers and set(pattern) <= {0, 1},
-            "model.window_layers",
-            f"{pattern}: expected one 1 (sliding window) or 0 (full attention) per layer "
-            f"({m.num_layers} layers)",
-        )
-    if m.moe_layer_freq is not None:
-        pattern = list(m.moe_layer_freq)
-        need(bool(m.num_moe_experts), "model.moe_layer_freq", "needs model.num_moe_experts")
-        need(
-            len(pattern) == m.num_layers and set(pattern) <= {0, 1} and 1 in pattern,
-            "model.moe_layer_freq",
-            f"{pattern}: expected one 1 (MoE) or 0 (dense) per layer ({m.num_layers} layers), "
-            "at least one 1",
-        )
-    _check_router(m)
-
-
-def _check_router(m: Any) -> None:
-    """The sigmoid-routing keys (GLM-4.5, DeepSeek-V3) against each other, before megatron-core's
-    asserts."""
-    _choice(m.moe_router_score_function, "model.moe_router_score_function", ("softmax", "sigmoid"))
-    sigmoid = m.moe_router_score_function == "sigmoid"
-    need(
-        sigmoid or not m.moe_router_enable_expert_bias,
-        "model.moe_router_enable_expert_bias",
-        "needs model.moe_router_score_function: sigmoid",
-    )
-    need(
-        m.moe_router_bias_update_rate >= 0.0
-        and (m.moe_router_enable_expert_bias or m.moe_router_bias_update_rate == 0.0),
-        "model.moe_router_bias_update_rate",
-        f"{m.moe_router_bias_update_rate}: must be >= 0, and > 0 only with an expert bias "
-        "(model.moe_router_enable_expert_bias)",
-    )
-    need(
-        m.moe_router_bias_update_rate == 0.0 or str(m.peft.peft_scheme) != "lora",
-        "model.moe_router_bias_update_rate",
-        f"{m.moe_router_bias_update_rate}: moving the expert bias changes the base model that "
-        "LoRA's reference (adapters off) shares; train with a frozen bias (0) or without LoRA",
-    )
-    need(
-        not (sigmoid and m.moe_aux_loss_coeff),
-        "model.moe_aux_loss_coeff",
-        f"{m.moe_aux_loss_coeff}: the load-balancing loss is Hugging Face's softmax-router "
-        "formula; a sigmoid router (GLM-4.5) has none in transformers — balance it with "
-        "model.moe_router_bias_update_rate, or set 0",
-    )
-    groups, picked = m.moe_router_num_groups, m.moe_router_group_topk
-    if groups is not None or picked is not None:
-        experts = m.num_moe_experts or 0
-        need(
-            bool(groups and picked) and experts % groups == 0 and picked <= groups,
-            "model.moe_router_group_topk",
-            f"{picked} of model.moe_router_num_groups {groups}: both must be set, the groups "
-            f"must divide the {experts} experts and group_topk <= num_groups",
-        )
-
-
 def _check_optimizer(o: Any) -> None:
     """What megatron-core's OptimizerParamScheduler asserts (max_lr >= min_lr >= 0, start_wd
     >= 0, ...) and torch's Adam rejects, checked here so the message names our keys."""
-    _choice(o.name, "model.optim.name", ("adam", "fused_adam", "distributed_fused_adam"))
-    _choice(o.sched.name, "model.optim.sched.name", ("CosineAnnealing", "Constant", "Linear"))
+    need_one_of(o.name, "model.optim.name", ("adam", "fused_adam", "distributed_fused_adam"))
+    need_one_of(o.sched.name, "model.optim.sched.name", ("CosineAnnealing", "Constant", "Linear"))
     need(len(o.betas) == 2, "model.optim.betas", f"needs two values, got {list(o.betas)}")
     need(
         all(0.0 <= b < 1.0 for b in o.betas),
@@ -224,52 +129,8 @@ def validate(
     _check_objective(m, algorithm)
     _check_hf_output(cfg.exp_manager, m)
     _check_forward_micro_batch(m, algorithm, dp)
-    _check_linear_attention(m)
+    check_linear_attention(m)
     check_latent_attention(m)
-
-
-def _check_linear_attention(m: Any) -> None:
-    """Hybrid (gated DeltaNet) models: the layer pattern, the DeltaNet heads against TP, and the
-    combination not built yet (context parallelism) — before megatron-core's asserts."""
-    pattern = None if m.linear_attention_freq is None else list(m.linear_attention_freq)
-    if pattern is not None:
-        need(
-            len(pattern) == m.num_layers and set(pattern) <= {0, 1},
-            "model.linear_attention_freq",
-            f"{pattern}: expected one 1 (gated DeltaNet) or 0 (full attention) per layer "
-            f"({m.num_layers} layers)",
-        )
-    deltanet = [i for i, kind in enumerate(pattern or []) if kind]
-    need(
-        m.linear_in_proj is None or m.linear_in_proj in IN_PROJ_NAMES,
-        "model.linear_in_proj",
-        f"{m.linear_in_proj!r} is not one of {sorted(IN_PROJ_NAMES)}",
-    )
-    if deltanet:
-        tp = m.tensor_model_parallel_size
-        keys, values = m.linear_num_key_heads, m.linear_num_value_heads
-        need(
-            values % keys == 0,
-            "model.linear_num_value_heads",
-            f"{values} is not a multiple of linear_num_key_heads ({keys})",
-        )
-        need(
-            keys % tp == 0 and values % tp == 0,
-            "model.tensor_model_parallel_size",
-            f"{tp} must divide the gated DeltaNet heads ({keys} key, {values} value heads)",
-        )
-        need(
-            m.context_parallel_size == 1,
-            "model.context_parallel_size",
-            f"{m.context_parallel_size}: gated DeltaNet layers {deltanet} cannot be split over "
-            "context-parallel ranks (set it to 1)",
-        )
-        need(m.activation == "swiglu", "model.activation", "gated DeltaNet models need swiglu")
-        need(
-            m.normalization == "RMSNorm",
-            "model.normalization",
-            "gated DeltaNet models need RMSNorm",
-        )
 
 
 def _model_chunks(m: Any) -> int:
@@ -282,7 +143,7 @@ def _check_trainer(t: Any, world_size: int) -> None:
     canonical_precision(t.precision)
     need(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", "must be >= 1")
     need(t.distributed_timeout_minutes > 0, "trainer.distributed_timeout_minutes", "must be > 0")
-    _choice(t.non_finite, "trainer.non_finite", NON_FINITE_POLICIES)
+    need_one_of(t.non_finite, "trainer.non_finite", NON_FINITE_POLICIES)
     if t.max_time:
         try:
             parse_max_time(t.max_time)
@@ -314,7 +175,7 @@ def _check_parallel_layout(cfg: Any, world_size: int, architecture_file: str | N
     ):
         need(value >= 1, f"model.{key}", f"must be >= 1, got {value}")
     dp = data_parallel_size(cfg, world_size)
-    _check_architecture(m)
+    check_architecture(m)
     check_layout(m, tp, pp, vpp, architecture_file=architecture_file)
     # megatron-core spreads experts over the data- and context-parallel ranks together.
     check_expert_layout(
@@ -325,7 +186,7 @@ def _check_parallel_layout(cfg: Any, world_size: int, architecture_file: str | N
         tp=tp,
         etp=m.expert_tensor_parallel_size,
     )
-    _check_router_loss(m)
+    check_router_loss(m)
     need(
         not (m.num_moe_experts and tp > 1) or m.sequence_parallel,
         "model.sequence_parallel",
@@ -344,38 +205,6 @@ def _check_parallel_layout(cfg: Any, world_size: int, architecture_file: str | N
             "needs pipeline_model_parallel_size > 1",
         )
     return dp
-
-
-def _check_router_loss(m: Any) -> None:
-    """`model.moe_aux_loss_coeff` (the router load-balancing loss) against the layouts and
-    recompute settings it cannot run under."""
-    cp, vpp = m.context_parallel_size, m.virtual_pipeline_model_parallel_size
-    need(
-        cp == 1 or not (m.num_moe_experts and m.moe_aux_loss_coeff),
-        "model.moe_aux_loss_coeff",
-        f"{m.moe_aux_loss_coeff}: the router load-balancing loss is not supported with "
-        f"model.context_parallel_size={cp} (each rank routes part of every row); set "
-        "model.moe_aux_loss_coeff=0 or model.context_parallel_size=1",
-    )
-    if not (m.num_moe_experts and m.moe_aux_loss_coeff):
-        return
-    need(m.moe_aux_loss_coeff > 0, "model.moe_aux_loss_coeff", "must be >= 0")
-    # The balance statistics of a micro-batch span every layer's router: each rank's model
-    # chunk must run a micro-batch's layers in one forward (`models.router_stats`).
-    need(
-        vpp is None or vpp == 1,
-        "model.moe_aux_loss_coeff",
-        f"{m.moe_aux_loss_coeff}: the router load-balancing loss is not supported with "
-        "virtual_pipeline_model_parallel_size > 1 (a rank's layers run its micro-batches "
-        "interleaved); set model.moe_aux_loss_coeff=0 to train without it",
-    )
-    need(
-        m.activations_checkpoint_granularity != "full",
-        "model.moe_aux_loss_coeff",
-        f"{m.moe_aux_loss_coeff}: the router load-balancing loss is not supported with "
-        "activations_checkpoint_granularity=full (the routers re-run in the backward "
-        "pass); use selective or no recompute, or set model.moe_aux_loss_coeff=0",
-    )
 
 
 def _check_batches(m: Any, dp: int) -> None:
@@ -404,8 +233,8 @@ def _check_batches(m: Any, dp: int) -> None:
 
 def _check_data(m: Any, architecture_file: str | None) -> None:
     """`model.data.*` and `model.tokenizer.library`: files, lengths and their choices."""
-    _choice(m.data.truncation_mode, "model.data.truncation_mode", ("keep_end", "keep_start"))
-    _choice(m.tokenizer.library, "model.tokenizer.library", ("sentencepiece", "huggingface"))
+    need_one_of(m.data.truncation_mode, "model.data.truncation_mode", ("keep_end", "keep_start"))
+    need_one_of(m.tokenizer.library, "model.tokenizer.library", ("sentencepiece", "huggingface"))
     need(
         len(m.data.data_prefix.train) > 0, "model.data.data_prefix.train", "no training files given"
     )
@@ -476,7 +305,7 @@ def _check_ld_alpha(d: Any, names: tuple[str, ...]) -> None:
 def _check_kto(m: Any) -> None:
     """KTO's loss type, β, class weights, and the global batch its KL pairs need."""
     k = m.kto
-    _choice(k.loss_type, "model.kto.loss_type", ("kto", "apo_zero_unpaired"))
+    need_one_of(k.loss_type, "model.kto.loss_type", ("kto", "apo_zero_unpaired"))
     need(k.ref_policy_kl_penalty > 0, "model.kto.ref_policy_kl_penalty", "β must be > 0")
     need(
         k.desirable_loss_weight >= 0 and k.undesirable_loss_weight >= 0,
@@ -529,7 +358,9 @@ def _check_hf_output(e: Any, m: Any) -> None:
 def _check_recompute(m: Any, layers_per_chunk: int) -> None:
     """Activation-recomputation keys (NeMo names) against megatron-core's rules."""
     granularity = m.activations_checkpoint_granularity
-    _choice(granularity, "model.activations_checkpoint_granularity", (None, "full", "selective"))
+    need_one_of(
+        granularity, "model.activations_checkpoint_granularity", (None, "full", "selective")
+    )
     method, num_layers = m.activations_checkpoint_method, m.activations_checkpoint_num_layers
     if granularity != "full":
         # megatron-core ignores the method and rejects a count unless whole layers are recomputed.
@@ -544,7 +375,7 @@ def _check_recompute(m: Any, layers_per_chunk: int) -> None:
                 f"{granularity!r}); set it to null",
             )
         return
-    _choice(method, "model.activations_checkpoint_method", (None, "uniform", "block"))
+    need_one_of(method, "model.activations_checkpoint_method", (None, "uniform", "block"))
     method, num_layers = method or "uniform", num_layers or 1
     need(
         1 <= num_layers <= layers_per_chunk,
