@@ -140,6 +140,21 @@ def make_hf_qwen3_moe(directory: Path, router_aux_loss_coef: float) -> Path:
     return directory
 
 
+def save_sigmoid_routed(model, directory: Path, router_std: float = 0.3) -> None:
+    """Save a sigmoid-routed `transformers` MoE (GLM-4.5, DeepSeek-V3) with its routers drawn far
+    from ties (N(0, `router_std`)) and non-zero random expert-score correction biases."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, router_std)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn_like(b))
+    model.save_pretrained(directory)
+
+
 def make_peft_adapter(directory: Path, num_layers: int, **lora) -> Path:
     """A LoRA adapter directory written by `peft` itself (`save_pretrained`: adapter_config.json
     + adapter_model.safetensors) for a tiny random Llama of `num_layers` layers.

@@ -322,23 +322,6 @@ def test_run_config_refuses_what_mla_does_not_run(overrides, match):
     assert "\n" not in str(e.value)
 
 
-def test_an_fp8_block_scaled_checkpoint_is_refused_naming_the_tensor(tmp_path):
-    """DeepSeek-V3's published weights are fp8 with `weight_scale_inv` blocks: read as they are
-    they would be wrong, so the directory is refused in one line naming the first such tensor."""
-    from safetensors.torch import save_file
-
-    from megatron_kto.conversion.safetensors_io import ConversionError, HFWeights
-
-    name = "model.layers.0.self_attn.kv_b_proj"
-    save_file(
-        {f"{name}.weight": torch.zeros(4, 4), f"{name}.weight_scale_inv": torch.ones(1, 1)},
-        str(tmp_path / "model.safetensors"),
-    )
-    with pytest.raises(ConversionError, match=rf"{name}.weight_scale_inv: fp8 block-scaled") as e:
-        HFWeights(tmp_path)
-    assert "\n" not in str(e.value)
-
-
 def test_model_flops_count_the_mla_projections():
     """Forward FLOPs per token = 2 x the matmul weights a token uses (`transformers`' own
     DeepseekV3 parameter count of the attention projections) + the output layer, and per

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_tiny import make_tokenizer
+from hf_tiny import make_tokenizer, save_sigmoid_routed
 from trl_harness import check_trajectory, prepare_trajectory
 
 pytestmark = pytest.mark.e2e
@@ -65,15 +65,7 @@ def _make_deepseek(directory: Path) -> None:
         bos_token_id=1,
         eos_token_id=2,
     )
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.3)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.3 * torch.randn_like(b))
-    model.save_pretrained(directory)
+    save_sigmoid_routed(AutoModelForCausalLM.from_config(config), directory)
 
 
 @pytest.fixture(scope="module")

@@ -96,13 +96,6 @@ class HFWeights:
             if isinstance(e, ConversionError):
                 raise
             raise ConversionError(f"{current}: unreadable weights: {_one_line(e)}") from e
-        scaled = sorted(n for n in self._file_of if n.endswith(FP8_SCALE_SUFFIX))
-        if scaled:  # every reader would take the fp8 values for the weights
-            raise ConversionError(
-                f"{self._file_of[scaled[0]]}: {scaled[0]}: fp8 block-scaled weights (DeepSeek-V3's "
-                "published checkpoint) are not dequantised on load yet; convert the checkpoint "
-                "to bf16 first"
-            )
         #: name -> the name stored in the file (differs only in a view).
         self._stored = {name: name for name in self._file_of}
         if prefixes:
