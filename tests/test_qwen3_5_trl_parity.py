@@ -33,7 +33,10 @@ STEPS, LR = 5, 5e-4
 WEIGHT_ATOL = 1e-5
 
 
-def _make_qwen3_5(directory: Path) -> None:
+def _make_qwen3_5(
+    directory: Path, layer_types: tuple[str, ...] = ("linear_attention", "full_attention") * 2
+) -> None:
+    """The tiny model in `directory` (4 layers of `layer_types`) with its tokenizer."""
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
@@ -44,7 +47,7 @@ def _make_qwen3_5(directory: Path) -> None:
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
         linear_conv_kernel_dim=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        layer_types=list(layer_types),
         max_position_embeddings=128, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
         tie_word_embeddings=False,
     )  # fmt: skip
