@@ -14,10 +14,10 @@ far beyond it (asserted).
 from __future__ import annotations
 
 import pytest
-from e2e_cli import KTO_SCRIPT, QUIET, load_tp1_state_dicts, read_metrics, run_script
+from e2e_cli import KTO_SCRIPT, load_tp1_state_dicts, read_metrics, run_script
 from hf_tiny import write_kto_rows
 from test_qwen3_5_trl_parity import _make_qwen3_5
-from trl_harness import import_start
+from trl_harness import import_start, imported_run
 
 pytestmark = pytest.mark.e2e
 
@@ -46,14 +46,7 @@ def runs(tmp_path_factory):
     metrics = {}
     for name, (nproc, extra) in LAYOUTS.items():
         overrides = [
-            *QUIET,
-            f"pretrained_checkpoint.restore_from_path={root / 'mcore'}",
-            f"model.data.data_prefix.train=[{root / 'train.jsonl'}]",
-            "model.data.data_prefix.validation=[]",
-            "model.data.shuffle=false",
-            "model.data.max_length=128",
-            "trainer.precision=32",
-            f"exp_manager.explicit_log_dir={root / name}",
+            *imported_run(root, name),
             f"trainer.kto.max_steps={STEPS}",
             "model.global_batch_size=8",
             "model.micro_batch_size=2",

@@ -12,11 +12,13 @@ TP=1, then both at TP=2 with sequence parallelism), shown here:
   (megatron's per-group [queries | gates | k | v], DeltaNet's [q | k | v | z | beta | alpha] per
   rank) put every adapter row where the base row is;
 * merging (`merge_and_strip`) gives the same logits; adapters off give the base model's;
-* adapters on some projections of the fused linears only (no `k_proj`, no `in_proj_qkv`, no
-  `in_proj_a`) equal peft too;
+* adapters on some projections of the fused linears only (no `k_proj`, no `in_proj_a`) equal
+  peft too;
 * at TP=2 + SP the adapter directory is *imported* (`load_adapter` cuts each rank's rows) and the
-  logits equal peft's; Qwen3.5's `in_proj_qkv` (three row blocks per rank) is refused at TP=2 in
-  one line.
+  logits equal peft's, Qwen3.5's `in_proj_qkv` included (its q, k and v are three row blocks per
+  rank: the forward gathers B and takes the rank's blocks); written again at TP=2 it equals the
+  TP=1 export bit for bit. Qwen3.5's full adapter (every projection) built at TP=2 + SP from the
+  same seed gives the TP=1 logits, the same export and the same gradient of `in_proj_qkv`'s B.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ TARGETS = {
     "qwen3_next": (("attention",), ("q_proj", "v_proj", "in_proj_ba", "out_proj")),
     "qwen3_5_text": (
         ("all",),
-        ("q_proj", "v_proj", "o_proj", "in_proj_z", "in_proj_b", "out_proj", "up_proj"),
+        ("q_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "out_proj")
+        + ("up_proj",),
     ),
 }
 
@@ -56,6 +59,30 @@ def _logits(chunks) -> torch.Tensor:
     with torch.no_grad():
         logits = model(tokens, positions, None)
         return gather_from_tensor_model_parallel_region(logits)[..., :VOCAB].clone()
+
+
+def _qkv_b_grads(chunks) -> dict[str, torch.Tensor]:
+    """The gradient of every `in_proj_qkv` B (whole) of a fixed random projection of the logits."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megatron_kto.models.builder import unwrap
+    from megatron_kto.peft.hf_peft import full_pair
+    from megatron_kto.peft.wiring import adapters_of
+
+    model = unwrap(chunks[0])
+    model.eval()
+    tokens = _tokens()
+    positions = torch.arange(tokens.shape[1]).expand(*tokens.shape)
+    logits = gather_from_tensor_model_parallel_region(model(tokens, positions, None))[..., :VOCAB]
+    weight = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3))
+    (logits * weight).sum().backward()
+    out = {}
+    for adapter in adapters_of(chunks):
+        if "in_proj_qkv" in adapter.names:
+            b = adapter.adapters["in_proj_qkv"].lora_B
+            b.data, b.grad = b.grad, None  # gathered as B would be
+            out[adapter.key] = full_pair(adapter, "in_proj_qkv")[1].clone()
+    return out
 
 
 def _model(base: Path, layout, rt):
@@ -87,6 +114,10 @@ def _tp1(root: Path) -> dict:
             out[name, label] = _logits(chunks)
             hf_peft.write_adapter(base / label, chunks, _settings(7, targets), arch, str(base))
             if label == "full":
+                if name == "qwen3_5_text":
+                    _, again = _model(base, ParallelLayout(), rt)
+                    apply_lora(again, arch, _settings(7, targets))
+                    out[name, "qkv_grads"] = _qkv_b_grads(again)
                 with adapters_disabled(chunks):
                     out[name, "off"] = _logits(chunks)
                 hf_peft.merge_and_strip(chunks, arch)
@@ -116,12 +147,13 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
         hf_peft.check_matches(config, settings, arch, "test")
         hf_peft.load_adapter(chunks, tensors, hf_peft.expected_keys(settings, arch), "test")
         out[name, "tp2sp"] = _logits(chunks)
+        hf_peft.write_adapter(base / "partial_tp2", chunks, settings, arch, str(base))
         if name == "qwen3_5_text":
             _, again = _model(base, layout, rt)
-            try:
-                apply_lora(again, arch, _settings(9, full))
-            except ValueError as e:
-                out[name, "tp2-refusal"] = str(e)
+            apply_lora(again, arch, _settings(7, full))
+            out[name, "full_tp2sp"] = _logits(again)
+            hf_peft.write_adapter(base / "full_tp2", again, _settings(7, full), arch, str(base))
+            out[name, "qkv_grads_tp2sp"] = _qkv_b_grads(again)
     teardown()
     return out
 
@@ -203,8 +235,38 @@ def test_partial_targets_and_tp2_import_equal_peft(results, name):
     assert config["target_modules"] == sorted(TARGETS[name][1])
 
 
-def test_in_proj_qkv_is_refused_at_tp2(results):
-    _, out = results
-    message = out["qwen3_5_text", "tp2-refusal"]
-    assert "\n" not in message and "in_proj_qkv" in message
-    assert "tensor_model_parallel_size" in message
+def _adapter_files(directory: Path) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+
+    config = json.loads((directory / "adapter_config.json").read_text())
+    return config, load_file(str(directory / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_tp2_export_equals_tp1_export(results, name):
+    root, _ = results
+    labels = (("partial", "partial_tp2"), ("full", "full_tp2"))
+    for tp1, tp2 in labels if name == "qwen3_5_text" else labels[:1]:
+        (config, ref), (config2, tensors) = (
+            _adapter_files(root / name / tp1),
+            _adapter_files(root / name / tp2),
+        )
+        assert config2 == config and tensors.keys() == ref.keys()
+        assert all(torch.equal(tensors[k], ref[k]) for k in ref), tp2
+        if name == "qwen3_5_text":
+            assert any("in_proj_qkv.lora_B" in k and ref[k].abs().max() > 0 for k in ref)
+
+
+def test_in_proj_qkv_full_adapter_at_tp2_equals_tp1(results):
+    root, out = results
+    adapted, _ = _peft_logits(root, "qwen3_5_text", "full")
+    diffs = {
+        "tp2sp_vs_tp1": _rel(out["qwen3_5_text", "full_tp2sp"], out["qwen3_5_text", "full"]),
+        "tp2sp_vs_peft": _rel(out["qwen3_5_text", "full_tp2sp"], adapted),
+    }
+    grads, grads_tp2 = out["qwen3_5_text", "qkv_grads"], out["qwen3_5_text", "qkv_grads_tp2sp"]
+    assert grads and grads.keys() == grads_tp2.keys()
+    diffs["grad_B"] = max(_rel(grads_tp2[k], grads[k]) for k in grads)
+    print(f"qwen3_5_text full adapter at TP2+SP: relative |Δ| {diffs}")
+    assert all(g.abs().max() > 0 for g in grads.values())
+    assert max(diffs.values()) <= TOLERANCE, diffs

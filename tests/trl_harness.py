@@ -177,6 +177,23 @@ def trl_kto_trajectory(
     return [e["loss"] for e in logged], [e["aux_loss"] for e in logged if aux], state
 
 
+def imported_run(root: Path, name: str) -> list[str]:
+    """Overrides of a fp32 run of the entry script from the imported `root/mcore` on
+    `root/train.jsonl` in file order, no validation, logging to `root/<name>`."""
+    from e2e_cli import QUIET
+
+    return [
+        *QUIET,
+        f"pretrained_checkpoint.restore_from_path={root / 'mcore'}",
+        f"model.data.data_prefix.train=[{root / 'train.jsonl'}]",
+        "model.data.data_prefix.validation=[]",
+        "model.data.shuffle=false",
+        "model.data.max_length=128",
+        "trainer.precision=32",
+        f"exp_manager.explicit_log_dir={root / name}",
+    ]
+
+
 def our_kto_trajectory(
     root: Path, name: str, pack: bool, steps: int = STEPS, lr: float = LR
 ) -> tuple[list[dict], dict]:
@@ -184,22 +201,15 @@ def our_kto_trajectory(
     order and optimizer as `trl_kto_trajectory`, exported to `root/<name>_hf`: (metrics rows,
     the exported model's fp32 state dict)."""
     import torch
-    from e2e_cli import KTO_SCRIPT, QUIET, REPO, read_metrics, run_script
+    from e2e_cli import KTO_SCRIPT, REPO, read_metrics, run_script
     from transformers import AutoModelForCausalLM
 
     log_dir = root / name
     run_script(
         KTO_SCRIPT,
         [
-            *QUIET,
-            f"pretrained_checkpoint.restore_from_path={root / 'mcore'}",
-            f"model.data.data_prefix.train=[{root / 'train.jsonl'}]",
-            "model.data.data_prefix.validation=[]",
-            "model.data.shuffle=false",
-            "model.data.max_length=128",
+            *imported_run(root, name),
             f"model.data.pack_sequences={str(pack).lower()}",
-            "trainer.precision=32",
-            f"exp_manager.explicit_log_dir={log_dir}",
             f"trainer.kto.max_steps={steps}",
             f"trainer.kto.gradient_clip_val={CLIP}",
             f"model.global_batch_size={BATCH}",

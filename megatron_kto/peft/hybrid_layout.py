@@ -12,8 +12,8 @@ projections, for LoRA: one pure function over row blocks, shared by the adapter'
 
 A TP rank's share of every projection here is one contiguous block of its rows (whole query
 groups, whole key heads with the value heads they serve) — except Qwen3.5's `in_proj_qkv`, whose
-q, k and v are three blocks: its adapter runs at tensor-parallel size 1 only
-(`check_tensor_parallel`).
+q, k and v are three blocks: its B is stored sharded like any other (a contiguous block of the HF
+rows) and the adapter's forward gathers it and takes its three blocks (`LoRALinear`).
 """
 
 from __future__ import annotations
@@ -57,13 +57,3 @@ def fuse_blocks(layout: Any, blocks: list[torch.Tensor], tp: int) -> torch.Tenso
     qkv, z, b, a = blocks
     qk = s.key_heads * s.key_dim
     return torch.cat([*qkv.split([qk, qk, s.value_heads * s.value_dim]), z, b, a])
-
-
-def check_tensor_parallel(names: list[str], tp: int) -> None:
-    """Raises ValueError when an adapted projection cannot be one block per TP rank."""
-    if tp > 1 and "in_proj_qkv" in names:
-        raise ValueError(
-            "LoRA on in_proj_qkv (Qwen3.5) runs at model.tensor_model_parallel_size 1: its q, k "
-            "and v rows are not one block per rank; target in_proj_z/in_proj_b/in_proj_a/out_proj "
-            "or the full-attention projections instead"
-        )

@@ -300,6 +300,8 @@ class LoRALinear(torch.nn.Module):
 
         lay = self.layout
         if lay.kind in HYBRID_LAYOUTS:
+            if "in_proj_qkv" in b and self.tp > 1:
+                b = {**b, "in_proj_qkv": self._own_qkv_rows(b["in_proj_qkv"])}
             rows = projection_rows(lay, len(self.all_names), self.tp)
             blocks = [
                 block(n, r, ()) if n in b else b[self.names[0]].new_zeros(r, k * rank)
@@ -313,6 +315,20 @@ class LoRALinear(torch.nn.Module):
         sizes = (lay.heads_per_group * lay.head_dim, lay.head_dim, lay.head_dim)
         pieces = [block(n, size, (groups,)) for n, size in zip(self.all_names, sizes, strict=True)]
         return torch.cat(pieces, dim=1).reshape(-1, k * rank)
+
+    def _own_qkv_rows(self, b: torch.Tensor) -> torch.Tensor:
+        """This rank's rows [q | k | v] of Qwen3.5's `in_proj_qkv` B from its stored shard.
+
+        B is sharded as every column-parallel B is (a contiguous block of the HF rows [q | k |
+        v], so checkpoints, import and export are those of any adapter), but the rank's base rows
+        are three blocks: its key heads' q and k and its value heads' v. The shards are
+        all-gathered (r columns: small) and the rank's blocks taken; in backward the gradient is
+        reduce-scattered, each row's coming from the one rank that uses it."""
+        full = gather_from_sequence_parallel_region(b, tensor_parallel_output_grad=True)
+        s = self.layout.deltanet
+        qk = s.key_heads * s.key_dim
+        parts = full.split([qk, qk, s.value_heads * s.value_dim])
+        return torch.cat([part.chunk(self.tp)[self.tp_rank] for part in parts])
 
 
 def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,6 @@ from megatron_kto.peft.adapter_config import (
     contradiction,
     peft_selection,
 )
-from megatron_kto.peft.hybrid_layout import check_tensor_parallel
 from megatron_kto.peft.targets import (
     DEFAULT_TARGET_MODULES,
     check_moe_targets,
@@ -245,10 +244,7 @@ def check_peft(model_cfg: Any, algorithm: str, arch: Any) -> None:
                 f"{_KEY}.{key}: must be one of {list(INIT_METHODS)}, got {getattr(lt, key)!r}"
             )
     try:
-        check_tensor_parallel(
-            [p for t in resolve_targets(targets, arch) for p in t.projections],
-            int(model_cfg.tensor_model_parallel_size),
-        )
+        resolve_targets(targets, arch)
     except ValueError as e:
         raise ConfigError(f"{_KEY}.target_modules: {e}") from e
     try:

@@ -24,7 +24,6 @@ from megatron_kto.conversion.addressing import LAYER, ChunkLayout, head_layout
 from megatron_kto.conversion.deltanet import shape_of
 from megatron_kto.models.builder import unwrap
 from megatron_kto.models.unique_params import counted_here, world_sum
-from megatron_kto.peft.hybrid_layout import check_tensor_parallel
 from megatron_kto.peft.lora import FusedLayout, LoRALinear, Projection, attach
 from megatron_kto.peft.settings import LoRASettings
 from megatron_kto.peft.targets import (
@@ -113,11 +112,7 @@ def apply_lora(chunks: list[torch.nn.Module], arch: Any, settings: LoRASettings)
             (e.g. the MLP of a mixture-of-experts layer).
     """
     names = list(settings.target_modules)
-    targets = resolve_targets(names, arch)
-    check_tensor_parallel(
-        [p for t in targets for p in t.projections],
-        parallel_state.get_tensor_model_parallel_world_size(),
-    )
+    resolve_targets(names, arch)  # every name, before any layer is touched
     layers = set(selected_layers(settings.layer_selection, arch.num_layers))
     for chunk in chunks:
         model = unwrap(chunk)
