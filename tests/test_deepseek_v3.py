@@ -36,6 +36,7 @@ from test_glm4_moe import (
     _packed_vs_padded,
     _restore_and_run,
     _safetensors,
+    _tokens,
     check_parallel,
     check_single_rank,
     merge_rank_outputs,
@@ -45,6 +46,8 @@ from test_glm4_moe import (
 VOCAB = 100  # test_glm4_moe's helpers read its VOCAB / SEQ / BATCH: the same here
 MODELS = ("qlora", "plain")
 LAYOUTS = {"tp2": (2, 1, 1), "ep2": (1, 1, 2), "pp2": (1, 2, 1)}
+# TP=2 with SP (MoE at TP > 1 requires SP: config/validate.py)
+GRAD_LAYOUTS = {"grads_tp2_sp": True}
 
 
 def _hf_configs() -> dict[str, object]:
@@ -126,6 +129,7 @@ def _single_worker(rank: int, world_size: int, root: str) -> dict:
         out["tp1", name] = _forward(arch, chunks)
         out["plan", name, "tp1"] = _planned_vs_built(arch, chunks, 1, 1)
         out["packed", name] = _packed_vs_padded(arch, chunks[0])
+        torch.save(_loss_grads(arch, chunks[0]), base / "tp1_grads.pt")
         teardown()
         rt = init_runtime(1, 1, seed=9)
         out["hf_tp1", name] = _forward(*_restore_and_run(base / "hf", 1, 1, 1, rt))
@@ -135,7 +139,8 @@ def _single_worker(rank: int, world_size: int, root: str) -> dict:
 
 
 def _layout_worker(rank: int, world_size: int, root: str, layouts: dict) -> dict:
-    """TP=2, EP=2, PP=2 from our checkpoint; EP=2 also straight from the HF directory."""
+    """TP=2, EP=2, PP=2 from our checkpoint; EP=2 also straight from the HF directory; the
+    gradients' errors at TP=2 with and without SP against TP=1's."""
     from megatron_kto.runtime import init_runtime, teardown
 
     out = {}
@@ -149,8 +154,62 @@ def _layout_worker(rank: int, world_size: int, root: str, layouts: dict) -> dict
             if layout == "ep2":
                 hf = _restore_and_run(Path(root) / name / "hf", tp, pp, ep, rt)
                 out["hf_ep2", name] = _forward(*hf)
+    for layout, sp in GRAD_LAYOUTS.items():
+        rt = init_runtime(2, 1, seed=9)
+        for name in MODELS:
+            path = Path(root) / name
+            arch, chunks = _restore_and_run(path / "mcore", 2, 1, 1, rt, sequence_parallel=sp)
+            want = torch.load(path / "tp1_grads.pt", weights_only=True)
+            out[layout, name] = _grad_errors(_loss_grads(arch, chunks[0]), want, arch, chunks[0])
     teardown()
     return out
+
+
+def _loss_grads(arch, chunk) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of a DPO-shaped loss of the rows' summed log-probs (rows 0, 2
+    chosen, 1, 3 rejected) after one backward through megatron-core DDP and
+    `finalize_model_grads`, as training reduces them (the SP norms' and the experts' over TP)."""
+    import torch.nn.functional as F
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_kto.models.builder import unwrap
+    from megatron_kto.models.forward import eval_mode, model_call
+    from megatron_kto.models.logprobs import token_logprobs
+    from megatron_kto.models.training_setup import wrap_ddp
+
+    (ddp,) = wrap_ddp([chunk], use_distributed_optimizer=False)
+    tokens = _tokens()
+    labels = torch.cat([tokens[:, 1:], torch.full((tokens.shape[0], 1), -100)], dim=1)
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens).clone()
+    with eval_mode([ddp]):
+        logits = model_call(ddp, {"tokens": tokens, "position_ids": positions})
+    sums = token_logprobs(logits, labels, arch.vocab_size).sum(-1)
+    F.logsigmoid(0.5 * (sums[0::2] - sums[1::2])).mean().neg().backward()
+    finalize_model_grads([ddp])
+    return {n: p.main_grad.detach().clone() for n, p in unwrap(chunk).named_parameters()}
+
+
+def _grad_errors(grads: dict, want: dict, arch, chunk) -> dict[str, float]:
+    """Per parameter: max |this rank's gradient - TP=1's matching shard| / max |TP=1's|."""
+    from megatron.core import parallel_state
+
+    from megatron_kto.models.builder import unwrap
+
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    params = dict(unwrap(chunk).named_parameters())
+    errors = {}
+    for name, grad in grads.items():
+        ref, p = want[name], params[name]
+        if getattr(p, "tensor_model_parallel", False):
+            dim, n = p.partition_dim, grad.shape[p.partition_dim]
+            parts = (ref,)
+            if name.endswith("linear_fc1.weight"):  # SwiGLU: each rank holds [gate_r; up_r]
+                parts = ref.chunk(2, dim)
+                n //= 2
+            ref = torch.cat([q.narrow(dim, rank * n, n) for q in parts], dim)
+        assert grad.shape == ref.shape, (name, grad.shape, ref.shape)
+        errors[name] = ((grad - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+    return errors
 
 
 def _planned_vs_built(arch, chunks, tp: int, ep: int) -> tuple[list, list]:
@@ -169,7 +228,7 @@ def converted(tmp_path_factory):
     reference = sigmoid_moe_references(root, _hf_configs())
     results = run_multirank(_single_worker, 1, str(root), timeout=600)[0]
     ranks = run_multirank(_layout_worker, 2, str(root), LAYOUTS, timeout=600)
-    return root, reference, merge_rank_outputs(results, ranks, ("plan",))
+    return root, reference, merge_rank_outputs(results, ranks, ("plan", *GRAD_LAYOUTS))
 
 
 def test_the_correction_bias_changes_the_routing(converted):
@@ -209,6 +268,18 @@ def test_memory_plan_counts_the_built_mla_parameters(converted, name, tp):
 def test_packed_rows_equal_padded_rows(converted, name):
     _, _, results = converted
     assert results["packed", name] <= 1e-5
+
+
+@pytest.mark.parametrize("layout", list(GRAD_LAYOUTS))
+@pytest.mark.parametrize("name", MODELS)
+def test_tensor_parallel_gradients_equal_tp1(converted, layout, name):
+    """A DPO-shaped loss's gradient of every parameter at TP=2 x SP equals TP=1's: the shared
+    rotated key's gradient is summed over TP."""
+    _, _, results = converted
+    errors = results[layout, name]
+    assert len(errors) > 10 and any("linear_kv_down_proj" in n for n in errors)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 1e-5, (worst, errors[worst])
 
 
 def test_mla_settings_follow_the_config(converted):
@@ -297,8 +368,8 @@ def test_other_families_do_not_export_an_mla_model():
         ),
         (["model.attention_backend=te"], r"^model.attention_backend: 'te' .* multi-latent"),
         (
-            ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
-            r"^model.tensor_model_parallel_size: 2: multi-latent attention \(DeepSeek-V3\) trains",
+            ["model.tensor_model_parallel_size=2"],
+            r"^model.sequence_parallel: false: multi-latent attention \(DeepSeek-V3\) at tensor",
         ),
     ],
 )
@@ -316,7 +387,9 @@ def test_run_config_refuses_what_mla_does_not_run(overrides, match):
         "model.v_head_dim=8",
         "model.kv_channels=16",
     ]
-    compose_run_config("gpt_kto", mla, "kto", world_size=2)  # valid as it is
+    compose_run_config("gpt_kto", mla, "kto", world_size=2)  # valid as it is, and at TP=2 x SP
+    tp2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
+    compose_run_config("gpt_kto", mla + tp2, "kto", world_size=2)
     with pytest.raises(ConfigError, match=match) as e:
         compose_run_config("gpt_kto", mla + overrides, "kto", world_size=2)
     assert "\n" not in str(e.value)

@@ -176,7 +176,7 @@ def _packed_vs_padded(arch, chunk) -> float:
     return (packed.reshape(-1)[: want.numel()] - want).abs().max().item()
 
 
-def _build(arch, tp: int, pp: int, ep: int, rt, cp: int = 1):
+def _build(arch, tp: int, pp: int, ep: int, rt, cp: int = 1, sequence_parallel: bool = False):
     from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks
 
     layout = ParallelLayout(
@@ -184,17 +184,20 @@ def _build(arch, tp: int, pp: int, ep: int, rt, cp: int = 1):
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
         context_parallel_size=cp,
+        sequence_parallel=sequence_parallel,
         attention_backend="sdpa",
     )
     return build_gpt_chunks(arch, layout, rt.device)
 
 
-def _restore_and_run(path: Path, tp: int, pp: int, ep: int, rt, cp: int = 1) -> tuple:
+def _restore_and_run(
+    path: Path, tp: int, pp: int, ep: int, rt, cp: int = 1, sequence_parallel: bool = False
+) -> tuple:
     from megatron_kto.checkpointing.model_io import read_architecture
     from megatron_kto.checkpointing.pretrained import restore_pretrained
 
     arch = read_architecture(path)
-    chunks = _build(arch, tp, pp, ep, rt, cp)
+    chunks = _build(arch, tp, pp, ep, rt, cp, sequence_parallel)
     restore_pretrained(path, chunks)
     return arch, chunks
 

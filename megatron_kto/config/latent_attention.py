@@ -30,14 +30,12 @@ def check_latent_attention(m: Any) -> None:
         f"{m.attention_backend!r} cannot run multi-latent attention (DeepSeek-V3: a value head "
         "dim of its own); set model.attention_backend=sdpa (or auto)",
     )
-    # megatron-core 0.16.1's local MLA splits the key/value down projection over TP and gathers
-    # its output; the gather's backward only splits, so the shared rotated key's gradient keeps
-    # this rank's heads' part and drops the others' (measured: TP2 x SP step-1 gradient norm
-    # 1.29703 against TP1's 1.29751 on a tiny DeepSeek-V3). Forward passes are exact at TP2.
+    # The rotated key's gradient is summed over TP (`models/mla.py`), proven equal to TP=1's
+    # with sequence parallelism (tests/test_deepseek_v3.py); MoE at TP > 1 requires SP anyway.
     need(
-        m.tensor_model_parallel_size == 1,
-        "model.tensor_model_parallel_size",
-        f"{m.tensor_model_parallel_size}: multi-latent attention (DeepSeek-V3) trains at tensor "
-        "parallel size 1 only for now (megatron-core's TP-split latent projections lose part of "
-        "the rotated key's gradient); use expert / pipeline / data parallelism",
+        m.tensor_model_parallel_size == 1 or m.sequence_parallel,
+        "model.sequence_parallel",
+        f"false: multi-latent attention (DeepSeek-V3) at tensor parallel size "
+        f"{m.tensor_model_parallel_size} runs with sequence parallelism only; set "
+        "model.sequence_parallel=true",
     )

@@ -19,6 +19,14 @@ What megatron-core computes, and why it equals `transformers`' DeepseekV3Attenti
 * the q_a / kv_a norms have epsilon 1e-6 whatever `rms_norm_eps` says (transformers builds them
   with DeepseekV3RMSNorm's default), hence `LatentNorm`.
 
+Tensor parallelism: megatron-core's local spec splits `linear_kv_down_proj` by output rows
+and gathers its output; the gather's backward only splits the gradient, but the rotated key
+(`qk_rope_head_dim` columns, one head shared by every query head) is consumed on every TP rank
+by that rank's heads, so its gradient must be summed over TP — `LatentSelfAttention` does that.
+Everything else is complete per rank: the latent goes through `linear_kv_up_proj` (and the
+query latent through `linear_q_up_proj`), whose input copies all-reduce the gradient, and the
+q / kv latent norms' weights are marked `sequence_parallel` for the all-reduce under SP.
+
 Core attention is `SDPAttention` (key head dim nope + rope, value head dim `v_head_dim`). The
 TE spec and megatron's `DotProductAttention` (no separate value head dim) are not used.
 """
@@ -28,7 +36,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -45,6 +60,37 @@ class LatentNorm(LocalNorm):
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kw: Any):
         super().__init__(config, hidden_size, eps=LATENT_NORM_EPS, **kw)
+
+
+def _gather_with_shared_key_gradient(module: torch.nn.Module, args: Any, result: tuple) -> tuple:
+    """Forward hook of `linear_kv_down_proj` (HF `kv_a_proj_with_mqa`, column-parallel): its
+    output gathered over TP, with the rotated key's gradient summed over TP.
+
+    megatron-core 0.16.1 gathers a split output itself and then only splits the gradient, so
+    the shared rotated key kept this rank's heads' part alone. A full-width output makes it take
+    its unsplit path: without sequence parallelism the key goes on as it is (the copy here sums
+    its gradient); with it, the output is scattered back over the sequence and megatron-core
+    gathers the key again, whose backward reduce-scatter sums the gradient.
+    """
+    output, bias = result
+    group = module.tp_group
+    if group.size() == 1:
+        return result
+    output = gather_from_tensor_model_parallel_region(output, group=group)
+    if module.sequence_parallel:
+        return scatter_to_sequence_parallel_region(output, group=group), bias
+    rope = module.config.qk_pos_emb_head_dim
+    key = copy_to_tensor_model_parallel_region(output[..., -rope:], group=group)
+    return torch.cat([output[..., :-rope], key], dim=-1), bias
+
+
+class LatentSelfAttention(MLASelfAttention):
+    """megatron-core's `MLASelfAttention` whose rotated key's gradient is summed over TP
+    (`_gather_with_shared_key_gradient`); the same modules, parameters and names."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.linear_kv_down_proj.register_forward_hook(_gather_with_shared_key_gradient)
 
 
 def mla_transformer_config(arch: GPTArchitecture) -> dict[str, Any]:
@@ -110,6 +156,8 @@ def mla_layer_spec(normalization: str, backend: str) -> ModuleSpec:
         layer,
         input_layernorm=LocalNorm,
         pre_mlp_layernorm=LocalNorm,
-        self_attention=dataclasses.replace(attention, submodules=submodules),
+        self_attention=dataclasses.replace(
+            attention, module=LatentSelfAttention, submodules=submodules
+        ),
     )
     return dataclasses.replace(spec, submodules=layer)

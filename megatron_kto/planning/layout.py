@@ -111,9 +111,7 @@ def valid_parallel(arch: GPTArchitecture, cluster: Cluster) -> list[tuple[int, i
     """(TP, PP, DP) triples that the model and the cluster allow."""
     heads, groups = arch.num_attention_heads, arch.num_query_groups or arch.num_attention_heads
     out = []
-    # Multi-latent attention trains at TP 1 only for now (`config.latent_attention`).
-    largest_tp = 1 if arch.multi_latent_attention else min(8, cluster.gpus_per_node, cluster.gpus)
-    for tp in range(1, largest_tp + 1):
+    for tp in range(1, min(8, cluster.gpus_per_node, cluster.gpus) + 1):
         if heads % tp or groups % tp or cluster.gpus % tp:
             continue
         if arch.padded_vocab_size is not None and arch.padded_vocab_size % tp:
