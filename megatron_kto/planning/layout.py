@@ -324,13 +324,18 @@ def format_candidates(
             f"{c.step_time:.2f} | {c.mfu:.2f} |" + (f" {d.ep} | {d.expert_tp} |" if moe else "")
         )
     if not fitting:
-        best = min(found, key=lambda c: c.plan.peak) if found else None
-        need = f"{best.plan.peak / GiB:.1f} GiB" if best else "no valid layout"
-        lines.append(
-            f"does not fit: {'LoRA' if lora else 'full fine-tuning'} needs at least {need} per GPU "
-            "(the smallest above), "
-            f"{usable:.1f} GiB usable"
-        )
+        what = "LoRA" if lora else "full fine-tuning"
+        if found:
+            best = min(c.plan.peak for c in found) / GiB
+            lines.append(
+                f"does not fit: {what} needs at least {best:.1f} GiB per GPU (the smallest "
+                f"above), {usable:.1f} GiB usable"
+            )
+        else:
+            lines.append(
+                f"does not fit: no valid {what} layout for this GPU count (the parallel sizes "
+                "must divide the GPUs, layers, heads and experts)"
+            )
     else:
         lines.append("recommended: the first row")
     return lines
