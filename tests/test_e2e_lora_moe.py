@@ -39,10 +39,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_cli import KTO_SCRIPT, QUIET, REPO, launch, read_metrics, run_script
+from e2e_cli import KTO_SCRIPT, REPO, launch, read_metrics, run_script
 from hf_tiny import make_hf_qwen3_moe, write_kto_rows
 from multirank import run_multirank
-from trl_harness import in_order_trainer, kl_aligned_dataset, kto_args, trl_optimizer_overrides
+from trl_harness import (
+    imported_run,
+    in_order_trainer,
+    kl_aligned_dataset,
+    kto_args,
+    trl_optimizer_overrides,
+)
 
 pytestmark = pytest.mark.e2e
 trl = pytest.importorskip("trl")
@@ -123,14 +129,7 @@ def _trl(root: Path, coef: float | None) -> tuple[list[dict], dict[str, torch.Te
 def _args(root: Path, name: str) -> list[str]:
     return [
         str(KTO_SCRIPT),
-        *QUIET,
-        f"pretrained_checkpoint.restore_from_path={root / 'mcore'}",
-        f"model.data.data_prefix.train=[{root / 'train.jsonl'}]",
-        "model.data.data_prefix.validation=[]",
-        "model.data.shuffle=false",
-        "model.data.max_length=128",
-        "trainer.precision=32",
-        f"exp_manager.explicit_log_dir={root / name}",
+        *imported_run(root, name),
         "exp_manager.save_hf=true",
         f"trainer.kto.max_steps={STEPS}",
         f"trainer.kto.gradient_clip_val={CLIP}",

@@ -37,9 +37,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_cli import KTO_SCRIPT, QUIET, REPO, read_metrics, run_script
+from e2e_cli import KTO_SCRIPT, REPO, read_metrics, run_script
 from hf_tiny import make_hf_chat_model, write_kto_rows
-from trl_harness import in_order_trainer, kl_aligned_dataset, kto_args, trl_optimizer_overrides
+from trl_harness import (
+    imported_run,
+    in_order_trainer,
+    kl_aligned_dataset,
+    kto_args,
+    trl_optimizer_overrides,
+)
 
 pytestmark = pytest.mark.e2e
 trl = pytest.importorskip("trl")
@@ -104,18 +110,11 @@ def _trl(root: Path, adapter: Path, reference: str) -> tuple[list[float], dict[s
     return losses, state
 
 
-def _ours(root: Path, log_dir: Path, adapter: Path, extra: list[str]) -> None:
+def _ours(root: Path, name: str, adapter: Path, extra: list[str]) -> None:
     run_script(
         KTO_SCRIPT,
         [
-            *QUIET,
-            f"pretrained_checkpoint.restore_from_path={root / 'mcore'}",
-            f"model.data.data_prefix.train=[{root / 'train.jsonl'}]",
-            "model.data.data_prefix.validation=[]",
-            "model.data.shuffle=false",
-            "model.data.max_length=128",
-            "trainer.precision=32",
-            f"exp_manager.explicit_log_dir={log_dir}",
+            *imported_run(root, name),
             f"trainer.kto.max_steps={STEPS}",
             f"trainer.kto.gradient_clip_val={CLIP}",
             f"model.global_batch_size={BATCH}",
@@ -153,7 +152,7 @@ def prepared(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ours_start(prepared) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """Our run with the default reference (start): metrics and exported adapter."""
-    _ours(prepared, prepared / "ours_start", prepared / "adapter0", [])
+    _ours(prepared, "ours_start", prepared / "adapter0", [])
     return read_metrics(prepared / "ours_start"), _exported(prepared, "ours_start")
 
 
@@ -166,7 +165,7 @@ def runs(request, prepared):
     if reference == "start":
         metrics, ours = request.getfixturevalue("ours_start")
     else:
-        _ours(root, root / "ours_base", adapter, ["model.peft.reference=base"])
+        _ours(root, "ours_base", adapter, ["model.peft.reference=base"])
         metrics, ours = read_metrics(root / "ours_base"), _exported(root, "ours_base")
     trl_losses, trl_state = _trl(root, adapter, reference)
     start = load_file(str(adapter / "adapter_model.safetensors"))
@@ -205,14 +204,14 @@ def test_resume_restores_the_frozen_starting_adapter(prepared, ours_start):
     root, (full_metrics, full_adapter) = prepared, ours_start
     adapter = root / "adapter_resume"
     shutil.copytree(root / "adapter0", adapter)
-    _ours(root, root / "resumed", adapter, [f"trainer.kto.max_steps={STEPS // 2}"])
+    _ours(root, "resumed", adapter, [f"trainer.kto.max_steps={STEPS // 2}"])
     ckpt = root / "resumed" / "checkpoints" / f"step_{STEPS // 2}"
     keys = list(FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
     assert any(k.endswith(".ref_B") for k in keys) and any(k.endswith(".ref_A") for k in keys)
     # Another starting adapter in the file: only the checkpoint can give back the first one.
     weights = load_file(str(adapter / "adapter_model.safetensors"))
     save_file({k: 2 * v for k, v in weights.items()}, str(adapter / "adapter_model.safetensors"))
-    _ours(root, root / "resumed", adapter, [])
+    _ours(root, "resumed", adapter, [])
     losses = [r["loss"] for r in read_metrics(root / "resumed")]
     assert len(losses) == STEPS and losses == [r["loss"] for r in full_metrics]
     resumed = _exported(root, "resumed")
@@ -224,7 +223,7 @@ def test_precomputed_reference_is_the_starting_policy(prepared, ours_start):
     """`reference_policy=precomputed` computes its table with the frozen starting adapter too:
     the same steps as the adapters-off reference (step 1 is the reference: rewards 0)."""
     root, (full_metrics, _) = prepared, ours_start
-    _ours(root, root / "precomputed", root / "adapter0", ["model.kto.reference_policy=precomputed"])
+    _ours(root, "precomputed", root / "adapter0", ["model.kto.reference_policy=precomputed"])
     metrics = read_metrics(root / "precomputed")
     first = metrics[0]
     print(f"\nprecomputed step 1: {first['loss']}, rewards {first['rewards/chosen']}")
