@@ -2,9 +2,8 @@
 
 `choose_attention_backend` is a pure function of the request (`model.attention_backend`), the
 precision, packing, the machine (`gpu_settings.Accelerator`: CUDA, Transformer Engine version),
-the context-parallel size, sequence parallelism, the head dimension, sliding windows and attention
-sinks, so tests can state
-any machine. `auto` never returns a backend that cannot run the configuration; an explicit
+the context-parallel size, sequence parallelism, the head dimension, sliding windows, attention
+sinks and multi-latent attention, so tests can state any machine. `auto` never returns a backend that cannot run the configuration; an explicit
 choice that cannot run is a `ValueError` whose one-line message names the key and what to set.
 
 What Transformer Engine can run, from its `get_attention_backend`
