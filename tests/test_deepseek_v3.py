@@ -360,7 +360,6 @@ def test_other_families_do_not_export_an_mla_model():
 @pytest.mark.parametrize(
     "overrides,match",
     [
-        (["model.context_parallel_size=2"], r"^model.context_parallel_size: 2: multi-latent"),
         (["model.peft.peft_scheme=lora"], r"^model.peft.peft_scheme: LoRA on multi-latent"),
         (
             ["model.attention_backend=local", "model.data.pack_sequences=false"],
@@ -387,9 +386,13 @@ def test_run_config_refuses_what_mla_does_not_run(overrides, match):
         "model.v_head_dim=8",
         "model.kv_channels=16",
     ]
-    compose_run_config("gpt_kto", mla, "kto", world_size=2)  # valid as it is, and at TP=2 x SP
+    compose_run_config("gpt_kto", mla, "kto", world_size=2)  # valid as it is, at TP=2 x SP
     tp2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
     compose_run_config("gpt_kto", mla + tp2, "kto", world_size=2)
+    # and under CP (tests/test_mla_context_parallel.py), at TP=2 x SP too
+    cp2 = ["model.context_parallel_size=2"]
+    compose_run_config("gpt_kto", mla + cp2, "kto", world_size=2)
+    compose_run_config("gpt_kto", mla + tp2 + cp2, "kto", world_size=4)
     with pytest.raises(ConfigError, match=match) as e:
         compose_run_config("gpt_kto", mla + overrides, "kto", world_size=2)
     assert "\n" not in str(e.value)

@@ -9,15 +9,10 @@ from megatron_kto.config.errors import need
 
 def check_latent_attention(m: Any) -> None:
     """Multi-latent attention (DeepSeek-V3): the combinations not built yet, and the sizes
-    megatron-core splits over TP — before its asserts."""
+    megatron-core splits over TP — before its asserts. Context parallelism is not among them
+    (`models/mla.py`, tests/test_mla_context_parallel.py)."""
     if not m.multi_latent_attention:
         return
-    need(
-        m.context_parallel_size == 1,
-        "model.context_parallel_size",
-        f"{m.context_parallel_size}: multi-latent attention (DeepSeek-V3) is not split over "
-        "context-parallel ranks yet (set it to 1)",
-    )
     need(
         str(m.peft.peft_scheme) == "none",
         "model.peft.peft_scheme",

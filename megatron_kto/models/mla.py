@@ -29,6 +29,12 @@ q / kv latent norms' weights are marked `sequence_parallel` for the all-reduce u
 
 Core attention is `SDPAttention` (key head dim nope + rope, value head dim `v_head_dim`). The
 TE spec and megatron's `DotProductAttention` (no separate value head dim) are not used.
+
+Context parallelism needs nothing here: megatron-core's MLA builds the rotary table of whole rows
+and keeps this CP rank's chunks r and 2·CP−1−r of it (padded: `get_pos_emb_on_this_cp_rank`;
+packed: per segment of `cu_seqlens_q_padded` in its unfused THD RoPE, the one it runs without
+`apply_rope_fusion`), YaRN's mscale included — the chunks `models.context_parallel` gives the
+rank — and `SDPAttention`'s CP path gathers the per-head keys and values whatever their head dims.
 """
 
 from __future__ import annotations

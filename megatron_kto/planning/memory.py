@@ -192,7 +192,8 @@ def run_inputs(
     mbs = m.micro_batch_size * rows
     fwd = loss.log_prob_forward_micro_batch_size or m.micro_batch_size
     # Under CP a rank holds 1/CP of every row (`models.context_parallel`; the keys and values it
-    # gathers per layer, 2 x groups/TP x head dim per token, are not modelled).
+    # gathers per layer, 2 x groups/TP x head dim per token — MLA's heads/TP x (qk + v head
+    # dims) — are not modelled).
     per_rank = -(-max_length // cp)
     x = ActivationInputs(
         tokens=mbs * per_rank,
