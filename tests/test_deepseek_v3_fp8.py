@@ -11,9 +11,10 @@ the last file of a sharded directory with its index.
 blocks of 12 rows — other values, silently (5.24) — so the reference dequantisation is computed
 here block by block from the stored fp8 values and scales.
 
-`qlora` uses 16x16 blocks (`kv_a_proj_with_mqa` [24, 64]: one whole and one half block of rows;
-`kv_b_proj` [112, 16], TP rank 1's rows start mid-block; `o_proj` columns likewise), `plain`
-the published 128x128 (every weight one partial block). Shown:
+`qlora` uses 16x32 blocks (rows x columns, as weight_block_size allows; `kv_a_proj_with_mqa`
+[24, 64]: one whole and one half block of rows; `kv_b_proj` [112, 16], TP rank 1's rows start
+mid-block; `o_proj` [64, 48] likewise along columns), `plain` the published 128x128 (every weight
+one partial block). Shown:
 
 * the direct load at TP=1 and `tools/convert_checkpoint.py import` hold exactly the reference
   dequantisation (fp32, bit for bit), and the log-probs and expert choices equal `transformers`'
@@ -63,7 +64,7 @@ from test_glm4_moe import (
 )
 
 MODELS = ("qlora", "plain")
-BLOCKS = {"qlora": (16, 16), "plain": (128, 128)}
+BLOCKS = {"qlora": (16, 32), "plain": (128, 128)}
 #: (TP, EP, sequence parallel) of the 2-rank runs.
 LAYOUTS = {"tp2_sp": (2, 1, True), "ep2": (1, 2, False)}
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "convert_checkpoint.py"
@@ -350,12 +351,12 @@ def _layer0(reads: list) -> dict:
 @pytest.mark.parametrize("name", MODELS)
 def test_tp2_each_rank_reads_its_rows_or_columns_and_their_blocks(fp8, name):
     """kv_a_proj_with_mqa and kv_b_proj split by rows, o_proj by columns; each scale read is
-    the blocks the rank's slice touches (qlora's 16x16: rank 1's kv_a rows [12, 24) start
+    the blocks the rank's slice touches (qlora's 16x32: rank 1's kv_a rows [12, 24) start
     12 rows into block 0, its kv_b rows [56, 112) 8 rows into block 3, its o_proj columns
-    [24, 48) 8 into block 1)."""
+    [24, 48) 24 into block 0)."""
     _, _, results, _ = fp8
     config = _hf_configs()[name]
-    heads, bm = config.num_attention_heads, BLOCKS[name][0]
+    heads = config.num_attention_heads
     qk = config.qk_nope_head_dim + config.qk_rope_head_dim
     sides = {
         ("kv_a_proj_with_mqa", 0): config.kv_lora_rank + config.qk_rope_head_dim,
@@ -369,7 +370,8 @@ def test_tp2_each_rank_reads_its_rows_or_columns_and_their_blocks(fp8, name):
             weight = f"model.layers.0.self_attn.{proj}.weight"
             half = side // 2
             assert reads[weight, axis] == (half * rank, half * (rank + 1)), proj
-            first, last = half * rank // bm, -(-half * (rank + 1) // bm)
+            block = BLOCKS[name][axis]
+            first, last = half * rank // block, -(-half * (rank + 1) // block)
             assert reads[weight + "_scale_inv", axis] == (first, last), proj
         assert not any(axis is None for read, axis in reads if "proj" in read), reads
 
@@ -411,7 +413,7 @@ def test_mtp_layer_is_skipped_with_a_note_and_never_read(fp8):
     [
         (
             "short",
-            f"tensor {BROKEN}_scale_inv: shape (1, 4) does not match the 16x16 blocks of {BROKEN}",
+            f"tensor {BROKEN}_scale_inv: shape (1, 2) does not match the 16x32 blocks of {BROKEN}",
         ),
         ("missing", f"tensor {MISSING} is torch.float8_e4m3fn without a {MISSING}_scale_inv"),
     ],
@@ -423,7 +425,7 @@ def test_a_bad_or_missing_scale_is_one_line_naming_the_tensor(fp8, case, message
     code, stderr, _ = results["tool", case]
     assert code == 2 and stderr.count("\n") == 1 and stderr.startswith("error: "), stderr
     if case == "short":  # the converter reads the whole scale: the same fact, as it sees it
-        message = f"tensor {BROKEN}: scale shape (1, 4) does not match the (2, 4) blocks"
+        message = f"tensor {BROKEN}: scale shape (1, 2) does not match the (2, 2) blocks"
     assert message in stderr, stderr
 
 
