@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_kto.runtime.attention_backend import choose_attention_backend
+from megatron_kto.runtime.attention_backend import AttentionFeatures, choose_attention_backend
 from megatron_kto.runtime.gpu_settings import Accelerator
 
 MACHINES = {
@@ -134,7 +134,7 @@ def _decide(machine, precision, packed, request, head_dim=64, cp=1, sp=False) ->
             precision=precision,
             packed=packed,
             accelerator=MACHINES[machine],
-            head_dim=head_dim,
+            features=AttentionFeatures(head_dim=head_dim),
             context_parallel_size=cp,
             sequence_parallel=sp,
         )
@@ -176,7 +176,11 @@ def test_fp32_packing_on_te_2_9_says_what_to_set():
     """The issue's crash, refused up front: the message names TE's limits and three fixes."""
     with pytest.raises(ValueError) as err:
         choose_attention_backend(
-            "te", precision="32", packed=True, accelerator=MACHINES["te_2.9"], head_dim=64
+            "te",
+            precision="32",
+            packed=True,
+            accelerator=MACHINES["te_2.9"],
+            features=AttentionFeatures(head_dim=64),
         )
     assert str(err.value) == (
         "model.attention_backend: 'te' cannot run fp32 + packed sequences (Transformer Engine "
@@ -197,7 +201,11 @@ def test_auto_says_why():
     }
     for machine, (precision, want) in cases.items():
         choice = choose_attention_backend(
-            "auto", precision=precision, packed=True, accelerator=MACHINES[machine], head_dim=64
+            "auto",
+            precision=precision,
+            packed=True,
+            accelerator=MACHINES[machine],
+            features=AttentionFeatures(head_dim=64),
         )
         assert choice.describe() == want
         assert choice.note("auto") == f"model.attention_backend=auto: {want}"
@@ -209,7 +217,11 @@ def test_unknown_backend_names_the_choices():
         match=r"^model\.attention_backend: must be one of \['auto', 'te', 'sdpa', 'local'\], got 'flash'$",
     ):
         choose_attention_backend(
-            "flash", precision="32", packed=False, accelerator=MACHINES["cpu"], head_dim=64
+            "flash",
+            precision="32",
+            packed=False,
+            accelerator=MACHINES["cpu"],
+            features=AttentionFeatures(head_dim=64),
         )
 
 
@@ -222,7 +234,11 @@ def test_gpu_generation_cell(cell):
 def test_a100_without_flash_attn_refuses_te_for_packed_bf16_in_one_line():
     with pytest.raises(ValueError) as err:
         choose_attention_backend(
-            "te", precision="bf16", packed=True, accelerator=MACHINES["te_2.9_a100"], head_dim=64
+            "te",
+            precision="bf16",
+            packed=True,
+            accelerator=MACHINES["te_2.9_a100"],
+            features=AttentionFeatures(head_dim=64),
         )
     assert str(err.value).startswith("model.attention_backend: 'te' cannot run bf16 + packed")
     assert "sm80" in str(err.value) and "flash-attn" in str(err.value)

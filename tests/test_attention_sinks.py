@@ -144,7 +144,7 @@ def test_the_backend_decision_for_sinks():
     cuDNN 9.18), else sdpa with the reason; an explicit te runs wherever the unfused path can
     (padded from 2.8, packed from 2.12) and is one line naming the key elsewhere; local and
     context parallelism are refused."""
-    from megatron_kto.runtime.attention_backend import choose_attention_backend
+    from megatron_kto.runtime.attention_backend import AttentionFeatures, choose_attention_backend
     from megatron_kto.runtime.gpu_settings import Accelerator
 
     def machine(te: str, cudnn: int | None = 91500, **kw) -> Accelerator:
@@ -156,8 +156,7 @@ def test_the_backend_decision_for_sinks():
             precision=kw.pop("precision", "bf16"),
             packed=packed,
             accelerator=accelerator,
-            head_dim=64,
-            attention_sinks=True,
+            features=AttentionFeatures(head_dim=64, attention_sinks=True),
             **kw,
         )
 

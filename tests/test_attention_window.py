@@ -21,7 +21,7 @@ from megatron_kto.models.attention import SDPAttention
 from megatron_kto.models.builder import ParallelLayout, make_transformer_config
 from megatron_kto.models.cp_attention import prefix_causal_attention
 from megatron_kto.runtime import init_runtime, teardown
-from megatron_kto.runtime.attention_backend import choose_attention_backend
+from megatron_kto.runtime.attention_backend import AttentionFeatures, choose_attention_backend
 from megatron_kto.runtime.gpu_settings import Accelerator
 
 WINDOW, HEADS, GROUPS, DIM = 5, 4, 2, 16
@@ -130,7 +130,8 @@ def test_a_context_parallel_chunk_sees_its_window(runtime, window, lower_right_m
 
 def test_the_backend_decision_for_windows():
     te = Accelerator(cuda=True, transformer_engine="2.11.0")
-    common = dict(precision="bf16", packed=False, head_dim=64, sliding_window=True)
+    window = AttentionFeatures(head_dim=64, sliding_window=True)
+    common = dict(precision="bf16", packed=False, features=window)
     assert choose_attention_backend("auto", accelerator=te, **common).backend == "te"
     cp2 = choose_attention_backend("auto", accelerator=te, context_parallel_size=2, **common)
     assert cp2.backend == "sdpa" and "sliding windows" in cp2.reason
@@ -145,7 +146,8 @@ def test_te_fused_window_needs_no_attention_dropout():
     flash-attn 2.3+ either way: with dropout and no flash-attn `auto` keeps SDPA and says why;
     an explicit te still runs (unfused, unpacked) — packed on 2.9 nothing does."""
     te = Accelerator(cuda=True, transformer_engine="2.9.0")
-    common = dict(precision="bf16", head_dim=64, sliding_window=True, attention_dropout=0.1)
+    features = AttentionFeatures(head_dim=64, sliding_window=True, attention_dropout=0.1)
+    common = dict(precision="bf16", features=features)
     auto = choose_attention_backend("auto", accelerator=te, packed=True, **common)
     assert auto.backend == "sdpa" and "without attention dropout" in auto.reason
     assert choose_attention_backend("te", accelerator=te, packed=False, **common).backend == "te"
@@ -155,7 +157,7 @@ def test_te_fused_window_needs_no_attention_dropout():
     assert (
         choose_attention_backend("auto", accelerator=flash, packed=True, **common).backend == "te"
     )
-    no_window = {**common, "sliding_window": False}
+    no_window = {**common, "features": AttentionFeatures(head_dim=64, attention_dropout=0.1)}
     assert (
         choose_attention_backend("auto", accelerator=te, packed=True, **no_window).backend == "te"
     )

@@ -218,3 +218,39 @@ def test_explicit_te_in_fp32_with_packing_runs_on_te_2_11(monkeypatch):
     cfg = _compose(["model.attention_backend=te"])
     assert attention_choice(cfg).backend == "te"
     assert attention_choice(_compose([])).backend == "sdpa"  # auto keeps SDPA in fp32
+
+
+def test_the_start_up_check_and_the_builder_read_the_same_attention_features(monkeypatch):
+    """One `AttentionFeatures` for every caller: composed with a sliding window, attention
+    dropout and gated DeltaNet layers, the config's features are the architecture's, and the
+    start-up check (from the config) and the model builder (from the `GPTArchitecture`) decide
+    alike. On TE 2.9 without flash-attn a window with dropout has no fused kernel, so bf16 `auto`
+    keeps SDPA (it would be TE without the dropout), and both name the DeltaNet kernels."""
+    import dataclasses
+
+    from megatron_kto.config.schema import architecture_of
+    from megatron_kto.models import builder
+    from megatron_kto.runtime.attention_backend import AttentionFeatures
+
+    _state(monkeypatch, TE_2_9)
+    cfg = _compose(
+        [
+            "trainer.precision=bf16",
+            "model.sliding_window=8",
+            "model.attention_dropout=0.1",
+            "model.linear_attention_freq=[1,0]",
+        ]
+    )
+    arch = architecture_of(cfg.model)
+    features = AttentionFeatures.of(arch)
+    assert features == AttentionFeatures(
+        head_dim=16, sliding_window=True, attention_dropout=0.1, linear_attention=True
+    )
+    at_start = attention_choice(cfg)
+    assert at_start.backend == "sdpa" and "without attention dropout" in at_start.reason
+    assert at_start.deltanet == "torch" and "fla is not installed" in at_start.deltanet_reason
+    layout = builder.ParallelLayout(precision="bf16", pack_sequences=True)
+    assert builder.attention_choice(arch, layout) == at_start
+    arch.attention_dropout = 0.0
+    assert AttentionFeatures.of(arch) == dataclasses.replace(features, attention_dropout=0.0)
+    assert builder.attention_choice(arch, layout).backend == "te"

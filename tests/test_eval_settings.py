@@ -30,11 +30,12 @@ def _state(monkeypatch, machine: Accelerator) -> None:
     monkeypatch.setattr(Accelerator, "detect", classmethod(lambda cls, read_device=False: machine))
 
 
-def _policy(tmp_path: Path, precision: str | None) -> Path:
+def _policy(tmp_path: Path, precision: str | None, arch: GPTArchitecture | None = None) -> Path:
     """A checkpoint directory as the tool reads it: architecture.json and the run's config."""
     policy = tmp_path / "policy"
     policy.mkdir()
-    (policy / "architecture.json").write_text(json.dumps(GPTArchitecture().to_dict()))
+    arch = arch or GPTArchitecture()
+    (policy / "architecture.json").write_text(json.dumps(arch.to_dict()))
     trainer = f"trainer:\n  precision: '{precision}'\n" if precision else ""
     (policy / "config.yaml").write_text(
         f"{trainer}pretrained_checkpoint:\n  restore_from_path: {policy}\n"
@@ -71,6 +72,27 @@ def test_fp32_evaluation_on_te_2_9_uses_sdpa(monkeypatch, tmp_path):
     assert fp32.describe().startswith("sdpa (Transformer Engine 2.9.0: its flash and fused")
     (tmp_path / "b").mkdir()
     assert tool.choose_attention(_settings(_policy(tmp_path / "b", "bf16"))).backend == "te"
+
+
+def test_the_tool_decides_from_the_models_whole_attention(monkeypatch, tmp_path):
+    """As the model builder will: a sliding window with attention dropout has no fused TE kernel
+    without flash-attn (bf16 `auto` keeps SDPA, an explicit te cannot take it packed), and gated
+    DeltaNet layers name their kernels in the line the tool prints."""
+    from megatron_kto.models import builder
+
+    _state(monkeypatch, TE_2_9)
+    arch = GPTArchitecture(
+        sliding_window=8, attention_dropout=0.1, linear_attention_freq=[1, 0], vocab_size=128
+    )
+    choice = tool.choose_attention(_settings(_policy(tmp_path, "bf16", arch)))
+    assert choice.backend == "sdpa" and "without attention dropout" in choice.reason
+    assert "; gated DeltaNet: torch (" in choice.describe()
+    layout = builder.ParallelLayout(precision="bf16", pack_sequences=True)
+    assert builder.attention_choice(arch, layout) == choice
+    (tmp_path / "te").mkdir()
+    settings = _settings(_policy(tmp_path / "te", "bf16", arch), "--attention-backend", "te")
+    with pytest.raises(tool.UsageError, match=r"^--attention-backend: 'te' cannot run bf16 \+"):
+        tool.choose_attention(settings)
 
 
 def test_impossible_explicit_backend_names_the_flags(monkeypatch, tmp_path):

@@ -124,17 +124,14 @@ def test_fla_calls_equal_ours_with_row_boundaries(stand_in_fla, packed):
 def test_backend_decision_picks_fla_only_on_an_accelerator_with_fla():
     from megatron_kto.models.gated_delta_net import PortableGatedDeltaNet
     from megatron_kto.models.hybrid import hybrid_layer_spec
-    from megatron_kto.runtime.attention_backend import (
-        choose_attention_backend,
-        with_deltanet_kernels,
-    )
+    from megatron_kto.runtime.attention_backend import AttentionFeatures, choose_attention_backend
     from megatron_kto.runtime.gpu_settings import Accelerator
 
     def choose(accelerator, linear=True):
-        choice = choose_attention_backend(
-            "auto", precision="bf16", packed=True, accelerator=accelerator, head_dim=128
+        features = AttentionFeatures(head_dim=128, linear_attention=linear)
+        return choose_attention_backend(
+            "auto", precision="bf16", packed=True, accelerator=accelerator, features=features
         )
-        return with_deltanet_kernels(choice, accelerator) if linear else choice
 
     gpu = choose(Accelerator(cuda=True, fla=True))
     assert gpu.deltanet == "fla" and "cu_seqlens" in gpu.note("auto")

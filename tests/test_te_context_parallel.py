@@ -196,15 +196,15 @@ def test_the_run_sends_both_kinds_of_micro_batch_to_te_under_cp(packed):
     packed micro-batches alike (the image's TE, as `test_attention_backend_matrix` states it)."""
     from te_standin import image_te_version
 
-    from megatron_kto.runtime.attention_backend import choose_attention_backend
+    from megatron_kto.runtime.attention_backend import AttentionFeatures, choose_attention_backend
     from megatron_kto.runtime.gpu_settings import Accelerator
 
     hopper = Accelerator(
         cuda=True, transformer_engine=image_te_version(), compute_capability=(9, 0)
     )
     choice = choose_attention_backend(
-        "auto", precision="bf16", packed=packed, accelerator=hopper, head_dim=64,
-        context_parallel_size=2,
+        "auto", precision="bf16", packed=packed, accelerator=hopper,
+        features=AttentionFeatures(head_dim=64), context_parallel_size=2,
     )  # fmt: skip
     assert choice.backend == "te", choice
 

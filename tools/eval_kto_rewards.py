@@ -226,9 +226,9 @@ def choose_attention(settings: dict[str, Any]):
     from megatron_kto.checkpointing.locate import read_architecture
     from megatron_kto.eval.implicit_reward import PACKED_PASSES
     from megatron_kto.runtime.attention_backend import (
+        AttentionFeatures,
         SettingNames,
         choose_attention_backend,
-        head_dim_of,
     )
     from megatron_kto.runtime.gpu_settings import Accelerator
 
@@ -239,10 +239,7 @@ def choose_attention(settings: dict[str, Any]):
             precision=settings["precision"],
             packed=PACKED_PASSES,
             accelerator=Accelerator.detect(),
-            head_dim=head_dim_of(arch),
-            sliding_window=bool(arch.sliding_window),
-            attention_sinks=bool(arch.attention_sinks),
-            latent_attention=arch.multi_latent_attention,
+            features=AttentionFeatures.of(arch),
             context_parallel_size=settings["context_parallel_size"],
             names=SettingNames("--attention-backend", "--precision", packing=None),
         )

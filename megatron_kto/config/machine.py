@@ -57,32 +57,25 @@ def attention_choice(cfg: Any, accelerator: Any = None) -> Any:
         ConfigError: the configured backend cannot run here, or nothing can (one line naming
             the key and what to set instead).
     """
+    from megatron_kto.config.schema import architecture_of
     from megatron_kto.runtime.attention_backend import (
+        AttentionFeatures,
         choose_attention_backend,
-        head_dim_of,
-        with_deltanet_kernels,
     )
     from megatron_kto.runtime.gpu_settings import Accelerator
 
     m = cfg.model
-    accelerator = accelerator or Accelerator.detect()
+    features = AttentionFeatures.of(architecture_of(m))
     try:
-        choice = choose_attention_backend(
+        return choose_attention_backend(
             m.attention_backend,
             precision=canonical_precision(cfg.trainer.precision),
             packed=m.data.pack_sequences,
-            accelerator=accelerator,
-            head_dim=head_dim_of(m),
-            sliding_window=bool(m.sliding_window),
-            attention_sinks=bool(m.attention_sinks),
-            attention_dropout=float(m.attention_dropout or 0.0),
-            latent_attention=bool(m.multi_latent_attention),
+            accelerator=accelerator or Accelerator.detect(),
+            features=features,
             sequence_parallel=m.sequence_parallel,
             context_parallel_size=m.context_parallel_size,
         )
     except ValueError as e:
         # The message already starts with the key.
         raise ConfigError(str(e)) from e
-    if any(m.linear_attention_freq or []):
-        choice = with_deltanet_kernels(choice, accelerator)
-    return choice

@@ -33,9 +33,8 @@ from megatron_kto.models.layer_specs import decoder_block_spec
 from megatron_kto.models.mla import mla_transformer_config
 from megatron_kto.runtime.attention_backend import (
     AttentionChoice,
+    AttentionFeatures,
     choose_attention_backend,
-    head_dim_of,
-    with_deltanet_kernels,
 )
 from megatron_kto.runtime.gpu_settings import Accelerator, fusion_settings
 from megatron_kto.runtime.precision import precision_dtype
@@ -234,23 +233,18 @@ def attention_choice(arch: GPTArchitecture, layout: ParallelLayout) -> Attention
         ValueError: the layout's explicit backend cannot run here (one line naming the key).
     """
 
+    features = AttentionFeatures.of(arch)
+
     def choose(accelerator: Accelerator) -> AttentionChoice:
-        choice = choose_attention_backend(
+        return choose_attention_backend(
             layout.attention_backend,
             precision=layout.precision,
             packed=layout.pack_sequences,
             accelerator=accelerator,
-            head_dim=head_dim_of(arch),
-            sliding_window=bool(arch.sliding_window),
-            attention_sinks=arch.attention_sinks,
-            attention_dropout=arch.attention_dropout,
-            latent_attention=arch.multi_latent_attention,
+            features=features,
             sequence_parallel=layout.sequence_parallel,
             context_parallel_size=layout.context_parallel_size,
         )
-        if arch.has_linear_attention():
-            choice = with_deltanet_kernels(choice, accelerator)
-        return choice
 
     accelerator = Accelerator.detect(read_device=True)
     choice = choose(accelerator)

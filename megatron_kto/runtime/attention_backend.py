@@ -2,9 +2,11 @@
 
 `choose_attention_backend` is a pure function of the request (`model.attention_backend`), the
 precision, packing, the machine (`gpu_settings.Accelerator`: CUDA, Transformer Engine version),
-the context-parallel size, sequence parallelism, the head dimension, sliding windows, attention
-sinks and multi-latent attention, so tests can state any machine. `auto` never returns a backend that cannot run the configuration; an explicit
-choice that cannot run is a `ValueError` whose one-line message names the key and what to set.
+the context-parallel size, sequence parallelism and the model's attention
+(`attention_features.AttentionFeatures`: head dimension, sliding windows, attention sinks,
+multi-latent attention, gated DeltaNet layers), so tests can state any machine. `auto` never
+returns a backend that cannot run the configuration; an explicit choice that cannot run is a
+`ValueError` whose one-line message names the key and what to set.
 
 What Transformer Engine can run, from its `get_attention_backend`
 (`pytorch/attention/dot_product_attention/utils.py`) and cuDNN's support check
@@ -91,21 +93,20 @@ explicit `te` is an error (on TE < 2.11) — never a crash at the first forward.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
+from megatron_kto.runtime.attention_features import AttentionFeatures
 from megatron_kto.runtime.gpu_settings import Accelerator
 
 __all__ = [
     "ATTENTION_BACKENDS",
     "AttentionChoice",
+    "AttentionFeatures",
     "CONFIG_NAMES",
     "SettingNames",
     "choose_attention_backend",
     "deltanet_kernels",
-    "head_dim_of",
-    "with_deltanet_kernels",
 ]
 
 #: `model.attention_backend` values.
@@ -160,11 +161,6 @@ class AttentionChoice:
         return f"{_KEY}={request}: {self.describe()}"
 
 
-def head_dim_of(model: Any) -> int:
-    """Per-head dimension of anything with the GPTArchitecture fields."""
-    return model.kv_channels or model.hidden_size // model.num_attention_heads
-
-
 def _te_version(accelerator: Accelerator) -> Version | None:
     try:
         return Version(accelerator.transformer_engine or "")
@@ -185,17 +181,12 @@ class _TECapability:
 
 
 def _te_capability(
-    accelerator: Accelerator,
-    precision: str,
-    packed: bool,
-    head_dim: int,
-    cp: int,
-    window_dropout: bool = False,
-    sinks: bool = False,
+    accelerator: Accelerator, precision: str, packed: bool, cp: int, features: AttentionFeatures
 ) -> _TECapability:
     """What TE (usable on this machine) can do for the configuration; see the module tables
-    (`window_dropout`: a sliding window with attention dropout, which only flash-attn fuses;
-    `sinks`: learnable softmax, never in flash-attn)."""
+    (a sliding window with attention dropout only flash-attn fuses; learnable softmax, for
+    sinks, never is in flash-attn)."""
+    head_dim, sinks = features.head_dim, features.attention_sinks
     version = _te_version(accelerator)
     named = f"Transformer Engine {accelerator.transformer_engine}"
     if sinks and (version is None or version < TE_SINKS_SINCE):
@@ -208,7 +199,7 @@ def _te_capability(
     # Packed input: cuDNN's THD kernels need sm90+, flash-attn takes it on sm80+. An unread GPU
     # (start-up check, before CUDA is initialised) is assumed able; the builder checks again.
     packed_kernel = not packed or flash or capability is None or capability >= HOPPER
-    window_kernel = not window_dropout or flash
+    window_kernel = not features.window_dropout or flash
     sink_kernel, no_sink_kernel = (
         _sink_kernel(accelerator, version, packed) if sinks else (True, "")
     )
@@ -315,13 +306,6 @@ class SettingNames:
 CONFIG_NAMES = SettingNames()
 
 
-def with_deltanet_kernels(choice: AttentionChoice, accelerator: Accelerator) -> AttentionChoice:
-    """`choice` with the gated DeltaNet kernels of a hybrid model (`deltanet_kernels`) — the
-    same decision, one start-up note."""
-    kernels, why = deltanet_kernels(accelerator)
-    return replace(choice, deltanet=kernels, deltanet_reason=why)
-
-
 def deltanet_kernels(accelerator: Accelerator) -> tuple[str, str]:
     """(kernels, reason) of gated DeltaNet layers: `fla`'s (flash-linear-attention: Triton
     chunked delta rule and causal convolution, variable-length through `cu_seqlens`) on an
@@ -339,13 +323,9 @@ def choose_attention_backend(
     precision: str,
     packed: bool,
     accelerator: Accelerator,
-    head_dim: int,
+    features: AttentionFeatures,
     context_parallel_size: int = 1,
     sequence_parallel: bool = False,
-    sliding_window: bool = False,
-    attention_sinks: bool = False,
-    attention_dropout: float = 0.0,
-    latent_attention: bool = False,
     names: SettingNames = CONFIG_NAMES,
 ) -> AttentionChoice:
     """The attention backend for a configuration on a machine.
@@ -355,20 +335,15 @@ def choose_attention_backend(
         precision: canonical `trainer.precision`: '32', 'bf16' or '16'.
         packed: micro-batches are packed (`model.data.pack_sequences`; THD for TE).
         accelerator: the machine (`Accelerator.detect()`, or stated by a test).
-        head_dim: per-head dimension (`head_dim_of`).
+        features: the model's attention (`AttentionFeatures.of(arch)`).
         context_parallel_size: CP degree (`model.context_parallel_size`).
         sequence_parallel: megatron sequence parallelism; no backend restricts it (the module
             docstring says why), taken so that callers state the whole layout.
-        sliding_window: some layers attend within a sliding window (`model.sliding_window`).
-        attention_sinks: a learned sink logit per head (`model.attention_sinks`, GPT-OSS):
-            `sdpa`, or TE where its learnable softmax runs (module docstring); never under CP.
-        attention_dropout: `model.attention_dropout`; with a sliding window, TE's fused
-            attention needs it 0 (flash-attn takes either).
-        latent_attention: multi-latent attention (DeepSeek-V3, `models.mla`): `sdpa` only.
         names: how messages spell the settings (config keys by default).
 
     Returns:
-        The backend and a one-clause reason.
+        The backend and a one-clause reason; with gated DeltaNet layers also their kernels
+        (`deltanet_kernels`), so one start-up note says both.
 
     Raises:
         ValueError: one line starting with the setting's name: an unknown backend, an explicit
@@ -376,25 +351,32 @@ def choose_attention_backend(
             set instead.
     """
     del sequence_parallel  # restricts no backend (module docstring)
+    choice = _choose(
+        request, precision, packed, accelerator, features, context_parallel_size, names
+    )
+    if not features.linear_attention:
+        return choice
+    kernels, why = deltanet_kernels(accelerator)
+    return replace(choice, deltanet=kernels, deltanet_reason=why)
+
+
+def _choose(
+    request: str,
+    precision: str,
+    packed: bool,
+    accelerator: Accelerator,
+    features: AttentionFeatures,
+    cp: int,
+    names: SettingNames,
+) -> AttentionChoice:
+    """`choose_attention_backend` without the gated DeltaNet kernels."""
     key = names.backend
     if request not in ATTENTION_BACKENDS:
         raise ValueError(f"{key}: must be one of {list(ATTENTION_BACKENDS)}, got {request!r}")
-    cp = context_parallel_size
+    sliding_window, attention_sinks = features.sliding_window, features.attention_sinks
     what = _describe(precision, packed, cp)
     te_usable = accelerator.has_transformer_engine
-    te = (
-        _te_capability(
-            accelerator,
-            precision,
-            packed,
-            head_dim,
-            cp,
-            sliding_window and attention_dropout > 0,
-            attention_sinks,
-        )
-        if te_usable
-        else None
-    )
+    te = _te_capability(accelerator, precision, packed, cp, features) if te_usable else None
 
     if request == "local" and packed:
         where = names.packing or key
@@ -409,7 +391,7 @@ def choose_attention_backend(
             f"{key}: 'local' (megatron's unfused attention) cannot run sliding-window attention "
             f"(model.sliding_window) here; set {names.set(key, 'sdpa')} (or auto)"
         )
-    if latent_attention:  # models/mla.py builds it on our SDPA core attention only
+    if features.latent_attention:  # models/mla.py builds it on our SDPA core attention only
         if request == "te":
             raise ValueError(
                 f"{key}: 'te' does not run our multi-latent attention (DeepSeek-V3: a value head "
