@@ -50,6 +50,17 @@ LAYOUTS = {"tp2": (2, 1, 1), "ep2": (1, 1, 2), "pp2": (1, 2, 1)}
 GRAD_LAYOUTS = {"grads_tp2_sp": True}
 
 
+#: Run-config overrides of a small MLA model without a query bottleneck.
+MLA_RUN = [
+    "model.multi_latent_attention=true",
+    "model.kv_lora_rank=16",
+    "model.qk_nope_head_dim=8",
+    "model.qk_rope_head_dim=8",
+    "model.v_head_dim=8",
+    "model.kv_channels=16",
+]
+
+
 def _hf_configs() -> dict[str, object]:
     from transformers import DeepseekV3Config
 
@@ -379,14 +390,7 @@ def test_run_config_refuses_what_mla_does_not_run(overrides, match):
     from megatron_kto.entry import compose_run_config
 
     register()
-    mla = [
-        "model.multi_latent_attention=true",
-        "model.kv_lora_rank=16",
-        "model.qk_nope_head_dim=8",
-        "model.qk_rope_head_dim=8",
-        "model.v_head_dim=8",
-        "model.kv_channels=16",
-    ]
+    mla = MLA_RUN
     compose_run_config("gpt_kto", mla, "kto", world_size=2)  # valid as it is, and at TP=2 x SP
     tp2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
     compose_run_config("gpt_kto", mla + tp2, "kto", world_size=2)

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 from multirank import run_multirank
-from test_deepseek_v3 import MODELS, _grad_errors, _hf_configs, _loss_grads
+from test_deepseek_v3 import MLA_RUN, MODELS, _grad_errors, _hf_configs, _loss_grads
 from test_glm4_moe import (
     _forward,
     _reference_logprobs,
@@ -202,15 +202,7 @@ def test_a_projection_the_model_lacks_is_refused_in_one_line():
     from megatron_kto.entry import compose_run_config
 
     register()
-    plain = [
-        "model.multi_latent_attention=true",
-        "model.kv_lora_rank=16",
-        "model.qk_nope_head_dim=8",
-        "model.qk_rope_head_dim=8",
-        "model.v_head_dim=8",
-        "model.kv_channels=16",
-        "model.peft.peft_scheme=lora",
-    ]
+    plain = [*MLA_RUN, "model.peft.peft_scheme=lora"]
     targets = "model.peft.lora_tuning.target_modules"
     compose_run_config(
         "gpt_kto", [*plain, f"{targets}=[q_proj,kv_b_proj,o_proj]"], "kto", world_size=1

@@ -19,20 +19,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from e2e_cli import KTO_SCRIPT, read_metrics, run_script
+from e2e_cli import read_metrics
 from hf_tiny import write_kto_rows
 from test_deepseek_v3_trl_parity import _make_deepseek
-from trl_harness import (
-    BETA,
-    CLIP,
-    EPS,
-    LR,
-    LoRARun,
-    imported_run,
-    start_adapter,
-    trl_lora_trajectory,
-    trl_optimizer_overrides,
-)
+from trl_harness import LoRARun, our_lora_run, start_adapter, trl_lora_trajectory
 
 pytestmark = pytest.mark.e2e
 trl = pytest.importorskip("trl")
@@ -51,23 +41,9 @@ def runs(tmp_path_factory):
     _make_deepseek(root / "hf")
     write_kto_rows(root / "train.jsonl", 0, 64)
     adapter = start_adapter(root, LORA)
-    run_script(
-        KTO_SCRIPT,
-        [
-            *imported_run(root, "ours", start="hf"),
-            f"trainer.kto.max_steps={STEPS}",
-            f"trainer.kto.gradient_clip_val={CLIP}",
-            f"model.global_batch_size={BATCH}",
-            "model.micro_batch_size=4",
-            f"model.kto.ref_policy_kl_penalty={BETA}",
-            *trl_optimizer_overrides(LR, EPS),
-            *LORA.overrides(adapter),
-            "model.peft.reference=base",
-            "exp_manager.save_hf=true",
-            "exp_manager.save_hf_merged=true",
-        ],
-        timeout=600,
-    )
+    outputs = ["exp_manager.save_hf=true", "exp_manager.save_hf_merged=true"]
+    extra = ["model.peft.reference=base", *outputs]
+    our_lora_run(root, "ours", LORA, adapter, STEPS, BATCH, extra, start="hf")
     trl_losses, trl_state = trl_lora_trajectory(root, adapter, "base", LORA, STEPS, BATCH)
     start = load_file(str(adapter / "adapter_model.safetensors"))
     return root, read_metrics(root / "ours"), trl_losses, trl_state, start

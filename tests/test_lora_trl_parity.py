@@ -37,19 +37,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_cli import KTO_SCRIPT, REPO, read_metrics, run_script
+from e2e_cli import REPO, read_metrics, run_script
 from hf_tiny import make_hf_chat_model, write_kto_rows
-from trl_harness import (
-    BETA,
-    CLIP,
-    EPS,
-    LR,
-    LoRARun,
-    imported_run,
-    start_adapter,
-    trl_lora_trajectory,
-    trl_optimizer_overrides,
-)
+from trl_harness import LoRARun, our_lora_run, start_adapter, trl_lora_trajectory
 
 pytestmark = pytest.mark.e2e
 trl = pytest.importorskip("trl")
@@ -63,20 +53,7 @@ WEIGHT_RTOL = 1e-4
 
 
 def _ours(root: Path, name: str, adapter: Path, extra: list[str]) -> None:
-    run_script(
-        KTO_SCRIPT,
-        [
-            *imported_run(root, name),
-            f"trainer.kto.max_steps={STEPS}",
-            f"trainer.kto.gradient_clip_val={CLIP}",
-            f"model.global_batch_size={BATCH}",
-            "model.micro_batch_size=4",
-            f"model.kto.ref_policy_kl_penalty={BETA}",
-            *trl_optimizer_overrides(LR, EPS),
-            *LORA.overrides(adapter),
-            *extra,
-        ],
-    )
+    our_lora_run(root, name, LORA, adapter, STEPS, BATCH, extra)
 
 
 def _exported(root: Path, run: str) -> dict[str, torch.Tensor]:

@@ -322,6 +322,38 @@ class LoRARun:
         ]
 
 
+def our_lora_run(
+    root: Path,
+    name: str,
+    lora: LoRARun,
+    adapter: Path,
+    steps: int,
+    batch: int,
+    extra: tuple[str, ...] | list[str] = (),
+    start: str = "mcore",
+) -> None:
+    """Our KTO run (`examples/train_gpt_kto.py` from `root/<start>`, `imported_run`) of `steps`
+    steps of `batch` rows in micro-batches of 4 with `lora` from the `peft` adapter `adapter`,
+    β / lr / ε / clip as `trl_lora_trajectory`, then `extra` overrides; logs to `root/<name>`."""
+    from e2e_cli import KTO_SCRIPT, run_script
+
+    run_script(
+        KTO_SCRIPT,
+        [
+            *imported_run(root, name, start),
+            f"trainer.kto.max_steps={steps}",
+            f"trainer.kto.gradient_clip_val={CLIP}",
+            f"model.global_batch_size={batch}",
+            "model.micro_batch_size=4",
+            f"model.kto.ref_policy_kl_penalty={BETA}",
+            *trl_optimizer_overrides(LR, EPS),
+            *lora.overrides(adapter),
+            *extra,
+        ],
+        timeout=600,
+    )
+
+
 def start_adapter(root: Path, lora: LoRARun) -> Path:
     """A `peft` adapter of `lora` on `root/hf` with a non-zero B (0.05·N(0, 1), seed 0), saved
     to `root/adapter0` (returned)."""

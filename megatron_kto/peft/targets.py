@@ -248,10 +248,16 @@ def check_moe_targets(names: list[str], arch: Any) -> None:
         for p in t.projections
     ]
     if mlp:
+        attention = "/".join(
+            p
+            for linear, ps in linear_projections(arch).items()
+            if "attention" in linear
+            for p in ps
+        )
         raise ValueError(
             f"{list(names)} adapts the MLP ({', '.join(mlp)}), whose experts take no adapters in "
             "a mixture-of-experts model; target the attention only (attention_qkv, "
-            "attention_dense, attention or q_proj/k_proj/v_proj/o_proj)"
+            f"attention_dense, attention or {attention})"
         )
 
 
