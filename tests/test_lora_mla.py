@@ -232,3 +232,21 @@ def test_targets_resolve_to_the_mla_linears():
     assert qkv == ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj"]
     dense = [t.linear for t in resolve_targets(["attention_dense"], plain)]
     assert dense == ["self_attention.linear_proj"]
+
+
+def test_all_adapts_the_dense_mlp_and_refuses_the_experts():
+    """`all` on an MLA model: its attention projections plus a dense MLP's; on a model with
+    routed experts the MLP part is refused (as for every MoE family), naming its projections."""
+    import dataclasses
+
+    from megatron_kto.conversion.hf_config import architecture_from_hf
+    from megatron_kto.peft.targets import check_moe_targets, resolve_targets
+
+    moe = architecture_from_hf(_hf_configs()["plain"].to_dict())
+    dense = dataclasses.replace(moe, num_moe_experts=None, moe_layer_freq=None)
+    everything = [p for t in resolve_targets(["all"], dense) for p in t.projections]
+    assert everything == [*PROJECTIONS["plain"], "gate_proj", "up_proj", "down_proj"]
+    check_moe_targets(["all"], dense)
+    check_moe_targets(["attention"], moe)
+    with pytest.raises(ValueError, match=r"or q_proj/kv_a_proj_with_mqa/kv_b_proj/o_proj\)$"):
+        check_moe_targets(["all"], moe)
