@@ -43,10 +43,12 @@ from e2e_cli import KTO_SCRIPT, REPO, launch, read_metrics, run_script
 from hf_tiny import make_hf_qwen3_moe, write_kto_rows
 from multirank import run_multirank
 from trl_harness import (
+    LoRARun,
     imported_run,
     in_order_trainer,
     kl_aligned_dataset,
     kto_args,
+    start_adapter,
     trl_optimizer_overrides,
 )
 
@@ -81,22 +83,6 @@ RUNS = {
 }
 #: Runs trained in two legs: half the steps, then resumed from that checkpoint.
 RESUMED = ("ep2_dp2",)
-
-
-def _initial_adapter(root: Path) -> Path:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
-    config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=PROJECTIONS)
-    model = get_peft_model(base, config)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(root / "adapter0")
-    return root / "adapter0"
 
 
 def _trl(root: Path, coef: float | None) -> tuple[list[dict], dict[str, torch.Tensor]]:
@@ -191,7 +177,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_moe")
     make_hf_qwen3_moe(root / "hf", AUX_COEF)
     write_kto_rows(root / "train.jsonl", 0, ROWS)
-    _initial_adapter(root)
+    start_adapter(root, LoRARun(tuple(PROJECTIONS), RANK, ALPHA))
     run_script(TOOL, ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "mcore")])
     for name, (nproc, extra) in RUNS.items():
         legs = [[f"trainer.kto.max_steps={STEPS // 2}"], []] if name in RESUMED else [[]]

@@ -37,15 +37,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_cli import KTO_SCRIPT, REPO, read_metrics, run_script
+from e2e_cli import REPO, read_metrics, run_script
 from hf_tiny import make_hf_chat_model, write_kto_rows
-from trl_harness import (
-    imported_run,
-    in_order_trainer,
-    kl_aligned_dataset,
-    kto_args,
-    trl_optimizer_overrides,
-)
+from trl_harness import LoRARun, our_lora_run, start_adapter, trl_lora_trajectory
 
 pytestmark = pytest.mark.e2e
 trl = pytest.importorskip("trl")
@@ -53,82 +47,13 @@ pytest.importorskip("peft")
 
 TOOL = REPO / "tools" / "convert_checkpoint.py"
 STEPS, BATCH, ROWS = 4, 8, 64
-BETA, LR, EPS, CLIP = 0.1, 1e-3, 1e-5, 1.0
-RANK, ALPHA = 4, 8
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = LoRARun(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 LOSS_RTOL = 1e-5
 WEIGHT_RTOL = 1e-4
 
 
-def _initial_adapter(root: Path) -> Path:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
-    config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=PROJECTIONS)
-    model = get_peft_model(base, config)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(root / "adapter0")
-    return root / "adapter0"
-
-
-def _trl(root: Path, adapter: Path, reference: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    from peft import LoraConfig, PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    data = kl_aligned_dataset(root / "train.jsonl", BATCH)
-    base = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(root / "hf")
-    InOrder = in_order_trainer()  # noqa: N806 (a class)
-    args = kto_args(root / "trl", batch=BATCH, steps=STEPS, lr=LR, eps=EPS, clip=CLIP, beta=BETA)
-    if reference == "start":
-        # A wrapped PeftModel without peft_config / ref_model: TRL's reference is base + a
-        # frozen "ref" copy of the starting adapter.
-        model = PeftModel.from_pretrained(base, adapter, is_trainable=True)
-        trainer = InOrder(model=model, args=args, train_dataset=data, processing_class=tokenizer)
-        assert set(trainer.model.peft_config) == {"default", "ref"}
-    else:
-        lora = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=PROJECTIONS)
-        trainer = InOrder(
-            model=base, args=args, train_dataset=data, processing_class=tokenizer, peft_config=lora
-        )
-        weights = load_file(str(adapter / "adapter_model.safetensors"))
-        result = set_peft_model_state_dict(trainer.model, weights)
-        assert not result.unexpected_keys
-    model = trainer.model
-    trainer.train()
-    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    state = {
-        k.replace(".default", ""): v.detach().clone()
-        for k, v in get_peft_model_state_dict(model).items()
-    }
-    return losses, state
-
-
 def _ours(root: Path, name: str, adapter: Path, extra: list[str]) -> None:
-    run_script(
-        KTO_SCRIPT,
-        [
-            *imported_run(root, name),
-            f"trainer.kto.max_steps={STEPS}",
-            f"trainer.kto.gradient_clip_val={CLIP}",
-            f"model.global_batch_size={BATCH}",
-            "model.micro_batch_size=4",
-            f"model.kto.ref_policy_kl_penalty={BETA}",
-            *trl_optimizer_overrides(LR, EPS),
-            "model.peft.peft_scheme=lora",
-            f"model.peft.lora_tuning.adapter_dim={RANK}",
-            f"model.peft.lora_tuning.alpha={ALPHA}",
-            f"model.peft.lora_tuning.target_modules=[{','.join(PROJECTIONS)}]",
-            f"model.peft.restore_from_path={adapter}",
-            *extra,
-        ],
-    )
+    our_lora_run(root, name, LORA, adapter, STEPS, BATCH, extra)
 
 
 def _exported(root: Path, run: str) -> dict[str, torch.Tensor]:
@@ -144,7 +69,7 @@ def prepared(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("lora_trl")
     make_hf_chat_model(root / "hf")
     write_kto_rows(root / "train.jsonl", 0, ROWS)
-    _initial_adapter(root)
+    start_adapter(root, LORA)
     run_script(TOOL, ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "mcore")])
     return root
 
@@ -167,7 +92,7 @@ def runs(request, prepared):
     else:
         _ours(root, "ours_base", adapter, ["model.peft.reference=base"])
         metrics, ours = read_metrics(root / "ours_base"), _exported(root, "ours_base")
-    trl_losses, trl_state = _trl(root, adapter, reference)
+    trl_losses, trl_state = trl_lora_trajectory(root, adapter, reference, LORA, STEPS, BATCH)
     start = load_file(str(adapter / "adapter_model.safetensors"))
     return reference, metrics, ours, trl_losses, trl_state, start
 

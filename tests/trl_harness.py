@@ -10,6 +10,7 @@ warm-up or weight decay.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -177,14 +178,15 @@ def trl_kto_trajectory(
     return [e["loss"] for e in logged], [e["aux_loss"] for e in logged if aux], state
 
 
-def imported_run(root: Path, name: str) -> list[str]:
-    """Overrides of a fp32 run of the entry script from the imported `root/mcore` on
-    `root/train.jsonl` in file order, no validation, logging to `root/<name>`."""
+def imported_run(root: Path, name: str, start: str = "mcore") -> list[str]:
+    """Overrides of a fp32 run of the entry script from the imported `root/mcore` (or another
+    `root/<start>`: `hf` loads the Hugging Face directory directly) on `root/train.jsonl` in file
+    order, no validation, logging to `root/<name>`."""
     from e2e_cli import QUIET
 
     return [
         *QUIET,
-        f"pretrained_checkpoint.restore_from_path={root / 'mcore'}",
+        f"pretrained_checkpoint.restore_from_path={root / start}",
         f"model.data.data_prefix.train=[{root / 'train.jsonl'}]",
         "model.data.data_prefix.validation=[]",
         "model.data.shuffle=false",
@@ -290,3 +292,128 @@ def assert_same_trajectory(
     assert worst <= weight_atol
     named = [k for k in ours if any(m in k for m in moving)]
     assert named and all(moved[k] > 100 * weight_atol for k in named)
+
+
+# LoRA trajectories: `peft` adapters on both sides (rank, alpha and targets as `LoRARun` says).
+@dataclass(frozen=True)
+class LoRARun:
+    """A LoRA run's adapter shape: `peft` target module names, rank, alpha (dropout 0)."""
+
+    targets: tuple[str, ...]
+    rank: int = 4
+    alpha: int = 8
+
+    def peft_config(self):
+        """The `peft` `LoraConfig` of these adapters."""
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.rank, lora_alpha=self.alpha, lora_dropout=0.0, target_modules=list(self.targets)
+        )
+
+    def overrides(self, adapter: Path) -> list[str]:
+        """Our run's keys for these adapters, starting from the `peft` directory `adapter`."""
+        return [
+            "model.peft.peft_scheme=lora",
+            f"model.peft.lora_tuning.adapter_dim={self.rank}",
+            f"model.peft.lora_tuning.alpha={self.alpha}",
+            f"model.peft.lora_tuning.target_modules=[{','.join(self.targets)}]",
+            f"model.peft.restore_from_path={adapter}",
+        ]
+
+
+def our_lora_run(
+    root: Path,
+    name: str,
+    lora: LoRARun,
+    adapter: Path,
+    steps: int,
+    batch: int,
+    extra: tuple[str, ...] | list[str] = (),
+    start: str = "mcore",
+) -> None:
+    """Our KTO run (`examples/train_gpt_kto.py` from `root/<start>`, `imported_run`) of `steps`
+    steps of `batch` rows in micro-batches of 4 with `lora` from the `peft` adapter `adapter`,
+    β / lr / ε / clip as `trl_lora_trajectory`, then `extra` overrides; logs to `root/<name>`."""
+    from e2e_cli import KTO_SCRIPT, run_script
+
+    run_script(
+        KTO_SCRIPT,
+        [
+            *imported_run(root, name, start),
+            f"trainer.kto.max_steps={steps}",
+            f"trainer.kto.gradient_clip_val={CLIP}",
+            f"model.global_batch_size={batch}",
+            "model.micro_batch_size=4",
+            f"model.kto.ref_policy_kl_penalty={BETA}",
+            *trl_optimizer_overrides(LR, EPS),
+            *lora.overrides(adapter),
+            *extra,
+        ],
+        timeout=600,
+    )
+
+
+def start_adapter(root: Path, lora: LoRARun) -> Path:
+    """A `peft` adapter of `lora` on `root/hf` with a non-zero B (0.05·N(0, 1), seed 0), saved
+    to `root/adapter0` (returned)."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
+    model = get_peft_model(base, lora.peft_config())
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(root / "adapter0")
+    return root / "adapter0"
+
+
+def trl_lora_trajectory(
+    root: Path, adapter: Path, reference: str, lora: LoRARun, steps: int, batch: int
+) -> tuple[list[float], dict]:
+    """TRL's KTO run of `steps` steps (batches of `batch`, β / lr / ε / clip of this module)
+    from `root/hf` + the `peft` adapter `adapter`: (step losses, final adapter by peft's keys).
+
+    `reference="start"`: the wrapped `PeftModel` without `peft_config` / `ref_model`, for which
+    TRL's reference is base + a frozen "ref" copy of the starting adapter; `"base"`:
+    `peft_config=lora`, its fresh adapter overwritten with the starting one, reference = the
+    adapter disabled."""
+    import torch
+    from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = kl_aligned_dataset(root / "train.jsonl", batch)
+    base = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(root / "hf")
+    trainer_class = in_order_trainer()
+    args = kto_args(root / "trl", batch=batch, steps=steps, lr=LR, eps=EPS, clip=CLIP, beta=BETA)
+    if reference == "start":
+        model = PeftModel.from_pretrained(base, adapter, is_trainable=True)
+        trainer = trainer_class(
+            model=model, args=args, train_dataset=data, processing_class=tokenizer
+        )
+        assert set(trainer.model.peft_config) == {"default", "ref"}
+    else:
+        trainer = trainer_class(
+            model=base,
+            args=args,
+            train_dataset=data,
+            processing_class=tokenizer,
+            peft_config=lora.peft_config(),
+        )
+        weights = load_file(str(adapter / "adapter_model.safetensors"))
+        result = set_peft_model_state_dict(trainer.model, weights)
+        assert not result.unexpected_keys
+    model = trainer.model
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    state = {
+        k.replace(".default", ""): v.detach().clone()
+        for k, v in get_peft_model_state_dict(model).items()
+    }
+    return losses, state

@@ -14,12 +14,6 @@ def check_latent_attention(m: Any) -> None:
     if not m.multi_latent_attention:
         return
     need(
-        str(m.peft.peft_scheme) == "none",
-        "model.peft.peft_scheme",
-        "LoRA on multi-latent attention (DeepSeek-V3: q_a_proj, q_b_proj / q_proj, "
-        "kv_a_proj_with_mqa, kv_b_proj, o_proj) is not supported yet",
-    )
-    need(
         str(m.attention_backend) in ("auto", "sdpa"),
         "model.attention_backend",
         f"{m.attention_backend!r} cannot run multi-latent attention (DeepSeek-V3: a value head "

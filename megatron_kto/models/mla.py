@@ -26,6 +26,10 @@ by that rank's heads, so its gradient must be summed over TP — `LatentSelfAtte
 Everything else is complete per rank: the latent goes through `linear_kv_up_proj` (and the
 query latent through `linear_q_up_proj`), whose input copies all-reduce the gradient, and the
 q / kv latent norms' weights are marked `sequence_parallel` for the all-reduce under SP.
+A LoRA adapter on `linear_kv_down_proj` (`peft.lora.attach`, HF `kv_a_proj_with_mqa`) adds its
+term to this rank's output rows before the gathering hook runs (its B split like the base's
+rows), so the gathered latent and rotated key include it and the key's gradient is summed
+for the adapter as for the base.
 
 Core attention is `SDPAttention` (key head dim nope + rope, value head dim `v_head_dim`). The
 TE spec and megatron's `DotProductAttention` (no separate value head dim) are not used.

@@ -367,7 +367,8 @@ def attach(base: torch.nn.Module, adapter: LoRALinear) -> Callable[[], None]:
     the adapter and strips, so the base still returns `(output, bias)`. That norm output is this
     rank's sequence chunk under sequence parallelism (`return_layernorm_output_gathered` stays
     off: TE 2.9's backward drops the gradient of the gathered one, and the adapter gathers its
-    r-wide A output instead of the h-wide input). The remover restores TE's setting.
+    r-wide A output instead of the h-wide input). The remover restores TE's setting. The hook
+    runs before any forward hook the base already has (it adds to the base's own output).
     """
     fused = fuses_norm(base)
     if fused:
@@ -383,7 +384,10 @@ def attach(base: torch.nn.Module, adapter: LoRALinear) -> Callable[[], None]:
             return out, bias
         return out + adapter(x).to(out.dtype), bias
 
-    handle = base.register_forward_hook(hook)
+    # First among the base's forward hooks: the adapter's term is part of the linear's output
+    # that any other hook reads (multi-latent attention gathers `linear_kv_down_proj`'s output
+    # over TP in one, `models/mla.py`: the term must be in what is gathered).
+    handle = base.register_forward_hook(hook, prepend=True)
 
     def remove() -> None:
         handle.remove()

@@ -28,6 +28,12 @@ each kind: gated DeltaNet layers adapt `linear_attn.in_proj_*` (megatron's fused
 the gated `q_proj` (query and output gate per head), `k_proj`, `v_proj`, `o_proj`. In these models
 `attention_qkv` also stands for the DeltaNet input projections and `attention_dense` for
 `out_proj`; a name only one kind of layer has adapts the layers of that kind.
+
+Multi-latent attention (DeepSeek-V3, `models/mla.py`) adapts its projections by their Hugging
+Face names, read off the `deepseek_v3` table: `q_a_proj` / `q_b_proj` (with `q_lora_rank`) or
+`q_proj` (without), `kv_a_proj_with_mqa`, `kv_b_proj` — all of them `attention_qkv` — and `o_proj`
+(`attention_dense`). Each is one megatron linear of its own (`linear_q_down_proj`,
+`linear_q_up_proj` / `linear_q_proj`, `linear_kv_down_proj`, `linear_kv_up_proj`, `linear_proj`).
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_kto.config.architecture import GATED_ACTIVATIONS, IN_PROJ_NAMES
-from megatron_kto.conversion.addressing import LINEAR_MAPPINGS, Mapping
+from megatron_kto.conversion.addressing import COLUMN, LINEAR_MAPPINGS, REPLICATED, Mapping
+from megatron_kto.conversion.families.deepseek_v3 import mla_attention_mappings
 from megatron_kto.conversion.families.qwen3_next import deltanet_mappings, gated_attention_mappings
 
 #: The linears of a hybrid layer's attention that take adapters (conv1d, norms and gates do not).
@@ -72,6 +79,24 @@ def _short(modules: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
 _HYBRID_ENTRIES = tuple(e for kind in IN_PROJ_NAMES for e in _deltanet_entries(kind))
 
 
+def _mla_entries(q_lora: bool) -> tuple[Mapping, ...]:
+    """The linears of an MLA layer's attention (the tensor-parallel entries of its table: the
+    latent norms are replicated)."""
+    return tuple(e for e in mla_attention_mappings(q_lora) if e.tp_axis is not REPLICATED)
+
+
+_MLA_ENTRIES = _mla_entries(True) + _mla_entries(False)
+#: The MLA projections `attention_qkv` stands for (all but the output projection).
+_MLA_QKV = tuple(
+    dict.fromkeys(
+        h.removesuffix(".weight").rsplit(".", 1)[-1]
+        for e in _MLA_ENTRIES
+        if e.tp_axis == COLUMN
+        for h in e.hf
+    )
+)
+
+
 #: megatron linear -> its Hugging Face projections (`q_proj`, ...), fused order.
 LINEARS: dict[str, tuple[str, ...]] = _short(_linears_from_table(LINEAR_MAPPINGS))
 #: The conversion table's entry of each megatron linear's weight (fusion kind, TP axis).
@@ -81,11 +106,11 @@ ENTRIES: dict[str, Mapping] = {
 #: Hugging Face module path of each projection under `model.layers.{i}.`.
 HF_MODULES: dict[str, str] = {
     h.removesuffix(".weight").rsplit(".", 1)[-1]: h.removesuffix(".weight")
-    for entry in LINEAR_MAPPINGS + _HYBRID_ENTRIES
+    for entry in LINEAR_MAPPINGS + _HYBRID_ENTRIES + _MLA_ENTRIES
     for h in entry.hf
 }
 NEMO_NAMES: dict[str, tuple[str, ...]] = {
-    "attention_qkv": ("q_proj", "k_proj", "v_proj", *_DELTANET_IN),
+    "attention_qkv": tuple(dict.fromkeys(("q_proj", "k_proj", "v_proj", *_DELTANET_IN, *_MLA_QKV))),
     "attention_dense": ("o_proj", "out_proj"),
     "mlp_fc1": ("gate_proj", "up_proj"),
     "mlp_fc2": ("down_proj",),
@@ -106,11 +131,13 @@ class LinearTargets:
         linear: megatron path under `decoder.layers.{i}.` (e.g. `mlp.linear_fc1`).
         projections: adapted Hugging Face projections, in fused order.
         all_projections: every projection the linear fuses, in fused order.
+        column: whether the linear is column-parallel (else row-parallel), as its table says.
     """
 
     linear: str
     projections: tuple[str, ...]
     all_projections: tuple[str, ...]
+    column: bool = True
 
 
 def _is_hybrid(arch: Any) -> bool:
@@ -123,6 +150,10 @@ def layer_entries(arch: Any, layer: int | None = None) -> dict[str, Mapping]:
     """megatron linear -> its conversion entry (fusion kind, TP axis) in layer `layer` (0-based);
     None: every linear of any layer (both kinds of a hybrid model)."""
     out = {e.megatron.removesuffix(".weight"): e for e in LINEAR_MAPPINGS}
+    if getattr(arch, "multi_latent_attention", False):
+        mla = _mla_entries(getattr(arch, "q_lora_rank", None) is not None)
+        mlp = {k: v for k, v in out.items() if k.startswith("mlp.")}
+        return {**{e.megatron.removesuffix(".weight"): e for e in mla}, **mlp}
     if not _is_hybrid(arch):
         return out
     freq = list(getattr(arch, "linear_attention_freq", None) or [])
@@ -172,7 +203,7 @@ def resolve_targets(names: list[str], arch: Any, layer: int | None = None) -> li
             if name not in available:
                 raise ValueError(
                     f"{name!r}: this architecture has no such projection "
-                    f"(activation {arch.activation!r}); available: {sorted(available)}"
+                    f"({_shape_facts(arch)}); available: {sorted(available)}"
                 )
             wanted.add(name)
         else:
@@ -180,11 +211,25 @@ def resolve_targets(names: list[str], arch: Any, layer: int | None = None) -> li
             raise ValueError(f"unknown target module {name!r}; one of {known}")
     if layer is not None:
         linears = linear_projections(arch, layer)
+    entries = layer_entries(arch, layer)
     return [
-        LinearTargets(linear, tuple(p for p in projs if p in wanted), projs)
+        LinearTargets(
+            linear,
+            tuple(p for p in projs if p in wanted),
+            projs,
+            column=entries[linear].tp_axis == COLUMN,
+        )
         for linear, projs in linears.items()
         if any(p in wanted for p in projs)
     ]
+
+
+def _shape_facts(arch: Any) -> str:
+    """The architecture facts that decide which projections exist (for an error line)."""
+    facts = f"activation {arch.activation!r}"
+    if getattr(arch, "multi_latent_attention", False):
+        facts += f", multi-latent attention with q_lora_rank {arch.q_lora_rank}"
+    return facts
 
 
 def check_moe_targets(names: list[str], arch: Any) -> None:
@@ -203,10 +248,16 @@ def check_moe_targets(names: list[str], arch: Any) -> None:
         for p in t.projections
     ]
     if mlp:
+        attention = "/".join(
+            p
+            for linear, ps in linear_projections(arch).items()
+            if "attention" in linear
+            for p in ps
+        )
         raise ValueError(
             f"{list(names)} adapts the MLP ({', '.join(mlp)}), whose experts take no adapters in "
             "a mixture-of-experts model; target the attention only (attention_qkv, "
-            "attention_dense, attention or q_proj/k_proj/v_proj/o_proj)"
+            f"attention_dense, attention or {attention})"
         )
 
 
@@ -216,6 +267,8 @@ def projection_shape(name: str, arch: Any) -> tuple[int, int]:
     groups = arch.num_query_groups or heads
     head_dim = arch.kv_channels or arch.hidden_size // heads
     h, f = arch.hidden_size, arch.ffn_hidden_size
+    if getattr(arch, "multi_latent_attention", False) and name in (*_MLA_QKV, "o_proj"):
+        return _mla_projection_shape(name, arch)
     if name in _DELTANET_IN or name == "out_proj":
         qk = arch.linear_num_key_heads * arch.linear_key_head_dim
         v, hv = (
@@ -240,6 +293,20 @@ def projection_shape(name: str, arch: Any) -> tuple[int, int]:
         "gate_proj": (h, f),
         "up_proj": (h, f),
         "down_proj": (f, h),
+    }[name]
+
+
+def _mla_projection_shape(name: str, arch: Any) -> tuple[int, int]:
+    """(in, out) of a multi-latent attention projection (`models/mla.py`)."""
+    h, heads, q_rank = arch.hidden_size, arch.num_attention_heads, arch.q_lora_rank
+    nope, rope, v = arch.qk_nope_head_dim, arch.qk_rope_head_dim, arch.v_head_dim
+    return {
+        "q_proj": (h, heads * (nope + rope)),
+        "q_a_proj": (h, q_rank),
+        "q_b_proj": (q_rank, heads * (nope + rope)),
+        "kv_a_proj_with_mqa": (h, arch.kv_lora_rank + rope),
+        "kv_b_proj": (arch.kv_lora_rank, heads * (nope + v)),
+        "o_proj": (heads * v, h),
     }[name]
 
 

@@ -89,13 +89,15 @@ from megatron_kto.config.architecture import GPTArchitecture
 from megatron_kto.peft.targets import projection_shape, resolve_targets
 from megatron_kto.planning.mla import mla_largest_weight, mla_saved_bytes
 from megatron_kto.planning.model_state import (
-    COLUMN_LINEARS,
     LoRAShape,
     ParallelDims,
     layers_per_chunk,
 )
 
 ACT_BYTES = {"32": 4, "bf16": 2, "16": 2}
+#: The linears that read the attention's input norm output: full attention's QKV, multi-latent
+#: attention's query / key-value input projections.
+_NORMED_INPUT_LINEARS = {"linear_qkv", "linear_q_proj", "linear_q_down_proj", "linear_kv_down_proj"}
 #: Chunk length of the delta rule's scan (`models.delta_rule.DEFAULT_CHUNK_SIZE`; not imported:
 #: planning runs before torch is needed).
 DELTA_RULE_CHUNK = 64
@@ -184,8 +186,8 @@ def layer_bytes(
     if adapted is None:
         total = t // sp * (6 * h * e + 2 * 4)
     else:  # norm inputs and 1/rms; a norm output only as an adapted linear's input
-        qkv = "in_proj" if linear else "linear_qkv"
-        inputs = 2 + (qkv in adapted) + ("linear_fc1" in adapted)
+        qkv = {"in_proj"} if linear else _NORMED_INPUT_LINEARS
+        inputs = 2 + bool(qkv & adapted) + ("linear_fc1" in adapted)
         total = t // sp * (inputs * h * e + 2 * 4)
     if linear:
         total += deltanet_bytes(arch, dims, x)
@@ -317,7 +319,7 @@ def lora_layer_bytes(
     for target in resolve_targets(list(lora.targets), arch, layer):
         k = len(target.projections)
         fan_in = projection_shape(target.projections[0], arch)[0]
-        if target.linear in COLUMN_LINEARS:
+        if target.column:
             total += t * k * r * e + k * r * fan_in * e
             if len(target.all_projections) > 1:
                 out = sum(projection_shape(p, arch)[1] for p in target.all_projections)

@@ -66,8 +66,6 @@ from megatron_kto.peft.targets import (
 )
 from megatron_kto.planning.attention_shapes import attention_shapes, deltanet_shapes
 
-#: The column-parallel linears LoRA adapts (the others are row-parallel).
-COLUMN_LINEARS = ("self_attention.linear_qkv", "self_attention.in_proj", "mlp.linear_fc1")
 #: Bytes per element of each precision's parameters.
 PARAM_BYTES = {"32": 4, "bf16": 2, "16": 2}
 FP32 = 4
@@ -234,7 +232,7 @@ def lora_parameters(
         if index not in selected:
             continue
         for t in resolve_targets(list(lora.targets), arch, index):
-            column = t.linear in COLUMN_LINEARS
+            column = t.column
             key = t.linear.replace(".", "__")
             for proj in t.projections:
                 fan_in, fan_out = projection_shape(proj, arch)

@@ -48,7 +48,12 @@ def _linear(megatron: str, hf: str) -> Mapping:
 
 def mla_mappings(arch: GPTArchitecture) -> tuple[Mapping, ...]:
     """Pre-attention norm, the MLA projections and latent norms, and the output projection."""
-    if arch.q_lora_rank is None:
+    return mla_attention_mappings(q_lora=arch.q_lora_rank is not None)
+
+
+def mla_attention_mappings(q_lora: bool) -> tuple[Mapping, ...]:
+    """`mla_mappings` of a model with (`q_lora`) or without a query bottleneck."""
+    if not q_lora:
         query = (_linear("linear_q_proj", "q_proj"),)
     else:
         query = (
