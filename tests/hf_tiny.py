@@ -140,6 +140,50 @@ def make_hf_qwen3_moe(directory: Path, router_aux_loss_coef: float) -> Path:
     return directory
 
 
+def tiny_deepseek_v3_config(vocab: int, **extra):
+    """A 2-layer DeepSeek-V3 config: a dense first layer, then sigmoid-routed experts (4 of 48,
+    top-2, renormalised, routed scaling 1.5, one ungated shared expert); multi-latent attention
+    with a query bottleneck (q_lora_rank 16, kv_lora_rank 16, qk head dim 16 + 8 rotated, v head
+    dim 12) and YaRN with mscale / mscale_all_dim. `extra` overrides any of it (e.g. groups)."""
+    from transformers import DeepseekV3Config
+
+    settings = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=1,
+        routed_scaling_factor=1.5,
+        first_k_dense_replace=1,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        num_nextn_predict_layers=0,
+        vocab_size=vocab,
+        max_position_embeddings=128,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "mscale": 0.9,
+            "mscale_all_dim": 0.7,
+        },
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return DeepseekV3Config(**{**settings, **extra})
+
+
 def save_sigmoid_routed(model, directory: Path, router_std: float = 0.3) -> None:
     """Save a sigmoid-routed `transformers` MoE (GLM-4.5, DeepSeek-V3) with its routers drawn far
     from ties (N(0, `router_std`)) and non-zero random expert-score correction biases."""

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_tiny import tiny_deepseek_v3_config
 from multirank import run_multirank
 from test_glm4_moe import (
     _forward,
@@ -62,22 +63,17 @@ MLA_RUN = [
 
 
 def _hf_configs() -> dict[str, object]:
-    from transformers import DeepseekV3Config
-
+    """`hf_tiny.tiny_deepseek_v3_config` changed into the two models of the module docstring."""
     common = dict(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=VOCAB,
         max_position_embeddings=64,
-        first_k_dense_replace=1,
         tie_word_embeddings=False,
-        num_nextn_predict_layers=0,
+        initializer_range=0.02,
+        bos_token_id=0,
+        eos_token_id=1,
     )
     return {
-        "qlora": DeepseekV3Config(
-            num_hidden_layers=2,
-            intermediate_size=96,
+        "qlora": tiny_deepseek_v3_config(
+            VOCAB,
             moe_intermediate_size=32,
             n_routed_experts=8,
             num_experts_per_tok=4,
@@ -85,11 +81,6 @@ def _hf_configs() -> dict[str, object]:
             topk_group=2,
             n_shared_experts=2,
             routed_scaling_factor=2.5,
-            q_lora_rank=16,
-            kv_lora_rank=16,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=12,
             rms_norm_eps=1e-6,
             rope_parameters={
                 "rope_type": "yarn",
@@ -103,20 +94,14 @@ def _hf_configs() -> dict[str, object]:
             },
             **common,
         ),
-        "plain": DeepseekV3Config(
+        "plain": tiny_deepseek_v3_config(
+            VOCAB,
             num_hidden_layers=4,
             intermediate_size=80,
-            moe_intermediate_size=48,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_group=1,
-            topk_group=1,
-            n_shared_experts=1,
             routed_scaling_factor=1.0,
             q_lora_rank=None,
             kv_lora_rank=24,
             qk_nope_head_dim=8,
-            qk_rope_head_dim=8,
             v_head_dim=16,
             rms_norm_eps=1e-5,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},

@@ -10,7 +10,9 @@ turns megatron-core's aux-loss-free update on (every bias moves by a multiple of
 one rate per step). Both log the per-layer expert load (`load_imbalance/layer_<i>`, max / mean
 tokens per expert, in [1, experts]) for the MoE layers only. A LoRA run on the attention
 (Hugging Face target names, q/k/v with biases) writes a PEFT adapter that `peft` applies onto
-the source model with the logits of our merged `hf_merged/`.
+the source model with the logits of our merged `hf_merged/`. The frozen run at EP=2 (2 ranks) and
+at PP=2 x EP=2 (4 ranks: the dense layer on stage 0, the experts split over stage 1's data-parallel
+ranks) trains the same steps and writes the same `hf/` as on one rank.
 """
 
 from __future__ import annotations
@@ -44,8 +46,14 @@ RUNS = {
     "bf16": ["trainer.precision=bf16"],
     # Two ranks, experts split over them (EP=2 x DP=2): hf/ gathers each rank's experts.
     "frozen_ep2": ["model.expert_model_parallel_size=2"],
+    # Four ranks: the dense layer on stage 0, the MoE layer's experts split over stage 1's two
+    # data-parallel ranks (PP=2 x EP=2 x DP=2).
+    "frozen_pp2ep2": [
+        "model.expert_model_parallel_size=2",
+        "model.pipeline_model_parallel_size=2",
+    ],
 }
-NPROC = {"frozen_ep2": 2}
+NPROC = {"frozen_ep2": 2, "frozen_pp2ep2": 4}
 DPO_SCRIPT = REPO / "examples" / "train_gpt_dpo.py"
 DPO_DATA = REPO / "examples" / "data" / "tiny_dpo" / "train.jsonl"
 
@@ -204,8 +212,13 @@ def test_lora_adapter_applies_in_peft_as_our_merge(walk):
     torch.testing.assert_close(adapted, merged, rtol=1e-5, atol=1e-5)
 
 
-def test_ep2_hf_output_equals_one_rank(walk):
-    one, two = _tensors(walk / "frozen" / "hf"), _tensors(walk / "frozen_ep2" / "hf")
+@pytest.mark.parametrize("name", ["frozen_ep2", "frozen_pp2ep2"])
+def test_expert_parallel_runs_equal_one_rank(walk, name):
+    """EP=2 and PP=2 x EP=2: every step's numbers and `hf/` equal the one-rank run's."""
+    for a, b in zip(read_metrics(walk / name), read_metrics(walk / "frozen"), strict=True):
+        for key in ("loss", "grad_norm", "kl", "logps/chosen", "rewards/rejected"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=5e-6), (a["step"], key)
+    one, two = _tensors(walk / "frozen" / "hf"), _tensors(walk / name / "hf")
     assert one.keys() == two.keys()
     for key, value in one.items():
         if key.endswith("k_proj.bias"):

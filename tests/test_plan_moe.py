@@ -65,6 +65,68 @@ QWEN3_30B_A3B = {
 }
 
 
+#: The architecture fields of moonshotai/Moonlight-16B-A3B's and deepseek-ai/DeepSeek-V3's
+#: published config.json (DeepSeek-V3's MTP layer is skipped on load, so not counted).
+MOONLIGHT_16B_A3B = {
+    "model_type": "deepseek_v3",
+    "vocab_size": 163840,
+    "hidden_size": 2048,
+    "intermediate_size": 11264,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_shared_experts": 2,
+    "n_routed_experts": 64,
+    "routed_scaling_factor": 2.446,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 50000.0,
+    "tie_word_embeddings": False,
+}
+DEEPSEEK_V3 = {
+    **MOONLIGHT_16B_A3B,
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5,
+    "q_lora_rank": 1536,
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "num_nextn_predict_layers": 1,
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+}
+
+
 def _tiny(family: str):
     import transformers
 
@@ -166,6 +228,25 @@ def test_qwen3_30b_a3b_parameter_count():
     assert total == expected
     embeddings = 2 * 151936 * 2048
     assert round(total / 1e9, 1) == 30.5 and round((total - embeddings) / 1e9, 1) == 29.9
+
+
+@pytest.mark.parametrize(
+    ("config", "billions"),
+    [(MOONLIGHT_16B_A3B, 15.96), (DEEPSEEK_V3, 671.03)],
+    ids=["moonlight", "v3"],
+)
+def test_deepseek_v3_family_parameter_counts(config, billions):
+    """The planner's count of Moonlight-16B-A3B (15,960,108,544) and DeepSeek-V3 without its MTP
+    layer (671,026,404,352) equals `transformers`' (built on the meta device)."""
+    import transformers
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    hf = transformers.DeepseekV3Config(**fields)
+    expected = _hf_count(hf, transformers.DeepseekV3ForCausalLM)
+    arch = architecture_from_hf(config)
+    arch.padded_vocab_size = arch.vocab_size
+    assert total_parameters(arch) == expected
+    assert round(expected / 1e9, 2) == billions
 
 
 #: `tools/bench_memory_plan.py` layouts (its model with 4 experts of 96, top-2, Q/K norms, a
