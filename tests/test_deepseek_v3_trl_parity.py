@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_tiny import make_tokenizer, save_sigmoid_routed
+from hf_tiny import make_hf_sigmoid_routed
 from trl_harness import check_trajectory, prepare_trajectory
 
 pytestmark = pytest.mark.e2e
@@ -27,45 +27,7 @@ trl = pytest.importorskip("trl")
 
 def _make_deepseek(directory: Path) -> None:
     """A random tiny deepseek_v3 with routers far from ties and non-zero correction biases."""
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
-
-    vocab = make_tokenizer(directory)
-    torch.manual_seed(0)
-    config = DeepseekV3Config(
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=48,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        n_shared_experts=1,
-        routed_scaling_factor=1.5,
-        first_k_dense_replace=1,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=12,
-        num_nextn_predict_layers=0,
-        vocab_size=vocab,
-        max_position_embeddings=128,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "original_max_position_embeddings": 32,
-            "mscale": 0.9,
-            "mscale_all_dim": 0.7,
-        },
-        initializer_range=0.1,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    save_sigmoid_routed(AutoModelForCausalLM.from_config(config), directory)
+    make_hf_sigmoid_routed(directory, "deepseek_v3", routed_scaling_factor=1.5)
 
 
 @pytest.fixture(scope="module")
