@@ -10,7 +10,8 @@ What it runs, in two process spawns:
   bias); one single-process run (`single_worker`) imports each model, runs it at TP=1 from our
   checkpoint (a different init, so only the checkpoint can match) and straight from the HF
   directory, packs rows, exports; one 2-rank run (`layout_worker`) restores every model in each
-  of `LAYOUTS` (TP=2, EP=2, PP=2), some also straight from the HF directory;
+  of `LAYOUTS` (TP=2, EP=2, PP=2, and TP=2 x SP x EP=2 x ETP=1, where the TP ranks hold whole
+  experts), some also straight from the HF directory;
 * the family's `FamilyHooks` add their own results inside those runs (no extra launch).
 
 The checks (`check_single_rank`, `check_parallel`, `check_round_trip`, `check_refused`) are what
@@ -55,6 +56,8 @@ LAYOUTS = {
     "tp2": Layout(tp=2),
     "ep2": Layout(ep=2, hf=True),
     "pp2": Layout(pp=2),
+    # Expert tensor parallelism apart from TP: the two TP (SP) ranks hold whole experts, two each.
+    "tp2ep2etp1": Layout(tp=2, ep=2, etp=1, sp=True, hf=True),
 }
 #: Every key `check_parallel` reads: the layouts, and those restored from HF too.
 PARALLEL = [*LAYOUTS, *(f"hf_{name}" for name, lay in LAYOUTS.items() if lay.hf)]

@@ -12,7 +12,8 @@ Norms are moved off 1, routers are decisive and every correction bias changes th
 Shown here:
 
 * import (conversion) and the direct Hugging Face load -> our log-probs equal `transformers'`
-  at TP=1, and at TP=2, EP=2 and PP=2 (one 2-rank run), within 1e-5 relative;
+  at TP=1, and at TP=2, EP=2, PP=2 and TP=2 x SP x EP=2 x ETP=1 (the TP ranks hold whole
+  experts; one 2-rank run), within 1e-5 relative;
 * every MoE layer chooses the same experts as Hugging Face for every token;
 * packed rows (THD) give the padded rows' log-probs;
 * export -> safetensors bit-identical to the source; `transformers` loads them with the same
@@ -225,7 +226,8 @@ LAYOUT_CASES = [(layout, name) for layout in PARALLEL for name in MODELS]
 
 @pytest.mark.parametrize("layout,name", LAYOUT_CASES, ids=[f"{n}-{lay}" for lay, n in LAYOUT_CASES])
 def test_parallel_logprobs_and_choices_equal_transformers(converted, layout, name):
-    """TP2 / EP2 / PP2 (and EP2 straight from the HF directory), checked as test_glm4_moe does."""
+    """TP=2, EP=2, PP=2, TP=2 x SP x EP=2 x ETP=1 (the last two also straight from the HF
+    directory), checked as test_glm4_moe does."""
     check_parallel(converted, layout, name)
 
 

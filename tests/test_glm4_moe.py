@@ -9,9 +9,10 @@ from 1 / 0, routers are decisive, and every correction bias is a non-zero random
 changes the routing (checked: zeroing it changes Hugging Face's logits). Shown here:
 
 * import (conversion) and the direct Hugging Face load -> our log-probs equal `transformers`' at
-  TP=1, and TP=2, EP=2 and PP=2 (one 2-rank run; PP=2 puts the dense and an MoE layer on
-  different stages), within 1e-5 relative; at CP=2 (same run; padded and packed rows, the
-  partial rotary applied to each rank's chunks) every row's summed log-probs too;
+  TP=1, and TP=2, EP=2, PP=2 and TP=2 x SP x EP=2 x ETP=1 (one 2-rank run; PP=2 puts the dense
+  and an MoE layer on different stages; ETP=1: the TP ranks hold whole experts), within 1e-5
+  relative; at CP=2 (same run; padded and packed rows, the partial rotary applied to each rank's
+  chunks) every row's summed log-probs too;
 * every MoE layer chooses the same experts as Hugging Face for every token;
 * packed rows (THD) give the padded rows' log-probs;
 * export -> safetensors bit-identical to the source, `transformers` loads them with the same
@@ -153,7 +154,8 @@ LAYOUT_CASES = [(layout, name) for layout in PARALLEL for name in MODELS]
 
 @pytest.mark.parametrize("layout,name", LAYOUT_CASES, ids=[f"{n}-{lay}" for lay, n in LAYOUT_CASES])
 def test_parallel_logprobs_and_choices_equal_transformers(converted, layout, name):
-    """TP=2, EP=2, PP=2 (EP=2 also straight from the HF directory)."""
+    """TP=2, EP=2, PP=2, TP=2 x SP x EP=2 x ETP=1 (the last two also straight from the HF
+    directory)."""
     check_parallel(converted, layout, name)
 
 
