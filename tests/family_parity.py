@@ -18,6 +18,9 @@ The checks (`check_single_rank`, `check_parallel`, `check_round_trip`, `check_re
 both families assert: log-probs within `RELATIVE` of HF's, every MoE layer's expert choices
 equal HF's token for token, bit-exact export that `transformers` loads with the same logits, and
 one-line refusals.
+
+The other families' conversion tests share the tokens, `perturb`, `hf_logits`, `forward_logits`
+(full logits over two micro-batches), `check_logits` and `check_bit_exact`.
 """
 
 from __future__ import annotations
@@ -68,8 +71,8 @@ class FamilyHooks:
     """A family's own checks inside the shared runs: module-level functions (they travel to the
     ranks by reference), each returning {result key: value}.
 
-    single(name, arch, chunks, base): after the TP=1 forward from our checkpoint (`base` is
-        the model's directory).
+    single(name, arch, chunks, base): after the TP=1 forward from our checkpoint (`base`: the
+        model's directory).
     layout(layout, name, arch, chunks, base): after each layout's forward.
     runs(root, models): once, after the layouts, on the 2 ranks (its own `init_runtime`).
     """
@@ -88,6 +91,12 @@ def hf_model(model_dir: Path):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return model.eval()
+
+
+def hf_logits(model_dir: Path) -> torch.Tensor:
+    """`transformers`' logits [B, T, V] of `tokens()` (fp32)."""
+    with torch.no_grad():
+        return hf_model(model_dir)(tokens()).logits.float()
 
 
 def hf_run(model) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -152,6 +161,41 @@ def forward(arch, chunks):
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None, maps
     return results[0], maps
+
+
+def forward_logits(arch, chunks) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(full logits [B, T, padded V], log-probs [B, T-1]) through megatron-core's schedule, two
+    micro-batches; None off the last pipeline stage."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megatron_kto.models.forward import eval_mode, gpt_forward_step
+    from megatron_kto.models.logprobs import token_logprobs
+    from megatron_kto.models.schedule import run_schedule
+
+    ids = tokens()
+    positions = torch.arange(SEQ).expand(BATCH, SEQ).clone()
+    labels = torch.cat([ids[:, 1:], torch.full((BATCH, 1), -100)], dim=1)
+    micro = [
+        {
+            "tokens": ids[i : i + 2],
+            "labels": labels[i : i + 2],
+            "position_ids": positions[i : i + 2],
+        }
+        for i in range(0, BATCH, 2)
+    ]
+
+    def outputs(batch, logits):
+        full = gather_from_tensor_model_parallel_region(logits).clone()
+        return full, token_logprobs(logits, batch["labels"], arch.vocab_size)[:, :-1]
+
+    with torch.no_grad(), eval_mode(chunks):
+        results = run_schedule(
+            chunks, micro, gpt_forward_step(outputs), forward_only=True, collect_non_loss_data=True
+        )
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
 
 
 def packed_vs_padded(arch, chunk) -> float:
@@ -267,6 +311,17 @@ def _parallel_sizes() -> tuple[int, int, int, int]:
     )
 
 
+def perturb(model, router_suffix: str | None = None, router_std: float = 1.0) -> None:
+    """Norms and biases moved off 1 / 0 (every one shows); the routers (parameters ending in
+    `router_suffix`) drawn ~N(0, `router_std`): decisive, far from ties."""
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or pname.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+            elif router_suffix is not None and pname.endswith(router_suffix):
+                p.normal_(0.0, router_std)
+
+
 def sigmoid_moe_references(root: Path, configs: dict) -> dict:
     """Save each tiny random model of `configs` (norms and biases off 1 / 0, decisive routers,
     non-zero correction biases) under `root / name / "hf"`; per model HF's logits, expert choices,
@@ -277,12 +332,8 @@ def sigmoid_moe_references(root: Path, configs: dict) -> dict:
     for name, config in configs.items():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        perturb(model, "mlp.gate.weight", 0.3)
         with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if "norm" in pname or pname.endswith("bias"):  # away from 1 / 0: every one shows
-                    p.add_(0.1 * torch.randn_like(p))
-                elif pname.endswith("mlp.gate.weight"):  # routers: decisive, far from ties
-                    p.normal_(0.0, 0.3)
             for bname, b in model.named_buffers():
                 if bname.endswith("e_score_correction_bias"):
                     b.copy_(0.3 * torch.randn_like(b))
@@ -338,11 +389,6 @@ def convert_and_run(
     return root, reference, merge_rank_outputs(results, ranks, ("sizes", *whole))
 
 
-def relative_error(logprobs: torch.Tensor, name: str, reference: dict) -> float:
-    want = reference_logprobs(reference[name]["logits"])
-    return ((logprobs - want).abs() / want.abs().clamp(min=1.0)).max().item()
-
-
 def check_correction_bias_matters(converted) -> None:
     """Zeroing the correction biases changes HF's logits: the routing tests mean something."""
     _, reference, _ = converted
@@ -352,34 +398,36 @@ def check_correction_bias_matters(converted) -> None:
 
 def check_single_rank(converted, layout: str, name: str, moe_layers: int) -> None:
     """One rank's log-probs within `RELATIVE` of HF's, and the same experts in every layer."""
-    _, reference, results = converted
-    logprobs, maps = results[layout, name]
-    error = relative_error(logprobs, name, reference)
-    print(f"{name} {layout}: max relative |Δ logp| {error:.2e}")
-    assert error <= RELATIVE
-    choices = reference[name]["choices"]
-    assert len(maps) == len(choices) == moe_layers
-    for ours, theirs in zip(maps, choices, strict=True):
-        assert torch.equal(ours, theirs)
+    maps = converted[2][layout, name][1]
+    assert len(maps) == moe_layers
+    _check_logprobs_and_choices(converted, layout, name, [maps])
 
 
 def check_parallel(converted, layout: str, name: str) -> None:
     """Log-probs from the last stage; every rank's routing maps of the layers it holds (TP and
     EP ranks route the same tokens, PP stages their own layers, SP ranks their own slice of the
-    sequence) equal HF's choices."""
-    _, reference, results = converted
-    logprobs, per_rank = results[layout, name]
-    error = relative_error(logprobs, name, reference)
-    print(f"{name} {layout}: max relative |Δ logp| {error:.2e}")
-    assert error <= RELATIVE
-    choices = reference[name]["choices"]
+    sequence) equal HF's choices; megatron-core's parallel sizes are the layout's."""
+    results = converted[2]
     shape = LAYOUTS[layout.removeprefix("hf_")]
     sizes = (shape.tp, shape.pp, shape.ep, shape.etp or shape.tp)
     assert results["sizes", layout.removeprefix("hf_")] == sizes
+    per_rank = results[layout, name][1]
     if shape.pp > 1:  # stage 0 holds the first MoE layers, stage 1 the others
         per_rank = [[m for maps in per_rank for m in maps]]
     elif shape.sp:  # the 2 ranks are the TP ranks: their slices in order make the sequence
         per_rank = [[torch.cat(slices) for slices in zip(*per_rank, strict=True)]]
+    _check_logprobs_and_choices(converted, layout, name, per_rank)
+
+
+def _check_logprobs_and_choices(converted, layout: str, name: str, per_rank: list) -> None:
+    """The log-probs within `RELATIVE` of HF's; each of `per_rank`'s lists of routing maps (one
+    per MoE layer) equal to HF's expert choices."""
+    _, reference, results = converted
+    want = reference_logprobs(reference[name]["logits"])
+    error = ((results[layout, name][0] - want).abs() / want.abs().clamp(min=1.0)).max().item()
+    print(f"{name} {layout}: max relative |Δ logp| {error:.2e}")
+    assert error <= RELATIVE
+    choices = reference[name]["choices"]
     for maps in per_rank:
         assert len(maps) == len(choices)
         for ours, theirs in zip(maps, choices, strict=True):
@@ -391,16 +439,34 @@ def check_packed(converted, name: str) -> None:
     assert results["packed", name] <= 1e-5
 
 
+def check_logits(converted, layout: str, name: str, tolerance: float) -> torch.Tensor:
+    """`forward_logits`' full logits (padded to 128 x 8 rows by the import) and log-probs within
+    `tolerance` of `transformers`' (`converted`'s reference: HF's logits per model); returns our
+    logits."""
+    _, reference, results = converted
+    logits, logprobs = results[layout, name]
+    assert logits.shape == (BATCH, SEQ, 1024)
+    logit_diff = (logits[..., :VOCAB] - reference[name]).abs().max().item()
+    logp_diff = (logprobs - reference_logprobs(reference[name])).abs().max().item()
+    print(f"{name} {layout}: max|Δ logits| {logit_diff:.2e}, max|Δ logp| {logp_diff:.2e}")
+    assert logit_diff <= tolerance and logp_diff <= tolerance
+    return logits
+
+
+def check_bit_exact(source: Path, exported: Path) -> None:
+    """The two Hugging Face directories hold the same tensors, bit for bit."""
+    original, written = hf_tensors(source), hf_tensors(exported)
+    assert written.keys() == original.keys()
+    for key, tensor in original.items():
+        assert torch.equal(written[key], tensor), key
+
+
 def check_round_trip(converted, name: str, source, keys: tuple[str, ...]) -> dict:
     """The export's safetensors equal the source's bit for bit, its config.json keeps `keys` of
     the HF config `source`, and `transformers` loads it with the same logits; returns that
     config.json."""
     root, reference, _ = converted
-    original = hf_tensors(root / name / "hf")
-    exported = hf_tensors(root / name / "export")
-    assert exported.keys() == original.keys()
-    for key, tensor in original.items():
-        assert torch.equal(exported[key], tensor), key
+    check_bit_exact(root / name / "hf", root / name / "export")
     config = json.loads((root / name / "export" / "config.json").read_text())
     for key in keys:
         assert config[key] == getattr(source, key), key

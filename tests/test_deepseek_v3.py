@@ -31,24 +31,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import family_parity as fp
 import pytest
 import torch
-from family_parity import (
-    PARALLEL,
-    VOCAB,
-    FamilyHooks,
-    Layout,
-    check_correction_bias_matters,
-    check_packed,
-    check_parallel,
-    check_refused,
-    check_round_trip,
-    check_single_rank,
-    config_with,
-    convert_and_run,
-    restore_and_run,
-    tokens,
-)
 
 MODELS = ("qlora", "plain")
 # TP=2 with SP (MoE at TP > 1 requires SP: config/validate.py)
@@ -62,7 +47,7 @@ def _hf_configs() -> dict[str, object]:
         hidden_size=64,
         num_attention_heads=4,
         num_key_value_heads=4,
-        vocab_size=VOCAB,
+        vocab_size=fp.VOCAB,
         max_position_embeddings=64,
         first_k_dense_replace=1,
         tie_word_embeddings=False,
@@ -139,7 +124,7 @@ def _gradient_runs(root: str, models: tuple) -> dict:
         rt = init_runtime(2, 1, seed=9)
         for name in models:
             path = Path(root) / name
-            arch, chunks = restore_and_run(path / "mcore", Layout(tp=2, sp=sp), rt)
+            arch, chunks = fp.restore_and_run(path / "mcore", fp.Layout(tp=2, sp=sp), rt)
             want = torch.load(path / "tp1_grads.pt", weights_only=True)
             out[layout, name] = _grad_errors(_loss_grads(arch, chunks[0]), want, arch, chunks[0])
     return out
@@ -158,7 +143,7 @@ def _loss_grads(arch, chunk) -> dict[str, torch.Tensor]:
     from megatron_kto.models.training_setup import wrap_ddp
 
     (ddp,) = wrap_ddp([chunk], use_distributed_optimizer=False)
-    ids = tokens()
+    ids = fp.tokens()
     labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
     positions = torch.arange(ids.shape[1]).expand_as(ids).clone()
     with eval_mode([ddp]):
@@ -204,13 +189,13 @@ def _planned_vs_built(arch, chunks, tp: int, ep: int) -> tuple[list, list]:
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    hooks = FamilyHooks(single=_tp1_results, layout=_tp2_plan, runs=_gradient_runs)
+    hooks = fp.FamilyHooks(single=_tp1_results, layout=_tp2_plan, runs=_gradient_runs)
     root = tmp_path_factory.mktemp("deepseek_v3")
-    return convert_and_run(root, _hf_configs(), hooks, whole=("plan", *GRAD_LAYOUTS))
+    return fp.convert_and_run(root, _hf_configs(), hooks, whole=("plan", *GRAD_LAYOUTS))
 
 
 def test_the_correction_bias_changes_the_routing(converted):
-    check_correction_bias_matters(converted)
+    fp.check_correction_bias_matters(converted)
 
 
 CASES = [(layout, name) for layout in ("tp1", "hf_tp1") for name in MODELS]
@@ -218,17 +203,17 @@ CASES = [(layout, name) for layout in ("tp1", "hf_tp1") for name in MODELS]
 
 @pytest.mark.parametrize("layout,name", CASES, ids=[f"{n}-{lay}" for lay, n in CASES])
 def test_single_rank_logprobs_and_choices_equal_transformers(converted, layout, name):
-    check_single_rank(converted, layout, name, _hf_configs()[name].num_hidden_layers - 1)
+    fp.check_single_rank(converted, layout, name, _hf_configs()[name].num_hidden_layers - 1)
 
 
-LAYOUT_CASES = [(layout, name) for layout in PARALLEL for name in MODELS]
+LAYOUT_CASES = [(layout, name) for layout in fp.PARALLEL for name in MODELS]
 
 
 @pytest.mark.parametrize("layout,name", LAYOUT_CASES, ids=[f"{n}-{lay}" for lay, n in LAYOUT_CASES])
 def test_parallel_logprobs_and_choices_equal_transformers(converted, layout, name):
     """TP=2, EP=2, PP=2, TP=2 x SP x EP=2 x ETP=1 (the last two also straight from the HF
     directory), checked as test_glm4_moe does."""
-    check_parallel(converted, layout, name)
+    fp.check_parallel(converted, layout, name)
 
 
 @pytest.mark.parametrize("tp", ["tp1", "tp2"])
@@ -242,7 +227,7 @@ def test_memory_plan_counts_the_built_mla_parameters(converted, name, tp):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_packed_rows_equal_padded_rows(converted, name):
-    check_packed(converted, name)
+    fp.check_packed(converted, name)
 
 
 @pytest.mark.parametrize("layout", list(GRAD_LAYOUTS))
@@ -277,12 +262,12 @@ def test_mla_settings_follow_the_config(converted):
 @pytest.mark.parametrize("name", MODELS)
 def test_round_trip_is_bit_exact_and_loads_in_transformers(converted, name):
     keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-    config = check_round_trip(converted, name, _hf_configs()[name], keys)
+    config = fp.check_round_trip(converted, name, _hf_configs()[name], keys)
     assert config["first_k_dense_replace"] == 1
 
 
 def _config(rope: dict | None = None, **changes) -> dict:
-    return config_with(_hf_configs()["qlora"], rope, **changes)
+    return fp.config_with(_hf_configs()["qlora"], rope, **changes)
 
 
 @pytest.mark.parametrize(
@@ -300,7 +285,7 @@ def _config(rope: dict | None = None, **changes) -> dict:
 )
 def test_configs_that_would_compute_differently_are_refused(changes, message):
     """One line naming the key; the routing refusals are GLM-4.5's (`test_glm4_moe.py`)."""
-    check_refused(_config(**changes), message)
+    fp.check_refused(_config(**changes), message)
 
 
 def test_other_families_do_not_export_an_mla_model():
@@ -367,9 +352,9 @@ def test_model_flops_count_the_mla_projections():
     dense = model.model.layers[0].mlp
     # Every layer dense: the MoE FLOPs are `moe_flops_per_token`'s, tested with the MoE families.
     dense_arch = dataclasses.replace(arch, num_moe_experts=None, moe_layer_freq=None)
-    flops = architecture_flops(dense_arch, VOCAB)
+    flops = architecture_flops(dense_arch, fp.VOCAB)
     mlp = sum(p.numel() for p in dense.parameters())
-    want = 2 * (attention + arch.num_layers * mlp + VOCAB * arch.hidden_size)
+    want = 2 * (attention + arch.num_layers * mlp + fp.VOCAB * arch.hidden_size)
     assert flops.per_token == want
     n, qh = arch.num_attention_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim
     assert flops.per_position == arch.num_layers * 2 * n * (qh + arch.v_head_dim)

@@ -26,28 +26,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import family_parity as fp
 import pytest
 import torch
-from family_parity import (
-    BATCH,
-    PARALLEL,
-    RELATIVE,
-    SEQ,
-    VOCAB,
-    FamilyHooks,
-    Layout,
-    check_correction_bias_matters,
-    check_packed,
-    check_parallel,
-    check_refused,
-    check_round_trip,
-    check_single_rank,
-    config_with,
-    convert_and_run,
-    reference_logprobs,
-    restore_and_run,
-    tokens,
-)
 
 MODELS = ("groups", "plain")
 
@@ -60,7 +41,7 @@ def _hf_configs() -> dict[str, object]:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        vocab_size=VOCAB,
+        vocab_size=fp.VOCAB,
         max_position_embeddings=64,
         rms_norm_eps=1e-6,
         attention_bias=True,
@@ -99,12 +80,12 @@ def _row_sums(arch, chunks, pack: bool) -> torch.Tensor:
     context parallelism every rank's share is reduced over the CP group."""
     from megatron_kto.models.forward import LOGP_SUM, eval_mode, forward_sequence_stats
 
-    ids = tokens()
-    labels = torch.cat([ids[:, 1:], torch.full((BATCH, 1), -100)], dim=1)
-    positions = torch.arange(SEQ).expand(BATCH, SEQ).clone()
+    ids = fp.tokens()
+    labels = torch.cat([ids[:, 1:], torch.full((fp.BATCH, 1), -100)], dim=1)
+    positions = torch.arange(fp.SEQ).expand(fp.BATCH, fp.SEQ).clone()
     with eval_mode(chunks):
         stats = forward_sequence_stats(
-            chunks, ids, labels, positions, BATCH, arch.vocab_size, pack=pack
+            chunks, ids, labels, positions, fp.BATCH, arch.vocab_size, pack=pack
         )
     return stats[:, LOGP_SUM].clone()
 
@@ -124,7 +105,7 @@ def _context_parallel_runs(root: str, models: tuple) -> dict:
     out = {}
     rt = init_runtime(1, 1, seed=9, context_parallel_size=2)
     for name in models:
-        arch, chunks = restore_and_run(Path(root) / name / "mcore", Layout(), rt, cp=2)
+        arch, chunks = fp.restore_and_run(Path(root) / name / "mcore", fp.Layout(), rt, cp=2)
         for pack in (False, True):
             out["cp2_sums", name, pack] = _row_sums(arch, chunks, pack)
     return out
@@ -132,13 +113,13 @@ def _context_parallel_runs(root: str, models: tuple) -> dict:
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    hooks = FamilyHooks(single=_restored_biases, runs=_context_parallel_runs)
+    hooks = fp.FamilyHooks(single=_restored_biases, runs=_context_parallel_runs)
     root = tmp_path_factory.mktemp("glm4_moe")
-    return convert_and_run(root, _hf_configs(), hooks, whole=("cp2_sums",))
+    return fp.convert_and_run(root, _hf_configs(), hooks, whole=("cp2_sums",))
 
 
 def test_the_correction_bias_changes_the_routing(converted):
-    check_correction_bias_matters(converted)
+    fp.check_correction_bias_matters(converted)
 
 
 CASES = [(layout, name) for layout in ("tp1", "hf_tp1") for name in MODELS]
@@ -146,17 +127,17 @@ CASES = [(layout, name) for layout in ("tp1", "hf_tp1") for name in MODELS]
 
 @pytest.mark.parametrize("layout,name", CASES, ids=[f"{n}-{lay}" for lay, n in CASES])
 def test_single_rank_logprobs_and_choices_equal_transformers(converted, layout, name):
-    check_single_rank(converted, layout, name, _hf_configs()[name].num_hidden_layers - 1)
+    fp.check_single_rank(converted, layout, name, _hf_configs()[name].num_hidden_layers - 1)
 
 
-LAYOUT_CASES = [(layout, name) for layout in PARALLEL for name in MODELS]
+LAYOUT_CASES = [(layout, name) for layout in fp.PARALLEL for name in MODELS]
 
 
 @pytest.mark.parametrize("layout,name", LAYOUT_CASES, ids=[f"{n}-{lay}" for lay, n in LAYOUT_CASES])
 def test_parallel_logprobs_and_choices_equal_transformers(converted, layout, name):
     """TP=2, EP=2, PP=2, TP=2 x SP x EP=2 x ETP=1 (the last two also straight from the HF
     directory)."""
-    check_parallel(converted, layout, name)
+    fp.check_parallel(converted, layout, name)
 
 
 @pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
@@ -164,16 +145,16 @@ def test_parallel_logprobs_and_choices_equal_transformers(converted, layout, nam
 def test_context_parallel_row_logprobs_equal_transformers(converted, name, pack):
     """CP=2 (padded and packed rows): every row's summed log-probs equal Hugging Face's."""
     _, reference, results = converted
-    want = reference_logprobs(reference[name]["logits"]).double().sum(1)
+    want = fp.reference_logprobs(reference[name]["logits"]).double().sum(1)
     got = results["cp2_sums", name, pack].double()
     error = ((got - want).abs() / want.abs()).max().item()
     print(f"{name} cp2 {'packed' if pack else 'padded'}: max relative |Δ row logp| {error:.2e}")
-    assert error <= RELATIVE
+    assert error <= fp.RELATIVE
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_packed_rows_equal_padded_rows(converted, name):
-    check_packed(converted, name)
+    fp.check_packed(converted, name)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -207,12 +188,12 @@ def test_routing_settings_follow_the_config(converted):
 @pytest.mark.parametrize("name", MODELS)
 def test_round_trip_is_bit_exact_and_loads_in_transformers(converted, name):
     keys = ("n_group", "topk_group", "routed_scaling_factor", "n_shared_experts")
-    config = check_round_trip(converted, name, _hf_configs()[name], keys)
+    config = fp.check_round_trip(converted, name, _hf_configs()[name], keys)
     assert config["first_k_dense_replace"] == 1 and config["partial_rotary_factor"] == 0.5
 
 
 def _config(rope: dict | None = None, **changes) -> dict:
-    return config_with(_hf_configs()["groups"], rope, **changes)
+    return fp.config_with(_hf_configs()["groups"], rope, **changes)
 
 
 @pytest.mark.parametrize(
@@ -235,7 +216,7 @@ def test_configs_megatron_would_route_differently_are_refused(changes, message):
     """One line naming the key, for every combination where megatron-core's sigmoid top-k
     would differ from Hugging Face's (renormalisation, group ranking) or the model cannot be
     built."""
-    check_refused(_config(**changes), message)
+    fp.check_refused(_config(**changes), message)
 
 
 def test_groups_that_limit_nothing_are_not_set_and_scaling_one_is_none():
