@@ -59,7 +59,7 @@ LAYOUTS = {
     "tp2": Layout(tp=2),
     "ep2": Layout(ep=2, hf=True),
     "pp2": Layout(pp=2),
-    # Expert tensor parallelism apart from TP: the two TP (SP) ranks hold whole experts, two each.
+    # Expert TP apart from TP: the two TP (SP) ranks hold whole experts, half of them each.
     "tp2ep2etp1": Layout(tp=2, ep=2, etp=1, sp=True, hf=True),
 }
 #: Every key `check_parallel` reads: the layouts, and those restored from HF too.
@@ -89,8 +89,7 @@ def tokens() -> torch.Tensor:
 def hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return model.eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def hf_logits(model_dir: Path) -> torch.Tensor:
@@ -303,12 +302,8 @@ def _parallel_sizes() -> tuple[int, int, int, int]:
     """(TP, PP, EP, ETP) as megatron-core's parallel state has them on this rank."""
     from megatron.core import parallel_state as ps
 
-    return (
-        ps.get_tensor_model_parallel_world_size(),
-        ps.get_pipeline_model_parallel_world_size(),
-        ps.get_expert_model_parallel_world_size(),
-        ps.get_expert_tensor_parallel_world_size(),
-    )
+    kinds = ("tensor_model", "pipeline_model", "expert_model", "expert_tensor")
+    return tuple(getattr(ps, f"get_{kind}_parallel_world_size")() for kind in kinds)
 
 
 def perturb(model, router_suffix: str | None = None, router_std: float = 1.0) -> None:
@@ -389,6 +384,13 @@ def convert_and_run(
     return root, reference, merge_rank_outputs(results, ranks, ("sizes", *whole))
 
 
+def cases(layouts, models) -> list:
+    """pytest parameters (layout, model name) for every pair, with ids '<name>-<layout>'."""
+    import pytest
+
+    return [pytest.param(lay, name, id=f"{name}-{lay}") for lay in layouts for name in models]
+
+
 def check_correction_bias_matters(converted) -> None:
     """Zeroing the correction biases changes HF's logits: the routing tests mean something."""
     _, reference, _ = converted
@@ -435,8 +437,7 @@ def _check_logprobs_and_choices(converted, layout: str, name: str, per_rank: lis
 
 
 def check_packed(converted, name: str) -> None:
-    _, _, results = converted
-    assert results["packed", name] <= 1e-5
+    assert converted[2]["packed", name] <= 1e-5
 
 
 def check_logits(converted, layout: str, name: str, tolerance: float) -> torch.Tensor:

@@ -198,18 +198,12 @@ def test_the_correction_bias_changes_the_routing(converted):
     fp.check_correction_bias_matters(converted)
 
 
-CASES = [(layout, name) for layout in ("tp1", "hf_tp1") for name in MODELS]
-
-
-@pytest.mark.parametrize("layout,name", CASES, ids=[f"{n}-{lay}" for lay, n in CASES])
+@pytest.mark.parametrize("layout,name", fp.cases(("tp1", "hf_tp1"), MODELS))
 def test_single_rank_logprobs_and_choices_equal_transformers(converted, layout, name):
     fp.check_single_rank(converted, layout, name, _hf_configs()[name].num_hidden_layers - 1)
 
 
-LAYOUT_CASES = [(layout, name) for layout in fp.PARALLEL for name in MODELS]
-
-
-@pytest.mark.parametrize("layout,name", LAYOUT_CASES, ids=[f"{n}-{lay}" for lay, n in LAYOUT_CASES])
+@pytest.mark.parametrize("layout,name", fp.cases(fp.PARALLEL, MODELS))
 def test_parallel_logprobs_and_choices_equal_transformers(converted, layout, name):
     """TP=2, EP=2, PP=2, TP=2 x SP x EP=2 x ETP=1 (the last two also straight from the HF
     directory), checked as test_glm4_moe does."""
