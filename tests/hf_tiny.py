@@ -140,63 +140,105 @@ def make_hf_qwen3_moe(directory: Path, router_aux_loss_coef: float) -> Path:
     return directory
 
 
-def tiny_deepseek_v3_config(vocab: int, **extra):
-    """A 2-layer DeepSeek-V3 config: a dense first layer, then sigmoid-routed experts (4 of 48,
-    top-2, renormalised, routed scaling 1.5, one ungated shared expert); multi-latent attention
-    with a query bottleneck (q_lora_rank 16, kv_lora_rank 16, qk head dim 16 + 8 rotated, v head
-    dim 12) and YaRN with mscale / mscale_all_dim. `extra` overrides any of it (e.g. groups)."""
-    from transformers import DeepseekV3Config
-
-    settings = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=48,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        n_shared_experts=1,
-        routed_scaling_factor=1.5,
-        first_k_dense_replace=1,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=12,
-        num_nextn_predict_layers=0,
-        vocab_size=vocab,
-        max_position_embeddings=128,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "original_max_position_embeddings": 32,
-            "mscale": 0.9,
-            "mscale_all_dim": 0.7,
-        },
-        initializer_range=0.1,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return DeepseekV3Config(**{**settings, **extra})
-
-
-def save_sigmoid_routed(model, directory: Path, router_std: float = 0.3) -> None:
+def save_sigmoid_routed(
+    model, directory: Path, router_std: float | None = 0.3, bias_std: float = 0.3
+) -> None:
     """Save a sigmoid-routed `transformers` MoE (GLM-4.5, DeepSeek-V3) with its routers drawn far
-    from ties (N(0, `router_std`)) and non-zero random expert-score correction biases."""
+    from ties (N(0, `router_std`); None keeps the model's init) and non-zero random expert-score
+    correction biases (N(0, `bias_std`))."""
     import torch
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if router_std is not None and name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, router_std)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                b.copy_(0.3 * torch.randn_like(b))
+                b.copy_(bias_std * torch.randn_like(b))
     model.save_pretrained(directory)
+
+
+#: The tiny GLM-4.5 (`glm4_moe`) of the TRL-parity and new-user tests: a dense first layer, then
+#: 4 sigmoid-routed experts (top-2) with an ungated shared expert; q/k/v biases, partial rotary.
+TINY_GLM4_MOE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=48,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    attention_bias=True,
+    max_position_embeddings=128,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+#: The tiny DeepSeek-V3 of the TRL-parity and new-user tests (`test_deepseek_v3.py` starts its two
+#: models from it too): the same MoE (one group, routed scaling 1.5) under multi-latent attention
+#: with a query bottleneck, v head dim 12 != qk 16 + 8 rotated, YaRN with mscales.
+TINY_DEEPSEEK_V3 = dict(
+    {k: v for k, v in TINY_GLM4_MOE.items() if k not in ("head_dim", "attention_bias")},
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.5,
+    num_key_value_heads=4,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    num_nextn_predict_layers=0,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "mscale": 0.9,
+        "mscale_all_dim": 0.7,
+    },
+)
+
+
+def make_hf_sigmoid_routed(
+    directory: Path,
+    model_type: str,
+    router_std: float | None = 0.3,
+    bias_std: float = 0.3,
+    **changes,
+) -> Path:
+    """Write a random tiny `glm4_moe` or `deepseek_v3` (`tiny_sigmoid_routed_config`) and its
+    tokenizer into `directory`, saved by `save_sigmoid_routed`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    vocab = make_tokenizer(directory)
+    torch.manual_seed(0)
+    config = tiny_sigmoid_routed_config(model_type, vocab, **changes)
+    save_sigmoid_routed(AutoModelForCausalLM.from_config(config), directory, router_std, bias_std)
+    return directory
+
+
+def tiny_sigmoid_routed_config(model_type: str, vocab: int, **changes):
+    """The `transformers` config of a tiny `glm4_moe` or `deepseek_v3`: `TINY_GLM4_MOE` /
+    `TINY_DEEPSEEK_V3` with `vocab` tokens and `changes` over any of it."""
+    from transformers import AutoConfig
+
+    tiny = {"glm4_moe": TINY_GLM4_MOE, "deepseek_v3": TINY_DEEPSEEK_V3}[model_type]
+    return AutoConfig.for_model(model_type, **{**tiny, "vocab_size": vocab, **changes})
+
+
+def hf_tensors(model_dir: Path) -> dict:
+    """Every tensor of a Hugging Face directory's safetensors, by name."""
+    from megatron_kto.conversion.safetensors_io import HFWeights
+
+    weights = HFWeights(model_dir)
+    return {name: weights.get(name) for name in weights.names()}
 
 
 def make_peft_adapter(directory: Path, num_layers: int, **lora) -> Path:

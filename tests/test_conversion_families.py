@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import family_parity as fp
 import pytest
 import torch
 from multirank import run_multirank
 
-VOCAB, SEQ, BATCH = 100, 24, 4
 TOLERANCE = 1e-4
 MODELS = ("qwen3", "qwen3_tied", "qwen3_moe", "mixtral", "qwen2_moe", "qwen3_mixed", "qwen2_mixed")
 MOE = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3_mixed", "qwen2_mixed")
@@ -56,7 +56,7 @@ def _hf_configs() -> dict[str, object]:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        vocab_size=VOCAB,
+        vocab_size=fp.VOCAB,
         max_position_embeddings=64,
         rms_norm_eps=1e-6,
     )
@@ -121,60 +121,6 @@ def _hf_configs() -> dict[str, object]:
     }
 
 
-def _tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(5))
-
-
-def _hf_logits(model_dir: Path) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        return model(_tokens()).logits.float()
-
-
-def _reference_logprobs(logits: torch.Tensor) -> torch.Tensor:
-    """log π(token_{t+1}) at every position t < T-1, from unpadded logits."""
-    logp = torch.log_softmax(logits[:, :-1].double(), dim=-1)
-    return logp.gather(-1, _tokens()[:, 1:, None])[..., 0].float()
-
-
-def _forward(arch, chunks):
-    """(full logits [B, T, padded V], log-probs [B, T-1]) through megatron-core's schedule, two
-    micro-batches; None off the last pipeline stage."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    from megatron_kto.models.forward import eval_mode, gpt_forward_step
-    from megatron_kto.models.logprobs import token_logprobs
-    from megatron_kto.models.schedule import run_schedule
-
-    tokens = _tokens()
-    positions = torch.arange(SEQ).expand(BATCH, SEQ).clone()
-    labels = torch.cat([tokens[:, 1:], torch.full((BATCH, 1), -100)], dim=1)
-    micro = [
-        {
-            "tokens": tokens[i : i + 2],
-            "labels": labels[i : i + 2],
-            "position_ids": positions[i : i + 2],
-        }
-        for i in range(0, BATCH, 2)
-    ]
-
-    def outputs(batch, logits):
-        full = gather_from_tensor_model_parallel_region(logits).clone()
-        return full, token_logprobs(logits, batch["labels"], arch.vocab_size)[:, :-1]
-
-    with torch.no_grad(), eval_mode(chunks):
-        results = run_schedule(
-            chunks, micro, gpt_forward_step(outputs), forward_only=True, collect_non_loss_data=True
-        )
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        return None
-    return torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
-
-
 def _restore_and_run(root: str, name: str, tp: int, pp: int, ep: int, rt, etp: int | None = None):
     from megatron_kto.checkpointing.model_io import read_architecture
     from megatron_kto.checkpointing.pretrained import restore_pretrained
@@ -190,7 +136,7 @@ def _restore_and_run(root: str, name: str, tp: int, pp: int, ep: int, rt, etp: i
     )
     chunks = build_gpt_chunks(arch, layout, rt.device)
     restore_pretrained(ckpt, chunks)
-    return _forward(arch, chunks)
+    return fp.forward_logits(arch, chunks)
 
 
 def _convert_worker(rank: int, world_size: int, root: str) -> dict:
@@ -233,14 +179,9 @@ def converted(tmp_path_factory):
     for name, config in _hf_configs().items():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if "norm" in pname or pname.endswith("bias"):  # away from 1 / 0: every one shows
-                    p.add_(0.1 * torch.randn_like(p))
-                elif pname.endswith("gate.weight"):  # routers: decisive, far from ties
-                    p.normal_(0.0, 1.0)
+        fp.perturb(model, "gate.weight")  # the shared experts' gates too
         model.save_pretrained(root / name / "hf")
-        reference[name] = _hf_logits(root / name / "hf")
+        reference[name] = fp.hf_logits(root / name / "hf")
     results = run_multirank(_convert_worker, 1, str(root), timeout=600)[0]
     for rank_out in run_multirank(_layout_worker, 2, str(root), LAYOUTS, timeout=600) + (
         run_multirank(_layout_worker, 4, str(root), LAYOUTS4, timeout=600)
@@ -258,20 +199,7 @@ CASES += [(layout, n) for layout in LAYOUTS4 for n in MOE]
 
 @pytest.mark.parametrize("layout,name", CASES, ids=[f"{n}-{lay}" for lay, n in CASES])
 def test_logits_and_logprobs_equal_transformers(converted, layout, name):
-    _, reference, results = converted
-    logits, logprobs = results[layout, name]
-    assert logits.shape == (BATCH, SEQ, 1024)  # padded to 128 x 8 rows by the import
-    logit_diff = (logits[..., :VOCAB] - reference[name]).abs().max().item()
-    logp_diff = (logprobs - _reference_logprobs(reference[name])).abs().max().item()
-    print(f"{name} {layout}: max|Δ logits| {logit_diff:.2e}, max|Δ logp| {logp_diff:.2e}")
-    assert logit_diff <= TOLERANCE and logp_diff <= TOLERANCE
-
-
-def _safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    from megatron_kto.conversion.safetensors_io import HFWeights
-
-    weights = HFWeights(model_dir)
-    return {name: weights.get(name) for name in weights.names()}
+    fp.check_logits(converted, layout, name, TOLERANCE)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -279,14 +207,10 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(converted, name):
     import json
 
     root, reference, _ = converted
-    original = _safetensors(root / name / "hf")
-    exported = _safetensors(root / name / "export")
-    assert exported.keys() == original.keys()
-    for key, tensor in original.items():
-        assert torch.equal(exported[key], tensor), key
+    fp.check_bit_exact(root / name / "hf", root / name / "export")
     config = json.loads((root / name / "export" / "config.json").read_text())
     assert config["model_type"] == _hf_configs()[name].model_type
-    assert torch.equal(_hf_logits(root / name / "export"), reference[name])
+    assert torch.equal(fp.hf_logits(root / name / "export"), reference[name])
 
 
 def test_router_settings_follow_the_config(converted):
@@ -348,7 +272,7 @@ def _aux_gradient_worker(rank: int, world_size: int, root: str, name: str) -> di
     batch = {
         "tokens": tokens,
         "labels": labels,
-        "position_ids": torch.arange(SEQ).expand(BATCH, SEQ),
+        "position_ids": torch.arange(fp.SEQ).expand(fp.BATCH, fp.SEQ),
     }
     stats = RouterStatistics([chunk], coeff=1.0)
     stats.begin(token_mask(batch))
@@ -360,15 +284,15 @@ def _aux_gradient_worker(rank: int, world_size: int, root: str, name: str) -> di
     MoEAuxLossAutoScaler.set_loss_scale(torch.ones(()))
     (output * 0).sum().backward()
     grads = {n: p.grad.clone() for n, p in chunk.named_parameters() if n.endswith("router.weight")}
-    grads["embedding"] = chunk.embedding.word_embeddings.weight.grad[:VOCAB].clone()
+    grads["embedding"] = chunk.embedding.word_embeddings.weight.grad[: fp.VOCAB].clone()
     teardown()
     return {"loss": loss.item(), "grads": grads}
 
 
 def _aux_rows() -> tuple[torch.Tensor, list[int]]:
     """Padded rows of different lengths (the padding must not count)."""
-    lengths = [SEQ, SEQ - 5, SEQ - 11, SEQ - 2]
-    tokens = _tokens().clone()
+    lengths = [fp.SEQ, fp.SEQ - 5, fp.SEQ - 11, fp.SEQ - 2]
+    tokens = fp.tokens().clone()
     for i, n in enumerate(lengths):
         tokens[i, n:] = 0
     return tokens, lengths
@@ -386,7 +310,7 @@ def test_load_balancing_loss_and_gradients_equal_transformers(converted, name):
     ours = run_multirank(_aux_gradient_worker, 1, str(root), name, timeout=300)[0]
     model = AutoModelForCausalLM.from_pretrained(root / name / "hf", dtype=torch.float32)
     tokens, lengths = _aux_rows()
-    mask = (torch.arange(SEQ)[None, :] < torch.tensor(lengths)[:, None]).long()
+    mask = (torch.arange(fp.SEQ)[None, :] < torch.tensor(lengths)[:, None]).long()
     out = model(input_ids=tokens, attention_mask=mask, output_router_logits=True)
     out.aux_loss.backward()
     assert ours["loss"] == pytest.approx(out.aux_loss.item(), rel=1e-5)

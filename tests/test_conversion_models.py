@@ -31,13 +31,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import family_parity as fp
 import pytest
 import torch
+from hf_tiny import hf_tensors
 from multirank import run_multirank
 
 REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "convert_checkpoint.py"
-VOCAB, SEQ, BATCH = 100, 24, 4
 TOLERANCE = 1e-4
 MODELS = ("llama3", "mistral", "qwen2", "gemma3")
 MULTIMODAL = "gemma3_multimodal"
@@ -54,7 +55,7 @@ def _hf_configs() -> dict[str, object]:
         intermediate_size=96,
         num_hidden_layers=2,
         num_attention_heads=4,
-        vocab_size=VOCAB,
+        vocab_size=fp.VOCAB,
         max_position_embeddings=64,
         rms_norm_eps=1e-5,
     )
@@ -99,64 +100,6 @@ def _hf_configs() -> dict[str, object]:
     }
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tokens, position_ids, labels (next token; -100 on the last position)."""
-    g = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    positions = torch.arange(SEQ).expand(BATCH, SEQ).clone()
-    labels = torch.cat([tokens[:, 1:], torch.full((BATCH, 1), -100)], dim=1)
-    return tokens, positions, labels
-
-
-def _hf_logits(model_dir: Path) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        return model(_batch()[0]).logits.float()
-
-
-def _reference_logprobs(logits: torch.Tensor) -> torch.Tensor:
-    """log π(token_{t+1}) at every position t < T-1, from unpadded logits."""
-    tokens = _batch()[0]
-    logp = torch.log_softmax(logits[:, :-1].double(), dim=-1)
-    return logp.gather(-1, tokens[:, 1:, None])[..., 0].float()
-
-
-def _forward(arch, chunks) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(full logits [B, T, padded V], log-probs [B, T-1]) of this layout through megatron-core's
-    schedule, two micro-batches; None off the last pipeline stage."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    from megatron_kto.models.forward import eval_mode, gpt_forward_step
-    from megatron_kto.models.logprobs import token_logprobs
-    from megatron_kto.models.schedule import run_schedule
-
-    tokens, positions, labels = _batch()
-    micro = [
-        {
-            "tokens": tokens[i : i + 2],
-            "labels": labels[i : i + 2],
-            "position_ids": positions[i : i + 2],
-        }
-        for i in range(0, BATCH, 2)
-    ]
-
-    def outputs(batch, logits):
-        full = gather_from_tensor_model_parallel_region(logits).clone()
-        return full, token_logprobs(logits, batch["labels"], arch.vocab_size)[:, :-1]
-
-    with torch.no_grad(), eval_mode(chunks):
-        results = run_schedule(
-            chunks, micro, gpt_forward_step(outputs), forward_only=True, collect_non_loss_data=True
-        )
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        return None
-    return torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
-
-
 def _convert_worker(rank: int, world_size: int, root: str) -> dict:
     """Import every model, run it at TP=1, export it again (plus the dtype/sharding variants)."""
     from megatron_kto.checkpointing.model_io import read_architecture
@@ -173,7 +116,7 @@ def _convert_worker(rank: int, world_size: int, root: str) -> dict:
         rt = init_runtime(1, 1, seed=9)  # a different init: only the checkpoint can match
         chunks = build_gpt_chunks(arch, ParallelLayout(), rt.device)
         restore_pretrained(base / "mcore", chunks)
-        out[name] = _forward(arch, chunks)
+        out[name] = fp.forward_logits(arch, chunks)
         teardown()
         shard = SHARD_BYTES if name == "mistral" else 5 * 1024**3
         export_hf(base / "mcore", base / "export", max_shard_bytes=shard)
@@ -181,10 +124,10 @@ def _convert_worker(rank: int, world_size: int, root: str) -> dict:
     import_hf(mm / "hf", mm / "mcore")
     arch = read_architecture(mm / "mcore")
     rt = init_runtime(1, 1, seed=9)
-    out[MULTIMODAL] = _forward(arch, build_and_restore(mm / "mcore", arch, rt))
+    out[MULTIMODAL] = fp.forward_logits(arch, build_and_restore(mm / "mcore", arch, rt))
     # ... and straight from the directory (each rank reads its slices; no conversion step)
     direct = read_architecture(mm / "hf")
-    out[MULTIMODAL, "direct"] = _forward(direct, build_and_restore(mm / "hf", direct, rt))
+    out[MULTIMODAL, "direct"] = fp.forward_logits(direct, build_and_restore(mm / "hf", direct, rt))
     teardown()
     export_hf(mm / "mcore", mm / "export")
     qwen = Path(root) / "qwen2"
@@ -204,7 +147,7 @@ def build_and_restore(ckpt: Path, arch, rt):
 
 
 def _multimodal_config():
-    """A tiny Gemma 3 with a vision tower; image token ids above the test batch's tokens."""
+    """A tiny Gemma 3 with a vision tower; image token ids above the test batch's fp.tokens."""
     from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
 
     text = Gemma3TextConfig(
@@ -257,7 +200,7 @@ def _layout_worker(rank: int, world_size: int, root: str) -> dict:
             )
             chunks = build_gpt_chunks(arch, parallel, rt.device)
             restore_pretrained(ckpt, chunks)
-            out[layout, name] = _forward(arch, chunks)
+            out[layout, name] = fp.forward_logits(arch, chunks)
     teardown()
     return out
 
@@ -271,13 +214,10 @@ def converted(tmp_path_factory):
     for name, config in _hf_configs().items():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with torch.no_grad():  # norms away from 1 and non-zero biases: every tensor matters
-            for pname, p in model.named_parameters():
-                if "norm" in pname or pname.endswith("bias"):
-                    p.add_(0.1 * torch.randn_like(p))
+        fp.perturb(model)  # norms away from 1 and non-zero biases: every tensor matters
         model.save_pretrained(root / name / "hf")
         (root / name / "hf" / "tokenizer_config.json").write_text(json.dumps({"name": name}))
-        reference[name] = _hf_logits(root / name / "hf")
+        reference[name] = fp.hf_logits(root / name / "hf")
     from transformers import Gemma3ForConditionalGeneration
 
     torch.manual_seed(0)
@@ -286,7 +226,7 @@ def converted(tmp_path_factory):
         for pname, p in multimodal.named_parameters():
             if "norm" in pname:
                 p.add_(0.1 * torch.randn_like(p))
-        reference[MULTIMODAL] = multimodal(input_ids=_batch()[0]).logits.float()
+        reference[MULTIMODAL] = multimodal(input_ids=fp.tokens()).logits.float()
     multimodal.save_pretrained(root / MULTIMODAL / "hf")
     tp1 = run_multirank(_convert_worker, 1, str(root), timeout=300)[0]
     layouts = run_multirank(_layout_worker, 2, str(root), timeout=300)
@@ -302,31 +242,14 @@ def converted(tmp_path_factory):
 @pytest.mark.parametrize("layout", ["tp1", *LAYOUTS])
 @pytest.mark.parametrize("name", MODELS)
 def test_logits_and_logprobs_equal_transformers(converted, layout, name):
-    _, reference, results = converted
-    logits, logprobs = results[layout, name]
-    assert logits.shape == (BATCH, SEQ, 1024)  # padded to 128 x 8 rows by the import
-    logit_diff = (logits[..., :VOCAB] - reference[name]).abs().max().item()
-    logp_diff = (logprobs - _reference_logprobs(reference[name])).abs().max().item()
-    print(f"{name} {layout}: max|Δ logits| {logit_diff:.2e}, max|Δ logp| {logp_diff:.2e}")
-    assert logit_diff <= TOLERANCE and logp_diff <= TOLERANCE
-    assert not logits[..., VOCAB:].any()  # padded rows were zero
-
-
-def _safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    from megatron_kto.conversion.safetensors_io import HFWeights
-
-    weights = HFWeights(model_dir)
-    return {name: weights.get(name) for name in weights.names()}
+    logits = fp.check_logits(converted, layout, name, TOLERANCE)
+    assert not logits[..., fp.VOCAB :].any()  # padded rows were zero
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_round_trip_is_bit_exact_and_loads_in_transformers(converted, name):
     root, reference, _ = converted
-    original = _safetensors(root / name / "hf")
-    exported = _safetensors(root / name / "export")
-    assert exported.keys() == original.keys()
-    for key, tensor in original.items():
-        assert torch.equal(exported[key], tensor), key
+    fp.check_bit_exact(root / name / "hf", root / name / "export")
     if name == "mistral":
         assert (root / name / "export" / "model.safetensors.index.json").is_file()
         assert len(list((root / name / "export").glob("model-*.safetensors"))) > 1
@@ -334,7 +257,7 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(converted, name):
     assert config["model_type"] == _hf_configs()[name].model_type
     tokenizer = json.loads((root / name / "export" / "tokenizer_config.json").read_text())
     assert tokenizer == {"name": name}  # copied in by the import, out by the export
-    assert torch.equal(_hf_logits(root / name / "export"), reference[name])
+    assert torch.equal(fp.hf_logits(root / name / "export"), reference[name])
 
 
 def test_multimodal_gemma3_is_read_and_exported_as_its_language_model(converted):
@@ -342,7 +265,7 @@ def test_multimodal_gemma3_is_read_and_exported_as_its_language_model(converted)
     logits, logprobs = results["tp1", MULTIMODAL]
     want = reference[MULTIMODAL]
     logit_diff = (logits[..., :128] - want).abs().max().item()
-    logp_diff = (logprobs - _reference_logprobs(want)).abs().max().item()
+    logp_diff = (logprobs - fp.reference_logprobs(want)).abs().max().item()
     print(f"{MULTIMODAL}: max|Δ logits| {logit_diff:.2e}, max|Δ logp| {logp_diff:.2e}")
     assert logit_diff <= TOLERANCE and logp_diff <= TOLERANCE
     direct_logits, _ = results["direct", MULTIMODAL]
@@ -350,15 +273,15 @@ def test_multimodal_gemma3_is_read_and_exported_as_its_language_model(converted)
     export = root / MULTIMODAL / "export"
     config = json.loads((export / "config.json").read_text())
     assert config["model_type"] == "gemma3_text" and "vision_config" not in config
-    assert not any("vision" in name for name in _safetensors(export))
-    assert torch.equal(_hf_logits(export), want)
+    assert not any("vision" in name for name in hf_tensors(export))
+    assert torch.equal(fp.hf_logits(export), want)
 
 
 def test_bf16_import_and_export_store_rounded_weights(converted):
     root = converted[0] / "qwen2"
-    original = _safetensors(root / "hf")
-    from_bf16 = _safetensors(root / "export_from_bf16")
-    to_bf16 = _safetensors(root / "export_bf16")
+    original = hf_tensors(root / "hf")
+    from_bf16 = hf_tensors(root / "export_from_bf16")
+    to_bf16 = hf_tensors(root / "export_bf16")
     assert json.loads((root / "export_bf16" / "config.json").read_text())["torch_dtype"] == (
         "bfloat16"
     )

@@ -12,41 +12,31 @@ Norms are moved off 1, routers are decisive and every correction bias changes th
 Shown here:
 
 * import (conversion) and the direct Hugging Face load -> our log-probs equal `transformers'`
-  at TP=1, and at TP=2, EP=2 and PP=2 (one 2-rank run), within 1e-5 relative;
+  at TP=1, and at TP=2, EP=2, PP=2 and TP=2 x SP x EP=2 x ETP=1 (the TP ranks hold whole
+  experts; one 2-rank run), within 1e-5 relative;
 * every MoE layer chooses the same experts as Hugging Face for every token;
 * packed rows (THD) give the padded rows' log-probs;
 * export -> safetensors bit-identical to the source; `transformers` loads them with the same
   logits and the same MLA / YaRN settings;
+* every parameter's gradient at TP=2 x SP equals TP=1's; the memory plan counts the built MLA
+  parameters;
 * what is not built is refused in one line naming the key (config.json and run config).
+
+The runs and shared checks are `family_parity`'s; this file holds the configs (`_hf_configs`,
+imported by other MLA tests) and DeepSeek's own checks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
+import family_parity as fp
 import pytest
 import torch
-from hf_tiny import tiny_deepseek_v3_config
-from multirank import run_multirank
-from test_glm4_moe import (
-    _forward,
-    _hf_model,
-    _hf_run,
-    _packed_vs_padded,
-    _restore_and_run,
-    _safetensors,
-    _tokens,
-    check_parallel,
-    check_single_rank,
-    merge_rank_outputs,
-    sigmoid_moe_references,
-)
+from hf_tiny import tiny_sigmoid_routed_config
 
-VOCAB = 100  # test_glm4_moe's helpers read its VOCAB / SEQ / BATCH: the same here
 MODELS = ("qlora", "plain")
-LAYOUTS = {"tp2": (2, 1, 1), "ep2": (1, 1, 2), "pp2": (1, 2, 1)}
 # TP=2 with SP (MoE at TP > 1 requires SP: config/validate.py)
 GRAD_LAYOUTS = {"grads_tp2_sp": True}
 
@@ -63,7 +53,7 @@ MLA_RUN = [
 
 
 def _hf_configs() -> dict[str, object]:
-    """`hf_tiny.tiny_deepseek_v3_config` changed into the two models of the module docstring."""
+    """`hf_tiny.TINY_DEEPSEEK_V3` changed into the two models of the module docstring."""
     common = dict(
         max_position_embeddings=64,
         tie_word_embeddings=False,
@@ -72,8 +62,9 @@ def _hf_configs() -> dict[str, object]:
         eos_token_id=1,
     )
     return {
-        "qlora": tiny_deepseek_v3_config(
-            VOCAB,
+        "qlora": tiny_sigmoid_routed_config(
+            "deepseek_v3",
+            fp.VOCAB,
             moe_intermediate_size=32,
             n_routed_experts=8,
             num_experts_per_tok=4,
@@ -94,8 +85,9 @@ def _hf_configs() -> dict[str, object]:
             },
             **common,
         ),
-        "plain": tiny_deepseek_v3_config(
-            VOCAB,
+        "plain": tiny_sigmoid_routed_config(
+            "deepseek_v3",
+            fp.VOCAB,
             num_hidden_layers=4,
             intermediate_size=80,
             routed_scaling_factor=1.0,
@@ -110,54 +102,29 @@ def _hf_configs() -> dict[str, object]:
     }
 
 
-def _single_worker(rank: int, world_size: int, root: str) -> dict:
-    """Per model: import, TP=1 from the checkpoint (a different init) and from the HF directory
-    directly, packed vs padded, export."""
-    from megatron_kto.hf_writer.convert import export_hf, import_hf
-    from megatron_kto.runtime import init_runtime, teardown
+def _tp1_results(name: str, arch, chunks, base) -> dict:
+    """The memory plan against the built TP=1 chunk; TP=1's gradients saved for the 2 ranks."""
+    torch.save(_loss_grads(arch, chunks[0]), base / "tp1_grads.pt")
+    return {("plan", name, "tp1"): _planned_vs_built(arch, chunks, 1, 1)}
+
+
+def _tp2_plan(layout: str, name: str, arch, chunks, base) -> dict:
+    """The memory plan against the built TP=2 chunk."""
+    return {("plan", name, "tp2"): _planned_vs_built(arch, chunks, 2, 1)} if layout == "tp2" else {}
+
+
+def _gradient_runs(root: str, models: tuple) -> dict:
+    """The gradients' errors at TP=2 x SP against TP=1's."""
+    from megatron_kto.runtime import init_runtime
 
     out = {}
-    for name in MODELS:
-        base = Path(root) / name
-        out["arch", name] = import_hf(base / "hf", base / "mcore").to_dict()
-        rt = init_runtime(1, 1, seed=9)  # a different init: only the checkpoint can match
-        arch, chunks = _restore_and_run(base / "mcore", 1, 1, 1, rt)
-        out["tp1", name] = _forward(arch, chunks)
-        out["plan", name, "tp1"] = _planned_vs_built(arch, chunks, 1, 1)
-        out["packed", name] = _packed_vs_padded(arch, chunks[0])
-        torch.save(_loss_grads(arch, chunks[0]), base / "tp1_grads.pt")
-        teardown()
-        rt = init_runtime(1, 1, seed=9)
-        out["hf_tp1", name] = _forward(*_restore_and_run(base / "hf", 1, 1, 1, rt))
-        teardown()
-        export_hf(base / "mcore", base / "export")
-    return out
-
-
-def _layout_worker(rank: int, world_size: int, root: str, layouts: dict) -> dict:
-    """TP=2, EP=2, PP=2 from our checkpoint; EP=2 also straight from the HF directory; the
-    gradients' errors at TP=2 with and without SP against TP=1's."""
-    from megatron_kto.runtime import init_runtime, teardown
-
-    out = {}
-    for layout, (tp, pp, ep) in layouts.items():
-        rt = init_runtime(tp, pp, seed=9, expert_parallel_size=ep)
-        for name in MODELS:
-            arch, chunks = _restore_and_run(Path(root) / name / "mcore", tp, pp, ep, rt)
-            out[layout, name] = _forward(arch, chunks)
-            if layout == "tp2":
-                out["plan", name, "tp2"] = _planned_vs_built(arch, chunks, tp, ep)
-            if layout == "ep2":
-                hf = _restore_and_run(Path(root) / name / "hf", tp, pp, ep, rt)
-                out["hf_ep2", name] = _forward(*hf)
     for layout, sp in GRAD_LAYOUTS.items():
         rt = init_runtime(2, 1, seed=9)
-        for name in MODELS:
+        for name in models:
             path = Path(root) / name
-            arch, chunks = _restore_and_run(path / "mcore", 2, 1, 1, rt, sequence_parallel=sp)
+            arch, chunks = fp.restore_and_run(path / "mcore", fp.Layout(tp=2, sp=sp), rt)
             want = torch.load(path / "tp1_grads.pt", weights_only=True)
             out[layout, name] = _grad_errors(_loss_grads(arch, chunks[0]), want, arch, chunks[0])
-    teardown()
     return out
 
 
@@ -174,11 +141,11 @@ def _loss_grads(arch, chunk) -> dict[str, torch.Tensor]:
     from megatron_kto.models.training_setup import wrap_ddp
 
     (ddp,) = wrap_ddp([chunk], use_distributed_optimizer=False)
-    tokens = _tokens()
-    labels = torch.cat([tokens[:, 1:], torch.full((tokens.shape[0], 1), -100)], dim=1)
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens).clone()
+    ids = fp.tokens()
+    labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
+    positions = torch.arange(ids.shape[1]).expand_as(ids).clone()
     with eval_mode([ddp]):
-        logits = model_call(ddp, {"tokens": tokens, "position_ids": positions})
+        logits = model_call(ddp, {"tokens": ids, "position_ids": positions})
     sums = token_logprobs(logits, labels, arch.vocab_size).sum(-1)
     F.logsigmoid(0.5 * (sums[0::2] - sums[1::2])).mean().neg().backward()
     finalize_model_grads([ddp])
@@ -221,35 +188,25 @@ def _planned_vs_built(arch, chunks, tp: int, ep: int) -> tuple[list, list]:
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
+    hooks = fp.FamilyHooks(single=_tp1_results, layout=_tp2_plan, runs=_gradient_runs)
     root = tmp_path_factory.mktemp("deepseek_v3")
-    reference = sigmoid_moe_references(root, _hf_configs())
-    results = run_multirank(_single_worker, 1, str(root), timeout=600)[0]
-    ranks = run_multirank(_layout_worker, 2, str(root), LAYOUTS, timeout=600)
-    return root, reference, merge_rank_outputs(results, ranks, ("plan", *GRAD_LAYOUTS))
+    return fp.convert_and_run(root, _hf_configs(), hooks, whole=("plan", *GRAD_LAYOUTS))
 
 
 def test_the_correction_bias_changes_the_routing(converted):
-    _, reference, _ = converted
-    for name in MODELS:
-        ref = reference[name]
-        assert (ref["logits"] - ref["unbiased"]).abs().max() > 1e-3, name
+    fp.check_correction_bias_matters(converted)
 
 
-CASES = [(layout, name) for layout in ("tp1", "hf_tp1") for name in MODELS]
-
-
-@pytest.mark.parametrize("layout,name", CASES, ids=[f"{n}-{lay}" for lay, n in CASES])
+@pytest.mark.parametrize("layout,name", fp.cases(("tp1", "hf_tp1"), MODELS))
 def test_single_rank_logprobs_and_choices_equal_transformers(converted, layout, name):
-    check_single_rank(converted, layout, name, _hf_configs()[name].num_hidden_layers - 1)
+    fp.check_single_rank(converted, layout, name, _hf_configs()[name].num_hidden_layers - 1)
 
 
-LAYOUT_CASES = [(layout, name) for layout in (*LAYOUTS, "hf_ep2") for name in MODELS]
-
-
-@pytest.mark.parametrize("layout,name", LAYOUT_CASES, ids=[f"{n}-{lay}" for lay, n in LAYOUT_CASES])
+@pytest.mark.parametrize("layout,name", fp.cases(fp.PARALLEL, MODELS))
 def test_parallel_logprobs_and_choices_equal_transformers(converted, layout, name):
-    """TP2 / EP2 / PP2 (and EP2 straight from the HF directory), checked as test_glm4_moe does."""
-    check_parallel(converted, layout, name)
+    """TP=2, EP=2, PP=2, TP=2 x SP x EP=2 x ETP=1 (the last two also straight from the HF
+    directory), checked as test_glm4_moe does."""
+    fp.check_parallel(converted, layout, name)
 
 
 @pytest.mark.parametrize("tp", ["tp1", "tp2"])
@@ -263,8 +220,7 @@ def test_memory_plan_counts_the_built_mla_parameters(converted, name, tp):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_packed_rows_equal_padded_rows(converted, name):
-    _, _, results = converted
-    assert results["packed", name] <= 1e-5
+    fp.check_packed(converted, name)
 
 
 @pytest.mark.parametrize("layout", list(GRAD_LAYOUTS))
@@ -298,25 +254,13 @@ def test_mla_settings_follow_the_config(converted):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_round_trip_is_bit_exact_and_loads_in_transformers(converted, name):
-    root, reference, _ = converted
-    original = _safetensors(root / name / "hf")
-    exported = _safetensors(root / name / "export")
-    assert exported.keys() == original.keys()
-    for key, tensor in original.items():
-        assert torch.equal(exported[key], tensor), key
-    config = json.loads((root / name / "export" / "config.json").read_text())
-    source = _hf_configs()[name]
-    for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"):
-        assert config[key] == getattr(source, key), key
-    assert config["v_head_dim"] == source.v_head_dim and config["first_k_dense_replace"] == 1
-    logits, _ = _hf_run(_hf_model(root / name / "export"))
-    assert torch.equal(logits, reference[name]["logits"])
+    keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    config = fp.check_round_trip(converted, name, _hf_configs()[name], keys)
+    assert config["first_k_dense_replace"] == 1
 
 
-def _config(**changes) -> dict:
-    config = _hf_configs()["qlora"].to_dict()
-    config.update(changes)
-    return config
+def _config(rope: dict | None = None, **changes) -> dict:
+    return fp.config_with(_hf_configs()["qlora"], rope, **changes)
 
 
 @pytest.mark.parametrize(
@@ -334,17 +278,7 @@ def _config(**changes) -> dict:
 )
 def test_configs_that_would_compute_differently_are_refused(changes, message):
     """One line naming the key; the routing refusals are GLM-4.5's (`test_glm4_moe.py`)."""
-    from megatron_kto.conversion.hf_config import ConversionError, architecture_from_hf
-
-    rope = changes.pop("rope", None)
-    config = _config(**changes)
-    if rope is not None:
-        config["rope_parameters"] = {**config["rope_parameters"], **rope}
-    with pytest.raises(ConversionError) as info:
-        architecture_from_hf(config, "cfg.json")
-    text = str(info.value)
-    assert text.startswith(f"cfg.json: {message}"), text
-    assert "\n" not in text
+    fp.check_refused(_config(**changes), message)
 
 
 def test_other_families_do_not_export_an_mla_model():
@@ -406,9 +340,9 @@ def test_model_flops_count_the_mla_projections():
     dense = model.model.layers[0].mlp
     # Every layer dense: the MoE FLOPs are `moe_flops_per_token`'s, tested with the MoE families.
     dense_arch = dataclasses.replace(arch, num_moe_experts=None, moe_layer_freq=None)
-    flops = architecture_flops(dense_arch, VOCAB)
+    flops = architecture_flops(dense_arch, fp.VOCAB)
     mlp = sum(p.numel() for p in dense.parameters())
-    want = 2 * (attention + arch.num_layers * mlp + VOCAB * arch.hidden_size)
+    want = 2 * (attention + arch.num_layers * mlp + fp.VOCAB * arch.hidden_size)
     assert flops.per_token == want
     n, qh = arch.num_attention_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim
     assert flops.per_position == arch.num_layers * 2 * n * (qh + arch.v_head_dim)

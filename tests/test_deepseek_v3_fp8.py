@@ -42,31 +42,17 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
+import family_parity as fp
 import pytest
 import torch
 from multirank import run_multirank
 from test_deepseek_v3 import _grad_errors, _hf_configs
 from test_fp8_checkpoints import QUANT, _as_hf, quantize
-from test_glm4_moe import (
-    BATCH,
-    RELATIVE,
-    SEQ,
-    _build,
-    _forward,
-    _hf_model,
-    _hf_run,
-    _relative_error,
-    _restore_and_run,
-    check_parallel,
-    check_single_rank,
-    merge_rank_outputs,
-    sigmoid_moe_references,
-)
 
 MODELS = ("qlora", "plain")
 BLOCKS = {"qlora": (16, 32), "plain": (128, 128)}
-#: (TP, EP, sequence parallel) of the 2-rank runs.
-LAYOUTS = {"tp2_sp": (2, 1, True), "ep2": (1, 2, False)}
+#: The 2-rank runs' layouts.
+LAYOUTS = {"tp2_sp": fp.Layout(tp=2, sp=True), "ep2": fp.Layout(ep=2)}
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "convert_checkpoint.py"
 FP8_SUFFIXES = ("proj.weight", "proj_with_mqa.weight")
 BROKEN = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
@@ -196,25 +182,28 @@ def _single_worker(rank: int, world_size: int, root: str) -> dict:
     from megatron_kto.checkpointing.errors import CheckpointError
     from megatron_kto.checkpointing.hf_source import load_hf_model
     from megatron_kto.conversion.hf_dir import read_hf_architecture
-    from megatron_kto.models.builder import unwrap
+    from megatron_kto.models.builder import ParallelLayout, build_gpt_chunks, unwrap
     from megatron_kto.runtime import init_runtime, teardown
 
     out, reads = {}, _recording_reads()
     rt = init_runtime(1, 1, seed=9)
+    sdpa = ParallelLayout(attention_backend="sdpa")
     for name in MODELS:
         base = Path(root) / name
         reads.clear()
         with _notes() as notes:
-            arch, chunks = _restore_and_run(base / "fp8", 1, 1, 1, rt)
+            arch, chunks = fp.restore_and_run(base / "fp8", fp.Layout(), rt)
         out["reads", name], out["notes", name] = list(reads), notes
         out["direct", name] = _as_hf(arch, chunks, "deepseek_v3")
-        out["tp1", name] = _forward(arch, chunks)
+        out["tp1", name] = fp.forward(arch, chunks)
         state = {k: p.detach().clone() for k, p in unwrap(chunks[0]).named_parameters()}
         torch.save(state, base / "tp1_state.pt")
     for case in ("short", "missing"):  # copies of the qlora model's directory
         broken = Path(root) / case
         try:
-            load_hf_model(broken, _build(read_hf_architecture(broken)[1], 1, 1, 1, rt))
+            load_hf_model(
+                broken, build_gpt_chunks(read_hf_architecture(broken)[1], sdpa, rt.device)
+            )
             out["direct", case] = None
         except CheckpointError as e:
             out["direct", case] = str(e)
@@ -227,7 +216,7 @@ def _single_worker(rank: int, world_size: int, root: str) -> dict:
     out["export"] = _tool("export", "--ckpt", str(qlora / "fp8_mc"), "--out", str(qlora / "export"))
     rt = init_runtime(1, 1, seed=9)
     for name in MODELS:
-        arch, chunks = _restore_and_run(Path(root) / name / "fp8_mc", 1, 1, 1, rt)
+        arch, chunks = fp.restore_and_run(Path(root) / name / "fp8_mc", fp.Layout(), rt)
         out["imported", name] = _as_hf(arch, chunks, "deepseek_v3")
     teardown()
     return out
@@ -257,22 +246,24 @@ def _layout_worker(rank: int, world_size: int, root: str) -> dict:
 
     reads = _recording_reads()
     out = {}
-    for layout, (tp, ep, sp) in LAYOUTS.items():
-        rt = init_runtime(tp, 1, seed=9, expert_parallel_size=ep)
+    for key, layout in LAYOUTS.items():
+        rt = init_runtime(layout.tp, 1, seed=9, expert_parallel_size=layout.ep)
+        out["sizes", key] = fp.parallel_sizes()
         for name in MODELS:
             base = Path(root) / name
             reads.clear()
-            arch, chunks = _restore_and_run(base / "fp8", tp, 1, ep, rt, sequence_parallel=sp)
-            out["reads", layout, name] = list(reads)
-            out[layout, name] = _forward(arch, chunks)
+            arch, chunks = fp.restore_and_run(base / "fp8", layout, rt)
+            out["reads", key, name] = list(reads)
+            out[key, name] = fp.forward(arch, chunks)
             want = torch.load(base / "tp1_state.pt", weights_only=True)
             state = {k: p.detach() for k, p in unwrap(chunks[0]).named_parameters()}
-            if tp > 1:
+            if layout.tp > 1:
                 errors = _grad_errors(state, want, arch, chunks[0])
             else:
                 ep_rank = parallel_state.get_expert_model_parallel_rank()
-                errors = _expert_shard_errors(state, want, ep_rank, arch.num_moe_experts // ep)
-            out["shards", layout, name] = errors
+                local = arch.num_moe_experts // layout.ep
+                errors = _expert_shard_errors(state, want, ep_rank, local)
+            out["shards", key, name] = errors
     teardown()
     return out
 
@@ -280,18 +271,18 @@ def _layout_worker(rank: int, world_size: int, root: str) -> dict:
 @pytest.fixture(scope="module")
 def fp8(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek_v3_fp8")
-    sigmoid_moe_references(root, _hf_configs())  # the tiny random models, decisive routers
+    fp.sigmoid_moe_references(root, _hf_configs())  # the tiny random models, decisive routers
     reference, dequantised = {}, {}
     for name in MODELS:
         base = root / name
         dequantised[name] = _write_published(base / "hf", base / "fp8", base / "deq", BLOCKS[name])
-        logits, choices = _hf_run(_hf_model(base / "deq"))
+        logits, choices = fp.hf_run(fp.hf_model(base / "deq"))
         reference[name] = {"logits": logits, "choices": choices}
     _write_broken(root / "qlora" / "fp8", root)
     results = run_multirank(_single_worker, 1, str(root), timeout=600)[0]
     ranks = run_multirank(_layout_worker, 2, str(root), timeout=600)
     results["ranks"] = ranks
-    results = merge_rank_outputs(results, ranks, ("reads", "shards", "ranks"))
+    results = fp.merge_rank_outputs(results, ranks, ("reads", "shards", "ranks", "sizes"))
     return root, reference, results, dequantised
 
 
@@ -314,30 +305,16 @@ def test_weights_are_exactly_the_reference_dequantisation(fp8, name, way):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_logprobs_and_choices_equal_transformers_at_tp1(fp8, name):
-    check_single_rank(_converted(fp8), "tp1", name, _hf_configs()[name].num_hidden_layers - 1)
+    fp.check_single_rank(_converted(fp8), "tp1", name, _hf_configs()[name].num_hidden_layers - 1)
 
 
-LAYOUT_CASES = [(layout, name) for layout in LAYOUTS for name in MODELS]
-
-
-@pytest.mark.parametrize("layout,name", LAYOUT_CASES, ids=[f"{n}-{lay}" for lay, n in LAYOUT_CASES])
+@pytest.mark.parametrize("layout,name", fp.cases(LAYOUTS, MODELS))
 def test_each_rank_holds_its_shard_and_logprobs_equal_transformers(fp8, layout, name):
-    """Log-probs and expert choices as `test_glm4_moe` checks them (under SP each TP rank routes
-    its half of the sequence), and each rank's parameters exactly its shard of TP=1's."""
-    _, reference, results, _ = fp8
-    if layout == "ep2":
-        check_parallel(_converted(fp8), layout, name)
-    else:
-        logprobs, per_rank = results[layout, name]
-        error = _relative_error(logprobs, name, reference)
-        print(f"{name} {layout}: max relative |Δ logp| {error:.2e}")
-        assert error <= RELATIVE
-        choices, half = reference[name]["choices"], SEQ // 2
-        for rank, maps in enumerate(per_rank):
-            assert len(maps) == len(choices)
-            for ours, theirs in zip(maps, choices, strict=True):
-                ours = ours.reshape(half, BATCH, -1)
-                assert torch.equal(ours, theirs[rank * half : (rank + 1) * half])
+    """Log-probs and expert choices as `family_parity.check_parallel` checks them (under SP each
+    TP rank routes its half of the sequence), and each rank's parameters exactly its shard of
+    TP=1's."""
+    _, _, results, _ = fp8
+    fp.check_parallel(_converted(fp8), layout, name, LAYOUTS)
     for rank_out in results["ranks"]:
         errors = rank_out["shards", layout, name]
         assert any("linear_kv_down_proj" in n for n in errors)
@@ -450,6 +427,6 @@ def test_export_writes_bf16_without_quantization_config_or_mtp(fp8):
 
     def bf16_logits(path: Path) -> torch.Tensor:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-        return _hf_run(model.eval())[0]
+        return fp.hf_run(model.eval())[0]
 
     assert torch.equal(bf16_logits(export), bf16_logits(root / "qlora" / "deq"))

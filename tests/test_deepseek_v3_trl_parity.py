@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_tiny import make_tokenizer, save_sigmoid_routed, tiny_deepseek_v3_config
+from hf_tiny import make_hf_sigmoid_routed
 from trl_harness import check_trajectory, prepare_trajectory
 
 pytestmark = pytest.mark.e2e
@@ -27,12 +27,7 @@ trl = pytest.importorskip("trl")
 
 def _make_deepseek(directory: Path) -> None:
     """A random tiny deepseek_v3 with routers far from ties and non-zero correction biases."""
-    from transformers import AutoModelForCausalLM
-
-    vocab = make_tokenizer(directory)
-    torch.manual_seed(0)
-    config = tiny_deepseek_v3_config(vocab)
-    save_sigmoid_routed(AutoModelForCausalLM.from_config(config), directory)
+    make_hf_sigmoid_routed(directory, "deepseek_v3")  # hf_tiny.TINY_DEEPSEEK_V3
 
 
 @pytest.fixture(scope="module")

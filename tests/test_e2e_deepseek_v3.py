@@ -1,7 +1,7 @@
 """A new user's walk with a DeepSeek-V3-style model (`deepseek_v3`), and expert parallelism
 changing where experts live, not the numbers.
 
-A tiny Hugging Face directory (`hf_tiny.tiny_deepseek_v3_config` with groups: multi-latent
+A tiny Hugging Face directory (`hf_tiny.TINY_DEEPSEEK_V3` with groups: multi-latent
 attention with a query bottleneck and YaRN, a dense first layer, 8 sigmoid-routed experts top-4 in
 4 groups of which 2 are eligible, a shared expert, non-zero expert-score correction biases) and
 the bundled example's rows -> `python examples/train_gpt_kto.py
@@ -20,10 +20,11 @@ import json
 import shutil
 from pathlib import Path
 
+import family_parity as fp
 import pytest
 import torch
 from e2e_cli import KTO_SCRIPT, QUIET, read_metrics, run_script
-from hf_tiny import make_tokenizer, save_sigmoid_routed, tiny_deepseek_v3_config, write_kto_rows
+from hf_tiny import hf_tensors, make_hf_sigmoid_routed, write_kto_rows
 from multirank import run_multirank
 
 pytestmark = pytest.mark.e2e
@@ -56,14 +57,9 @@ TIMINGS = {"step_time", "tokens_per_sec", "samples_per_sec", "peak_memory_gb", "
 
 
 def _make_deepseek(directory: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    vocab = make_tokenizer(directory)
-    torch.manual_seed(0)
-    config = tiny_deepseek_v3_config(
-        vocab, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2
+    make_hf_sigmoid_routed(
+        directory, "deepseek_v3", n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2
     )
-    save_sigmoid_routed(AutoModelForCausalLM.from_config(config), directory)
 
 
 def _args(root: Path, log_dir: Path) -> list[str]:
@@ -102,13 +98,6 @@ def walk(tmp_path_factory):
     return root
 
 
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    from megatron_kto.conversion.safetensors_io import HFWeights
-
-    weights = HFWeights(directory)
-    return {name: weights.get(name) for name in weights.names()}
-
-
 def _assert_rows_equal(got: list[dict], want: list[dict]) -> None:
     assert [r["step"] for r in got] == [r["step"] for r in want]
     for ref_row, row in zip(want, got, strict=True):
@@ -135,9 +124,9 @@ def test_layout_equals_ep1(walk, name):
     reference = read_metrics(walk / "ep1")
     assert len(reference) == STEPS
     _assert_rows_equal(read_metrics(walk / name), reference)
-    start, want = _tensors(walk / "hf_in"), _tensors(walk / "ep1" / "hf")
+    start, want = hf_tensors(walk / "hf_in"), hf_tensors(walk / "ep1" / "hf")
     atol = TP_WEIGHT_ATOL if name.startswith("tp") else WEIGHT_ATOL
-    _assert_weights_equal(_tensors(walk / name / "hf"), want, atol)
+    _assert_weights_equal(hf_tensors(walk / name / "hf"), want, atol)
     assert want.keys() == start.keys()
     for part in ("experts.", "shared_experts.", "q_a_proj", "kv_b_proj", "mlp.gate.weight"):
         moved = [k for k in want if part in k]
@@ -153,42 +142,39 @@ def test_resume_at_another_ep_continues_the_run(walk, name):
     got = read_metrics(walk / name)
     assert [r["step"] for r in got] == [2]
     _assert_rows_equal(got, read_metrics(walk / RESUMED[name][0])[1:])
-    _assert_weights_equal(_tensors(walk / name / "hf"), _tensors(walk / "ep1" / "hf"))
+    _assert_weights_equal(hf_tensors(walk / name / "hf"), hf_tensors(walk / "ep1" / "hf"))
 
 
 def _ours_worker(rank: int, world_size: int, log_dir: str) -> tuple:
     """Our model restored from the run's last checkpoint: log-probs and routing maps."""
-    from test_glm4_moe import _forward, _restore_and_run
-
     from megatron_kto.checkpointing.locate import resolve_pretrained_dir
     from megatron_kto.runtime import init_runtime, teardown
 
     rt = init_runtime(1, 1, seed=9)  # a different init: only the checkpoint can match
-    result = _forward(*_restore_and_run(resolve_pretrained_dir(log_dir), 1, 1, 1, rt))
+    result = fp.forward(*fp.restore_and_run(resolve_pretrained_dir(log_dir), fp.Layout(), rt))
     teardown()
     return result
 
 
 def test_transformers_loads_hf_output_generates_and_equals_ours(walk):
-    from test_glm4_moe import _hf_model, _hf_run, _reference_logprobs
     from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
     out = walk / "ep1" / "hf"
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "deepseek_v3"
     assert (config["n_group"], config["topk_group"], config["q_lora_rank"]) == (4, 2, 16)
-    model = _hf_model(out)
+    model = fp.hf_model(out)
     assert isinstance(model, DeepseekV3ForCausalLM)
     tokenizer = AutoTokenizer.from_pretrained(out)
     prompt = tokenizer("Hello there", return_tensors="pt")
     generated = model.generate(**prompt, max_new_tokens=5, do_sample=False)
     assert generated.shape[1] == prompt["input_ids"].shape[1] + 5
 
-    logits, choices = _hf_run(model)
+    logits, choices = fp.hf_run(model)
     logprobs, maps = run_multirank(_ours_worker, 1, str(walk / "ep1"), timeout=600)[0]
-    want = _reference_logprobs(logits)
+    want = fp.reference_logprobs(logits)
     error = ((logprobs - want).abs() / want.abs().clamp(min=1.0)).max().item()
     print(f"trained deepseek_v3: max relative |Δ logp| ours vs transformers {error:.2e}")
-    assert error <= 1e-5
+    assert error <= fp.RELATIVE
     assert len(maps) == len(choices) == 1
     assert torch.equal(maps[0], choices[0])

@@ -18,12 +18,11 @@ ranks) trains the same steps and writes the same `hf/` as on one rank.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from e2e_cli import KTO_SCRIPT, QUIET, REPO, read_metrics, run_script
-from hf_tiny import make_tokenizer, write_kto_rows
+from hf_tiny import hf_tensors, make_hf_sigmoid_routed, write_kto_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -58,49 +57,18 @@ DPO_SCRIPT = REPO / "examples" / "train_gpt_dpo.py"
 DPO_DATA = REPO / "examples" / "data" / "tiny_dpo" / "train.jsonl"
 
 
-def _make_glm(directory: Path) -> None:
-    from transformers import AutoModelForCausalLM, Glm4MoeConfig
-
-    vocab = make_tokenizer(directory)
-    torch.manual_seed(0)
-    config = Glm4MoeConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        n_routed_experts=EXPERTS,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        attention_bias=True,
-        vocab_size=vocab,
-        max_position_embeddings=128,
-        initializer_range=0.1,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.2 * torch.randn_like(b))
-    model.save_pretrained(directory)
-
-
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    from megatron_kto.conversion.safetensors_io import HFWeights
-
-    weights = HFWeights(directory)
-    return {name: weights.get(name) for name in weights.names()}
-
-
 @pytest.fixture(scope="module")
 def walk(tmp_path_factory):
     root = tmp_path_factory.mktemp("glm_walk")
-    _make_glm(root / "hf_in")
+    # The model's own router init; correction biases ~N(0, 0.2).
+    make_hf_sigmoid_routed(
+        root / "hf_in",
+        "glm4_moe",
+        router_std=None,
+        bias_std=0.2,
+        n_routed_experts=EXPERTS,
+        moe_intermediate_size=32,
+    )
     write_kto_rows(root / "train.jsonl", 0, 32)
     for name, extra in RUNS.items():
         run_script(
@@ -150,7 +118,7 @@ def _biases(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def test_hf_output_keeps_a_frozen_bias_and_generates(walk):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source, out = _tensors(walk / "hf_in"), _tensors(walk / "frozen" / "hf")
+    source, out = hf_tensors(walk / "hf_in"), hf_tensors(walk / "frozen" / "hf")
     assert out.keys() == source.keys()
     assert _biases(out) and all(torch.equal(v, source[k]) for k, v in _biases(out).items())
     moved = [k for k in out if not torch.equal(out[k], source[k])]
@@ -165,7 +133,7 @@ def test_hf_output_keeps_a_frozen_bias_and_generates(walk):
 
 
 def test_bias_update_rate_moves_the_bias_by_the_rate(walk):
-    source, out = _tensors(walk / "hf_in"), _tensors(walk / "updated" / "hf")
+    source, out = hf_tensors(walk / "hf_in"), hf_tensors(walk / "updated" / "hf")
     deltas = torch.cat([(v - source[k]).abs() for k, v in _biases(out).items()])
     assert deltas.max() > 0
     assert deltas.max() <= STEPS * RATE + 1e-6
@@ -218,7 +186,7 @@ def test_expert_parallel_runs_equal_one_rank(walk, name):
     for a, b in zip(read_metrics(walk / name), read_metrics(walk / "frozen"), strict=True):
         for key in ("loss", "grad_norm", "kl", "logps/chosen", "rewards/rejected"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=5e-6), (a["step"], key)
-    one, two = _tensors(walk / "frozen" / "hf"), _tensors(walk / name / "hf")
+    one, two = hf_tensors(walk / "frozen" / "hf"), hf_tensors(walk / name / "hf")
     assert one.keys() == two.keys()
     for key, value in one.items():
         if key.endswith("k_proj.bias"):
@@ -233,13 +201,13 @@ def test_bf16_run_follows_fp32_and_keeps_the_bias(walk):
     bf16, fp32 = read_metrics(walk / "bf16"), read_metrics(walk / "frozen")
     for a, b in zip(bf16, fp32, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-2)
-    source, out = _tensors(walk / "hf_in"), _tensors(walk / "bf16" / "hf")
+    source, out = hf_tensors(walk / "hf_in"), hf_tensors(walk / "bf16" / "hf")
     assert all(torch.equal(v.float(), source[k].float()) for k, v in _biases(out).items())
 
 
 def test_dpo_run_trains_and_keeps_the_bias(walk):
     rows = read_metrics(walk / "dpo")
     assert rows[0]["loss"] == pytest.approx(0.6931472, rel=1e-5)  # policy = reference: log 2
-    source, out = _tensors(walk / "hf_in"), _tensors(walk / "dpo" / "hf")
+    source, out = hf_tensors(walk / "hf_in"), hf_tensors(walk / "dpo" / "hf")
     assert all(torch.equal(v, source[k]) for k, v in _biases(out).items())
     assert any(not torch.equal(out[k], source[k]) for k in out if "experts" in k)

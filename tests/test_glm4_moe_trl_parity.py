@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_tiny import make_tokenizer, save_sigmoid_routed
+from hf_tiny import make_hf_sigmoid_routed
 from trl_harness import check_trajectory, prepare_trajectory
 
 pytestmark = pytest.mark.e2e
@@ -29,31 +29,7 @@ trl = pytest.importorskip("trl")
 def _make_glm(directory: Path) -> None:
     """A random tiny glm4_moe with routers far from ties (weights ~N(0, 0.3), scores away from
     sigmoid's flat ends) and non-zero correction biases."""
-    from transformers import AutoModelForCausalLM, Glm4MoeConfig
-
-    vocab = make_tokenizer(directory)
-    torch.manual_seed(0)
-    config = Glm4MoeConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=48,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        routed_scaling_factor=1.5,
-        first_k_dense_replace=1,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        attention_bias=True,
-        vocab_size=vocab,
-        max_position_embeddings=128,
-        initializer_range=0.1,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    save_sigmoid_routed(AutoModelForCausalLM.from_config(config), directory)
+    make_hf_sigmoid_routed(directory, "glm4_moe", routed_scaling_factor=1.5)
 
 
 @pytest.fixture(scope="module")

@@ -26,17 +26,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import family_parity as fp
 import pytest
 import torch
 from multirank import run_multirank
 from test_deepseek_v3 import MLA_RUN, MODELS, _grad_errors, _hf_configs, _loss_grads
-from test_glm4_moe import (
-    _forward,
-    _reference_logprobs,
-    _restore_and_run,
-    _tokens,
-    sigmoid_moe_references,
-)
 
 RANK, ALPHA = 4, 8.0
 #: Every attention projection of each model, by its Hugging Face name.
@@ -46,7 +40,6 @@ PROJECTIONS = {
 }
 #: What our runs name as targets: NeMo's name for one model, the Hugging Face names for the other.
 RUN_TARGETS = {"qlora": ["attention"], "plain": PROJECTIONS["plain"]}
-RELATIVE = 1e-5
 
 
 def _settings(name: str):
@@ -62,7 +55,7 @@ def _with_adapter(root: Path, name: str, tp: int, rt) -> tuple:
     from megatron_kto.peft.wiring import apply_lora
 
     base = root / name
-    arch, chunks = _restore_and_run(base / "hf", tp, 1, 1, rt, sequence_parallel=tp > 1)
+    arch, chunks = fp.restore_and_run(base / "hf", fp.Layout(tp=tp, sp=tp > 1), rt)
     settings = _settings(name)
     apply_lora(chunks, arch, settings)
     config, tensors = hf_peft.read_adapter(base / "adapter")
@@ -80,11 +73,11 @@ def _tp1_worker(rank: int, world_size: int, root: str) -> dict:
         base = Path(root) / name
         rt = init_runtime(1, 1, seed=9)
         arch, chunks, settings = _with_adapter(Path(root), name, 1, rt)
-        out["tp1", name] = _forward(arch, chunks)[0]
+        out["tp1", name] = fp.forward(arch, chunks)[0]
         hf_peft.write_adapter(base / "export_tp1", chunks, settings, arch, str(base / "hf"))
         torch.save(_loss_grads(arch, chunks[0]), base / "tp1_grads.pt")
         hf_peft.merge_and_strip(chunks, arch)
-        out["merged", name] = _forward(arch, chunks)[0]
+        out["merged", name] = fp.forward(arch, chunks)[0]
         teardown()
     return out
 
@@ -100,7 +93,7 @@ def _tp2_worker(rank: int, world_size: int, root: str) -> dict:
     for name in MODELS:
         base = Path(root) / name
         arch, chunks, settings = _with_adapter(Path(root), name, 2, rt)
-        out["tp2", name] = _forward(arch, chunks)[0]
+        out["tp2", name] = fp.forward(arch, chunks)[0]
         hf_peft.write_adapter(base / "export_tp2", chunks, settings, arch, str(base / "hf"))
         lora = LoRAShape(RANK, tuple(RUN_TARGETS[name]))
         plan = chunk_parameters(arch, ParallelDims(tp=2, dp=1, sequence_parallel=True), 0, 0, lora)
@@ -117,7 +110,7 @@ def _tp2_worker(rank: int, world_size: int, root: str) -> dict:
 
 def _peft_adapter(root: Path, name: str) -> torch.Tensor:
     """A peft adapter with a non-zero B on every attention projection of `root/name/hf`, saved to
-    `root/name/adapter`; returns the peft model's log-probs of `_tokens()`."""
+    `root/name/adapter`; returns the peft model's log-probs of `fp.tokens()`."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -131,22 +124,22 @@ def _peft_adapter(root: Path, name: str) -> torch.Tensor:
         for pname, p in model.named_parameters():
             if "lora_B" in pname:
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
-        logits = model(_tokens()).logits.float()
+        logits = model(fp.tokens()).logits.float()
     model.save_pretrained(root / name / "adapter")
-    return _reference_logprobs(logits)
+    return fp.reference_logprobs(logits)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     pytest.importorskip("peft")
     root = tmp_path_factory.mktemp("lora_mla")
-    reference = sigmoid_moe_references(root, _hf_configs())
+    reference = fp.sigmoid_moe_references(root, _hf_configs())
     peft = {name: _peft_adapter(root, name) for name in MODELS}
     out = run_multirank(_tp1_worker, 1, str(root), timeout=300)[0]
     ranks = run_multirank(_tp2_worker, 2, str(root), timeout=300)
     out.update(ranks[0])
     out["grads_rank1"] = {name: ranks[1]["grads", name] for name in MODELS}
-    base = {name: _reference_logprobs(reference[name]["logits"]) for name in MODELS}
+    base = {name: fp.reference_logprobs(reference[name]["logits"]) for name in MODELS}
     return root, peft, base, out
 
 
@@ -161,7 +154,7 @@ def test_logprobs_with_the_adapter_equal_peft(results, name, layout):
     assert (peft[name] - base[name]).abs().max() > 0.1  # the adapter matters
     error = _relative(out[layout, name], peft[name])
     print(f"\n{name} {layout}: relative error vs peft {error:.1e}")
-    assert error <= RELATIVE
+    assert error <= fp.RELATIVE
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -173,7 +166,7 @@ def test_tensor_parallel_adapter_gradients_equal_tp1(results, name):
         assert any("kv_a_proj_with_mqa.lora_B" in n for n in errors)
         worst = max(errors, key=errors.get)
         print(f"\n{name}: worst adapter gradient error {errors[worst]:.1e} ({worst})")
-        assert errors[worst] < RELATIVE, (worst, errors[worst])
+        assert errors[worst] < fp.RELATIVE, (worst, errors[worst])
 
 
 @pytest.mark.parametrize("layout", ["export_tp1", "export_tp2"])

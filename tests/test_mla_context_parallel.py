@@ -25,33 +25,31 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import family_parity as fp
 import pytest
 import torch
 from e2e_cli import KTO_SCRIPT, read_metrics, run_script
-from hf_tiny import write_kto_rows
+from hf_tiny import hf_tensors, write_kto_rows
 from multirank import run_multirank
 from test_deepseek_v3 import MODELS, _grad_errors, _hf_configs
 from test_deepseek_v3_trl_parity import _make_deepseek
 from test_e2e_layouts import METRICS
 from test_e2e_moe_context_parallel import _args
-from test_glm4_moe import BATCH, SEQ, _reference_logprobs, _restore_and_run, _tokens
 
-RELATIVE = 1e-5
-LENGTHS = [SEQ, SEQ - 5, SEQ - 11, SEQ - 2]
 #: name -> (TP, CP); TP > 1 runs with SP. `cp1` is the gradients' reference.
 LAYOUTS = {"cp1": (1, 1), "cp2": (1, 2), "cp2_tp2_sp": (2, 2)}
 STEPS = 3
 
 
 def _batch() -> dict[str, torch.Tensor]:
-    """The reference rows, row i scored on its first LENGTHS[i] tokens (causal: the later
+    """The reference rows, row i scored on its first `fp.LENGTHS[i]` tokens (causal: the later
     tokens change none of those log-probs, so `transformers`' full-row logits stay the reference;
     packing keeps only the scored part)."""
-    tokens = _tokens()
+    tokens = fp.tokens()
     labels = torch.full_like(tokens, -100)
-    for i, n in enumerate(LENGTHS):
+    for i, n in enumerate(fp.LENGTHS):
         labels[i, : n - 1] = tokens[i, 1:n]
-    positions = torch.arange(SEQ).expand(BATCH, SEQ).clone()
+    positions = torch.arange(fp.SEQ).expand(fp.BATCH, fp.SEQ).clone()
     return {"tokens": tokens, "labels": labels, "position_ids": positions}
 
 
@@ -68,7 +66,7 @@ def _sums_and_grads(arch, ddp, pack: bool) -> tuple[torch.Tensor, dict[str, torc
 
     batch = _batch()
     lengths = row_lengths(batch, "labels") if pack else None
-    micro = split_micro_batches(batch, BATCH, lengths=lengths)
+    micro = split_micro_batches(batch, fp.BATCH, lengths=lengths)
 
     def loss(_, stats):
         sums = stats[:, LOGP_SUM]
@@ -92,7 +90,7 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
         rt = init_runtime(tp, 1, seed=9, context_parallel_size=cp)
         for name in MODELS:
             path = Path(root) / name / "hf"
-            arch, chunks = _restore_and_run(path, tp, 1, 1, rt, cp=cp, sequence_parallel=tp > 1)
+            arch, chunks = fp.restore_and_run(path, fp.Layout(tp=tp, sp=tp > 1), rt, cp)
             (ddp,) = wrap_ddp(chunks, use_distributed_optimizer=False)
             for pack in (False, True):
                 sums, grads = _sums_and_grads(arch, ddp, pack)
@@ -106,10 +104,8 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    from test_glm4_moe import sigmoid_moe_references
-
     root = tmp_path_factory.mktemp("mla_cp")
-    reference = sigmoid_moe_references(root, _hf_configs())
+    reference = fp.sigmoid_moe_references(root, _hf_configs())
     return reference, run_multirank(_worker, 4, str(root), timeout=600)
 
 
@@ -124,16 +120,16 @@ CASES = [(lay, name, pack) for lay in LAYOUTS for name in MODELS for pack in (Fa
 )
 def test_row_logprobs_equal_transformers_and_gradients_equal_cp1(ranks, layout, name, pack):
     reference, outputs = ranks
-    logp = _reference_logprobs(reference[name]["logits"]).double()
-    want = torch.stack([logp[i, : n - 1].sum() for i, n in enumerate(LENGTHS)])
+    logp = fp.reference_logprobs(reference[name]["logits"]).double()
+    want = torch.stack([logp[i, : n - 1].sum() for i, n in enumerate(fp.LENGTHS)])
     for rank, out in enumerate(outputs):
         sums, errors = out[layout, name, pack]
         error = ((sums.double() - want).abs() / want.abs()).max().item()
         worst = max(errors, key=errors.get)
         print(f"{name} {layout} rank {rank}: |Δ row logp| {error:.1e}, grad {errors[worst]:.1e}")
-        assert error <= RELATIVE, (rank, error)
+        assert error <= fp.RELATIVE, (rank, error)
         assert len(errors) > 10 and any("linear_kv_down_proj" in n for n in errors)
-        assert errors[worst] <= RELATIVE, (rank, worst, errors[worst])
+        assert errors[worst] <= fp.RELATIVE, (rank, worst, errors[worst])
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +148,6 @@ def test_cli_training_at_cp2_equals_cp1(cli_runs):
     """3 KTO steps (packed rows, the chunked output head, z₀ > 0 from step 2): metrics and the
     `hf/` weights at CP=2 equal CP=1's to fp32 round-off (the rewards are β x differences of
     summed log-probs ~ 50, so an absolute 5e-6 besides the relative bound)."""
-    from safetensors.torch import load_file
-
     want, got = read_metrics(cli_runs / "cp1"), read_metrics(cli_runs / "cp2")
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
     assert all(r["kl"] > 0 for r in want[1:]), "z0 > 0 should be exercised"
@@ -161,10 +155,9 @@ def test_cli_training_at_cp2_equals_cp1(cli_runs):
         for key in METRICS:
             if key in ref_row:
                 diff = abs(row[key] - ref_row[key])
-                assert diff <= max(5e-6, RELATIVE * abs(ref_row[key])), (row["step"], key, diff)
+                assert diff <= max(5e-6, fp.RELATIVE * abs(ref_row[key])), (row["step"], key, diff)
     start, cp1, cp2 = (
-        {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
-        for d in (cli_runs / "hf", cli_runs / "cp1" / "hf", cli_runs / "cp2" / "hf")
+        hf_tensors(d) for d in (cli_runs / "hf", cli_runs / "cp1" / "hf", cli_runs / "cp2" / "hf")
     )
     assert cp1.keys() == cp2.keys() and any("kv_a_proj_with_mqa" in k for k in cp1)
     moved = max(float((cp1[k] - start[k]).abs().max()) for k in cp1)
@@ -176,4 +169,8 @@ def test_cli_training_at_cp2_equals_cp1(cli_runs):
     # from step to step (measured: a routed expert's down_proj entry moved 8.5e-4 at CP=1 and
     # 8.7e-4 at CP=2, of lr x steps = 3e-3; 5.4e-5 of that tensor's largest entry):
     # test_e2e_moe_context_parallel.py's 1e-4 for the whole model, fp32's 1e-5 for attention.
-    assert moved > 1e-4 and attention <= RELATIVE and rel[worst] <= 1e-4, (moved, attention, worst)
+    assert moved > 1e-4 and attention <= fp.RELATIVE and rel[worst] <= 1e-4, (
+        moved,
+        attention,
+        worst,
+    )
