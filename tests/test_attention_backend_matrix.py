@@ -127,14 +127,14 @@ GPU_CELLS = {
 }
 
 
-def _decide(machine, precision, packed, request, head_dim=64, cp=1, sp=False) -> str:
+def _decide(machine, precision, packed, request, head_dim=64, cp=1, sp=False, features=None) -> str:
     try:
         choice = choose_attention_backend(
             request,
             precision=precision,
             packed=packed,
             accelerator=MACHINES[machine],
-            features=AttentionFeatures(head_dim=head_dim),
+            features=features or AttentionFeatures(head_dim=head_dim),
             context_parallel_size=cp,
             sequence_parallel=sp,
         )
@@ -291,29 +291,9 @@ MLA_CELLS = {
 }
 
 
-KEY = "model.attention_backend"
-
-
 def _decide_mla(machine, precision, packed, dims, cp, request) -> str:
-    qk, v = dims
-    features = AttentionFeatures(head_dim=qk, latent_attention=True, value_head_dim=v)
-    try:
-        choice = choose_attention_backend(
-            request,
-            precision=precision,
-            packed=packed,
-            accelerator=MACHINES[machine],
-            features=features,
-            context_parallel_size=cp,
-        )
-    except ValueError as e:
-        message = str(e)
-        assert "\n" not in message, message
-        key = "model.data.pack_sequences" if request == "local" and packed else KEY
-        assert message.startswith(f"{key}: "), message
-        return ERR
-    assert choice.reason, choice
-    return choice.backend
+    features = AttentionFeatures(head_dim=dims[0], latent_attention=True, value_head_dim=dims[1])
+    return _decide(machine, precision, packed, request, cp=cp, features=features)
 
 
 @pytest.mark.parametrize("cell", sorted(MLA_CELLS), ids=lambda c: "-".join(map(str, c)))
