@@ -9,7 +9,8 @@ its Hugging Face directory. Shown: log-probs equal `transformers`' within 1e-5 r
 (`sbhd`) and packed (`thd`), rows of different lengths packed = padded, the same experts per
 token; TE received k_channels 24, v_channels 12 and megatron's YaRN softmax scale (worked out
 here by hand), and without that scale the log-probs move; the parameter names are the SDPA
-build's, so checkpoints move between the backends.
+build's, so checkpoints move between the backends. At TP=2 × SP (one 2-rank run) the log-probs
+still equal `transformers`' and every gradient of a DPO-shaped loss equals TP=1's.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import math
 
 import pytest
 import torch
-from test_deepseek_v3 import _hf_configs
+from multirank import run_multirank
+from test_deepseek_v3 import _grad_errors, _hf_configs, _loss_grads
 from test_glm4_moe import (
     RELATIVE,
     _build,
@@ -64,12 +66,38 @@ def results(tmp_path_factory):
         out["packed_sums"] = _row_sums(arch, chunks, pack=True)
         out["packed_calls"] = list(CALLS)
         out["packed_vs_padded"] = _packed_vs_padded(arch, chunks[0])
+        torch.save(_loss_grads(arch, chunks[0]), root / "tp1_grads.pt")
         for core in cores:  # TE's own default scale instead of megatron's: must be wrong
             core.softmax_scale = 1.0 / math.sqrt(24)
         out["default_scale"] = _forward(arch, chunks)[0]
-        return out
     finally:
         teardown()
+    out["tp2_sp"] = run_multirank(_tp2_sp_worker, 2, str(root), timeout=300)
+    return out
+
+
+def _tp2_sp_worker(rank: int, world_size: int, root: str) -> dict:
+    """TP=2 with SP (MoE at TP > 1 requires it) on TE's attention: log-probs, packed row sums, and
+    every gradient's error against TP=1's (`test_deepseek_v3._grad_errors`)."""
+    from pathlib import Path
+
+    from te_standin import te_spec_models
+
+    from megatron_kto.runtime import init_runtime, teardown
+
+    rt = init_runtime(2, 1, seed=9)
+    with te_spec_models(attention="te"):
+        arch, chunks = _restore_and_run(
+            Path(root) / NAME / "hf", 2, 1, 1, rt, sequence_parallel=True
+        )
+    want = torch.load(Path(root) / "tp1_grads.pt", weights_only=True)
+    out = {
+        "padded": _forward(arch, chunks)[0],
+        "packed_sums": _row_sums(arch, chunks, pack=True),
+        "grad_errors": _grad_errors(_loss_grads(arch, chunks[0]), want, arch, chunks[0]),
+    }
+    teardown()
+    return out
 
 
 def test_te_core_attention_in_the_mla_layers(results):
@@ -106,3 +134,19 @@ def test_packed_logprobs_equal_transformers(results):
     print(f"\nte packed row sums: max relative error {error:.2e}")
     assert error <= RELATIVE
     assert results["packed_vs_padded"] <= 1e-5
+
+
+def test_tensor_parallel_sp_equals_transformers_and_tp1_gradients(results):
+    """TP=2 × SP: each rank's TE attention takes its heads; the rotated key's gradient is still
+    summed over TP (`LatentSelfAttention`), so every gradient equals TP=1's."""
+    reference = results["reference"]
+    want_sums = _reference_logprobs(reference[NAME]["logits"]).sum(-1)
+    for rank_out in results["tp2_sp"]:
+        assert _relative_error(rank_out["padded"], NAME, reference) <= RELATIVE
+        sums = rank_out["packed_sums"]
+        assert ((sums - want_sums).abs() / want_sums.abs()).max().item() <= RELATIVE
+        errors = rank_out["grad_errors"]
+        assert len(errors) > 10 and any("linear_kv_down_proj" in n for n in errors)
+        worst = max(errors, key=errors.get)
+        print(f"\nte TP2 x SP: worst gradient error {worst} {errors[worst]:.2e}")
+        assert errors[worst] < 1e-5, (worst, errors[worst])
