@@ -20,6 +20,9 @@ context_parallel}.py` at tag v2.9; a violation raises `TEContractError` naming w
   or the call; a query at position i of its sequence sees keys i − left .. i ("in [i + s_k − s_q
   − left, i + s_k − s_q + right] inclusive", `utils.get_full_mask`, self-attention: s_k = s_q);
 * masks: only the causal kinds GPT uses (`causal`, `padding_causal`) are modelled here;
+* multi-latent attention: `kv_channels` a (k, v) pair (TE 1.10+), under CP only from TE 2.5
+  with `cp_comm_type` "p2p" / "a2a+p2p"; each call records the `kv_channels` and `softmax_scale`
+  the constructor received;
 * learnable softmax (`softmax_type="learnable"`, TE 2.8+): a `softmax_offset` parameter
   [heads / TP] (`dot_product_attention.py`); each head's offset is one more score column after
   scaling and masking, its probability dropped (`backends.py`, unfused attention; the fused one
@@ -150,6 +153,8 @@ class DotProductAttention(torch.nn.Module):
         self.num_gqa_groups_per_partition = self.num_gqa_groups // self.tp_size
         k, v = kv_channels if isinstance(kv_channels, tuple) else (kv_channels, kv_channels)
         self.head_dim_k, self.head_dim_v = k, v
+        #: As received (a test's record): MLA's (k, v) head dims and YaRN scale come from megatron.
+        self.received = {"kv_channels": kv_channels, "softmax_scale": softmax_scale}
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k)
         self.attention_dropout = attention_dropout
         self.softmax_type = softmax_type
@@ -267,6 +272,14 @@ class DotProductAttention(torch.nn.Module):
                 f"No dot product attention backend is available (softmax_type "
                 f"{self.softmax_type!r} under CP with cp_comm_type={self.cp_comm_type!r})",
             )
+        # MLA (head_dim_qk != head_dim_v) under CP: TE 2.5+ (`attn_forward_func_with_cp`).
+        _require(
+            self.head_dim_k == self.head_dim_v
+            or cp == 1
+            or (get_te_version() >= Version("2.5") and self.cp_comm_type in ("p2p", "a2a+p2p")),
+            f"Context parallelism does not support MLA with cp_comm_type={self.cp_comm_type!r} "
+            f"(TE {get_te_version()})",
+        )
         if fmt == "thd":
             starts, lengths, real = self._thd_segments(
                 q, attention_mask, mask, cp, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
@@ -297,6 +310,7 @@ class DotProductAttention(torch.nn.Module):
                 "local_tokens": q3.shape[0],
                 "window_size": window,
                 "softmax_type": self.softmax_type,
+                **self.received,
             }
         )
         left = window[0] if window is not None else None

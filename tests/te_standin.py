@@ -27,7 +27,9 @@ the gathered output would lose its input gradient.
 
 Core attention (`TEDotProductAttention`) is replaced by our `SDPAttention` (it has no parameters),
 or — `te_spec_models(attention="te")` — is megatron-core's `TEDotProductAttention` compiled over
-`te_attention_standin.DotProductAttention`, which checks TE's context-parallel contract.
+`te_attention_standin.DotProductAttention`, which checks TE's context-parallel contract. A
+multi-latent attention model gets the product's own MLA layers for 'te'
+(`layer_specs.decoder_block_spec`) with that compiled attention in them.
 """
 
 from __future__ import annotations
@@ -309,6 +311,24 @@ def te_layer_spec(attention: str = "sdpa"):
     return dataclasses.replace(spec, submodules=layer)
 
 
+def _standin_attention(block):
+    """A block spec whose layers' TE core attention is the compiled `TEDotProductAttention`."""
+    from megatron.core.extensions import transformer_engine as te_ext
+
+    compiled = te_wrappers()["TEDotProductAttention"]
+
+    def swap(layer):
+        attn = layer.submodules.self_attention
+        assert attn.submodules.core_attention is te_ext.TEDotProductAttention, attn.submodules
+        attn = dataclasses.replace(
+            attn, submodules=dataclasses.replace(attn.submodules, core_attention=compiled)
+        )
+        sub = dataclasses.replace(layer.submodules, self_attention=attn)
+        return dataclasses.replace(layer, submodules=sub)
+
+    return dataclasses.replace(block, layer_specs=[swap(spec) for spec in block.layer_specs])
+
+
 @contextlib.contextmanager
 def te_spec_models(attention: str = "sdpa") -> Iterator[None]:
     """Inside the scope, `models.builder.build_gpt_chunks` builds the stand-in TE spec (this
@@ -319,12 +339,18 @@ def te_spec_models(attention: str = "sdpa") -> Iterator[None]:
     )
 
     from megatron_kto.models import builder
-    from megatron_kto.models.layer_specs import te_gemma_layer, te_layer_with_local_experts
+    from megatron_kto.models.layer_specs import (
+        decoder_block_spec,
+        te_gemma_layer,
+        te_layer_with_local_experts,
+    )
     from megatron_kto.models.norms import LocalNorm
 
     layer = te_layer_spec(attention)
 
     def block_spec(config, normalization, backend, vp_stage, extras=None):
+        if getattr(config, "multi_latent_attention", False):  # the product's MLA layer on TE
+            return _standin_attention(decoder_block_spec(config, normalization, "te", vp_stage))
         # Gemma's layer extras (post-norms, per-layer RoPE): the product's own TE variant.
         spec = te_gemma_layer(layer, extras, config.qk_layernorm) if extras else layer
         if config.num_moe_experts:  # the product's TE layer for biased experts (GPT-OSS)

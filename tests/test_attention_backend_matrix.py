@@ -127,14 +127,14 @@ GPU_CELLS = {
 }
 
 
-def _decide(machine, precision, packed, request, head_dim=64, cp=1, sp=False) -> str:
+def _decide(machine, precision, packed, request, head_dim=64, cp=1, sp=False, features=None) -> str:
     try:
         choice = choose_attention_backend(
             request,
             precision=precision,
             packed=packed,
             accelerator=MACHINES[machine],
-            features=AttentionFeatures(head_dim=head_dim),
+            features=features or AttentionFeatures(head_dim=head_dim),
             context_parallel_size=cp,
             sequence_parallel=sp,
         )
@@ -242,3 +242,88 @@ def test_a100_without_flash_attn_refuses_te_for_packed_bf16_in_one_line():
         )
     assert str(err.value).startswith("model.attention_backend: 'te' cannot run bf16 + packed")
     assert "sm80" in str(err.value) and "flash-attn" in str(err.value)
+
+
+# Multi-latent attention (DeepSeek-V3), by hand from `runtime/te_latent_attention.py`'s table:
+# flash-attn 2 never takes a value head dim of its own; cuDNN both dims multiples of 8 <= 128
+# everywhere, 192 / 128 on Hopper (cuDNN >= 9.5) or Blackwell (9.11); other unequal dims >= 128
+# not on Hopper with cuDNN >= 9.11; the unfused path any dims (THD from 2.11, no CP); TE < 1.10
+# never (megatron-core passes k/v head dims there first); CP from 2.5.
+MACHINES.update(
+    {
+        "te_1.9": Accelerator(cuda=True, transformer_engine="1.9.0"),
+        "te_2.4": Accelerator(cuda=True, transformer_engine="2.4.0"),
+        "te_2.9_h100_cudnn9.14": Accelerator(
+            cuda=True, transformer_engine="2.9.0", compute_capability=(9, 0), cudnn=91400
+        ),
+        "te_2.9_h100_cudnn9.4": Accelerator(
+            cuda=True, transformer_engine="2.9.0", compute_capability=(9, 0), cudnn=90400
+        ),
+        "te_2.9_b200_cudnn9.11": Accelerator(
+            cuda=True, transformer_engine="2.9.0", compute_capability=(10, 0), cudnn=91100
+        ),
+    }
+)
+# (machine, precision, packed, (qk, v) head dims, context parallel size) -> (auto, te, sdpa, local)
+MLA_CELLS = {
+    ("te_2.9", "bf16", False, (64, 32), 1): ("te", "te", "sdpa", ERR),
+    ("te_2.9", "bf16", True, (64, 32), 1): ("te", "te", "sdpa", ERR),  # GPU unread: assumed sm90
+    ("te_2.9", "32", False, (64, 32), 1): ("sdpa", "te", "sdpa", ERR),  # unfused only
+    ("te_2.9", "32", True, (64, 32), 1): ("sdpa", ERR, "sdpa", ERR),
+    # flash-attn installed changes nothing for MLA: packed on an A100 has no kernel.
+    ("te_2.9_a100_flash", "bf16", True, (64, 32), 1): ("sdpa", ERR, "sdpa", ERR),
+    ("te_2.11_a100", "bf16", True, (64, 32), 1): ("sdpa", "te", "sdpa", ERR),
+    ("te_2.9_a100", "bf16", False, (64, 32), 1): ("te", "te", "sdpa", ERR),
+    # DeepSeek-V3's 192 / 128: only with the GPU known (the builder) is the kernel sure.
+    ("te_2.9", "bf16", True, (192, 128), 1): ("sdpa", "te", "sdpa", ERR),
+    ("te_2.9_h100_cudnn9.14", "bf16", True, (192, 128), 1): ("te", "te", "sdpa", ERR),
+    ("te_2.9_h100_cudnn9.4", "bf16", True, (192, 128), 1): ("sdpa", "te", "sdpa", ERR),
+    ("te_2.9_h100_cudnn9.14", "bf16", False, (256, 128), 1): ("sdpa", "te", "sdpa", ERR),
+    ("te_2.9_b200_cudnn9.11", "bf16", True, (192, 128), 1): ("te", "te", "sdpa", ERR),
+    ("te_2.9_a100", "bf16", False, (192, 128), 1): ("sdpa", "te", "sdpa", ERR),
+    ("te_2.9", "bf16", False, (100, 64), 1): ("sdpa", "te", "sdpa", ERR),
+    ("te_2.9", "bf16", True, (100, 64), 1): ("sdpa", ERR, "sdpa", ERR),
+    ("te_1.9", "bf16", False, (64, 32), 1): ("sdpa", ERR, "sdpa", ERR),
+    ("te_2.4", "bf16", False, (64, 32), 2): ("sdpa", ERR, "sdpa", ERR),
+    ("te_2.4", "bf16", False, (64, 32), 1): ("te", "te", "sdpa", ERR),
+    ("te_2.9", "bf16", True, (64, 32), 2): ("te", "te", "sdpa", ERR),
+    ("cpu", "32", True, (64, 32), 1): ("sdpa", ERR, "sdpa", ERR),
+}
+
+
+def _decide_mla(machine, precision, packed, dims, cp, request) -> str:
+    features = AttentionFeatures(head_dim=dims[0], latent_attention=True, value_head_dim=dims[1])
+    return _decide(machine, precision, packed, request, cp=cp, features=features)
+
+
+@pytest.mark.parametrize("cell", sorted(MLA_CELLS), ids=lambda c: "-".join(map(str, c)))
+def test_mla_cell(cell):
+    got = tuple(_decide_mla(*cell, request) for request in REQUESTS)
+    assert got == MLA_CELLS[cell], dict(zip(REQUESTS, got))
+
+
+@pytest.mark.parametrize(
+    "machine,cp,says",
+    [
+        ("te_1.9", 1, "reaches its attention only from 1.10.0"),
+        ("te_2.4", 2, "its context parallelism takes multi-latent attention only from 2.5.0"),
+    ],
+)
+def test_mla_te_refusal_names_the_key_and_the_version(machine, cp, says):
+    def choose(request):
+        return choose_attention_backend(
+            request,
+            precision="bf16",
+            packed=False,
+            accelerator=MACHINES[machine],
+            features=AttentionFeatures(head_dim=64, latent_attention=True, value_head_dim=32),
+            context_parallel_size=cp,
+        )
+
+    with pytest.raises(ValueError) as err:
+        choose("te")
+    message = str(err.value)
+    assert message.startswith("model.attention_backend: 'te' cannot run this model (")
+    assert says in message and message.endswith("set model.attention_backend=sdpa (or auto)")
+    auto = choose("auto")
+    assert auto.backend == "sdpa" and says in auto.note("auto")

@@ -14,10 +14,10 @@ def check_latent_attention(m: Any) -> None:
     if not m.multi_latent_attention:
         return
     need(
-        str(m.attention_backend) in ("auto", "sdpa"),
+        str(m.attention_backend) != "local",
         "model.attention_backend",
         f"{m.attention_backend!r} cannot run multi-latent attention (DeepSeek-V3: a value head "
-        "dim of its own); set model.attention_backend=sdpa (or auto)",
+        "dim of its own); set model.attention_backend=sdpa (or auto, te)",
     )
     # The rotated key's gradient is summed over TP (`models/mla.py`), proven equal to TP=1's
     # with sequence parallelism (tests/test_deepseek_v3.py); MoE at TP > 1 requires SP anyway.

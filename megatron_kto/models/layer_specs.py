@@ -170,7 +170,8 @@ def decoder_block_spec(
     """
     pattern = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else None
     mixed = bool(config.num_moe_experts) and pattern is not None and 0 in pattern
-    if backend == "te":
+    latent = getattr(config, "multi_latent_attention", False)
+    if backend == "te" and not latent:  # MLA on TE: the local MLA layer, TE's attention (mla.py)
         experts = config.num_moe_experts
         layer = get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=bool(experts), qk_layernorm=config.qk_layernorm
@@ -191,7 +192,7 @@ def decoder_block_spec(
         dense = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
         layers = _stage_layers(config, vp_stage, layer, dense, pattern)
         return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TENorm)
-    if getattr(config, "multi_latent_attention", False):
+    if latent:
         local = mla_layer_spec(normalization, backend)
     else:
         local = local_layer_spec(normalization, backend, extras)

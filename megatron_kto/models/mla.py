@@ -31,8 +31,13 @@ term to this rank's output rows before the gathering hook runs (its B split like
 rows), so the gathered latent and rotated key include it and the key's gradient is summed
 for the adapter as for the base.
 
-Core attention is `SDPAttention` (key head dim nope + rope, value head dim `v_head_dim`). The
-TE spec and megatron's `DotProductAttention` (no separate value head dim) are not used.
+Core attention (megatron-core builds it with `k_channels` nope + rope, `v_channels`
+`v_head_dim` and the YaRN `softmax_scale`): `SDPAttention` ('sdpa'), or megatron-core's
+`TEDotProductAttention` ('te': Transformer Engine's fused attention, which takes those from TE
+1.10, padded and packed, see `runtime/te_latent_attention.py` for where it runs). Either way the
+linears and norms are the local spec's above, verified against `transformers`, so checkpoints
+move between the two (TE's core attention has no parameters here). megatron's
+`DotProductAttention` (no separate value head dim) is not used.
 
 Context parallelism needs nothing here: megatron-core's MLA builds the rotary table of whole rows
 and keeps this CP rank's chunks r and 2·CP−1−r of it (padded: `get_pos_emb_on_this_cp_rank`;
@@ -142,23 +147,30 @@ def _no_te_linear_when_absent() -> None:
 
 
 def mla_layer_spec(normalization: str, backend: str) -> ModuleSpec:
-    """megatron-core's local MLA transformer layer with our norms and `SDPAttention`.
+    """megatron-core's local MLA transformer layer with our norms; core attention `SDPAttention`
+    ('sdpa') or TE's `TEDotProductAttention` ('te').
 
     Raises:
-        ValueError: a backend other than 'sdpa' (one line naming the key).
+        ValueError: another backend (one line naming the key).
     """
-    if backend != "sdpa":
+    if backend not in ("sdpa", "te"):
         raise ValueError(
             f"model.attention_backend: {backend!r} cannot run multi-latent attention (DeepSeek-V3: "
-            "a value head dim of its own); set model.attention_backend=sdpa (or auto)"
+            "a value head dim of its own); set model.attention_backend=sdpa (or auto, te)"
         )
     _no_te_linear_when_absent()
+    if backend == "te":
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+        core_attention = TEDotProductAttention
+    else:
+        core_attention = SDPAttention
     spec = get_gpt_layer_local_spec(normalization=normalization, multi_latent_attention=True)
     layer = spec.submodules
     attention = layer.self_attention
     submodules = dataclasses.replace(
         attention.submodules,
-        core_attention=SDPAttention,
+        core_attention=core_attention,
         q_layernorm=LatentNorm,
         kv_layernorm=LatentNorm,
     )

@@ -77,6 +77,14 @@ path is shown on CPU through megatron-core's real `TEDotProductAttention` over a
 computes TE's unfused learnable softmax (`tests/test_te_families.py`), not yet on a GPU. GPT-OSS's
 biased experts stay the local spec's inside the TE layer (`layer_specs.te_layer_with_local_experts`).
 
+Multi-latent attention (DeepSeek-V3: qk head dim nope + rope, value head dim `v_head_dim`, a
+YaRN softmax scale) runs on TE's `DotProductAttention` (`models/mla.py`) from TE 1.10, under
+context parallelism from 2.5; flash-attn 2 never takes it, cuDNN's fused attention per its own
+head-dim rules, the unfused path any dims (`te_latent_attention` has the table and the sources).
+`auto` takes TE where a fused kernel surely exists (both dims <= 128, or 192 / 128 on Hopper with
+cuDNN >= 9.5 / Blackwell with 9.11 once the builder knows the GPU), else `sdpa` with the reason;
+megatron's `local` attention has no value head dim of its own: refused.
+
 How `auto` decides: TE when it is usable and one of its fused kernels surely exists for the
 configuration (bf16/fp16, head dim a multiple of 8 up to 128); otherwise `sdpa` — in fp32 TE
 would only have its unfused attention, which materialises the [b, h, s, s] scores, where torch's
@@ -98,6 +106,7 @@ from packaging.version import InvalidVersion, Version
 
 from megatron_kto.runtime.attention_features import AttentionFeatures
 from megatron_kto.runtime.gpu_settings import Accelerator
+from megatron_kto.runtime.te_latent_attention import latent_head_dims, latent_refusal
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -192,10 +201,18 @@ def _te_capability(
     if sinks and (version is None or version < TE_SINKS_SINCE):
         why = f"attention sinks (softmax_type 'learnable') need Transformer Engine >= {TE_SINKS_SINCE}"
         return _TECapability(False, False, f"{named}: {why}", fixable=False)
+    latent = features.latent_attention
+    refusal = latent_refusal(version, cp) if latent else None
+    if refusal:
+        return _TECapability(False, False, f"{named}: {refusal}", fixable=False)
     half = precision in _HALF
-    aligned = head_dim % KERNEL_HEAD_DIM_MULTIPLE == 0
+    if latent:  # te_latent_attention: the value head dim counts too; no flash-attn 2
+        dims_possible, dims_sure, dims_why = latent_head_dims(accelerator, features)
+    else:
+        dims_possible = head_dim % KERNEL_HEAD_DIM_MULTIPLE == 0 and head_dim <= KERNEL_HEAD_DIM_MAX
+        dims_sure, dims_why = head_dim <= KERNEL_HEAD_DIM_EVERY_GPU, ""
     capability = accelerator.compute_capability
-    flash = accelerator.flash_attn and not sinks
+    flash = accelerator.flash_attn and not sinks and not latent
     # Packed input: cuDNN's THD kernels need sm90+, flash-attn takes it on sm80+. An unread GPU
     # (start-up check, before CUDA is initialised) is assumed able; the builder checks again.
     packed_kernel = not packed or flash or capability is None or capability >= HOPPER
@@ -203,15 +220,8 @@ def _te_capability(
     sink_kernel, no_sink_kernel = (
         _sink_kernel(accelerator, version, packed) if sinks else (True, "")
     )
-    kernel_possible = (
-        half
-        and aligned
-        and head_dim <= KERNEL_HEAD_DIM_MAX
-        and packed_kernel
-        and window_kernel
-        and sink_kernel
-    )
-    kernel_sure = kernel_possible and head_dim <= KERNEL_HEAD_DIM_EVERY_GPU
+    kernel_possible = half and dims_possible and packed_kernel and window_kernel and sink_kernel
+    kernel_sure = kernel_possible and dims_sure
     thd_since = TE_SINKS_THD_SINCE if sinks else TE_UNFUSED_THD_SINCE
     unfused_thd = version is not None and version >= thd_since
     unfused_runs = cp == 1 and (not packed or unfused_thd)
@@ -229,6 +239,8 @@ def _te_capability(
             "its fused attention takes a sliding window only without attention dropout "
             "(model.attention_dropout), and flash-attn is not installed"
         )
+    elif dims_why:
+        no_kernel = dims_why
     elif not kernel_possible:
         no_kernel = (
             f"its flash and fused attention need a head dim that is a multiple of "
@@ -391,14 +403,11 @@ def _choose(
             f"{key}: 'local' (megatron's unfused attention) cannot run sliding-window attention "
             f"(model.sliding_window) here; set {names.set(key, 'sdpa')} (or auto)"
         )
-    if features.latent_attention:  # models/mla.py builds it on our SDPA core attention only
-        if request == "te":
-            raise ValueError(
-                f"{key}: 'te' does not run our multi-latent attention (DeepSeek-V3: a value head "
-                f"dim of its own); set {names.set(key, 'sdpa')} (or auto)"
-            )
-        if request == "auto":
-            return AttentionChoice("sdpa", "multi-latent attention runs on our SDPA attention")
+    if features.latent_attention and request == "local":
+        raise ValueError(
+            f"{key}: 'local' cannot run multi-latent attention (megatron's unfused attention has "
+            f"no value head dim of its own); set {names.set(key, 'sdpa')} (or auto)"
+        )
     if attention_sinks and cp > 1:
         raise ValueError(
             f"model.context_parallel_size: attention sinks (model.attention_sinks, GPT-OSS) have "

@@ -38,7 +38,10 @@ class AttentionFeatures:
     """`model.attention_dropout`; with a sliding window, TE's fused attention needs it 0
     (flash-attn takes either)."""
     latent_attention: bool = False
-    """Multi-latent attention (DeepSeek-V3, `models.mla`): `sdpa` only."""
+    """Multi-latent attention (DeepSeek-V3, `models.mla`): `sdpa`, or TE where it runs a value
+    head dim of its own (`te_latent_attention`)."""
+    value_head_dim: int | None = None
+    """Per-head value dimension where it differs from `head_dim` (MLA's `v_head_dim`)."""
     linear_attention: bool = False
     """Gated DeltaNet layers (Qwen3-Next, Qwen3.5): the choice also names their kernels
     (`attention_backend.deltanet_kernels`)."""
@@ -57,5 +60,6 @@ class AttentionFeatures:
             attention_sinks=bool(arch.attention_sinks),
             attention_dropout=float(arch.attention_dropout or 0.0),
             latent_attention=bool(arch.multi_latent_attention),
+            value_head_dim=arch.v_head_dim if arch.multi_latent_attention else None,
             linear_attention=arch.has_linear_attention(),
         )
