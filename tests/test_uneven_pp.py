@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_cli import KTO_SCRIPT, QUIET, TOKENIZER, TRAIN_DATA, read_metrics, run_script
+from e2e_cli import KTO_SCRIPT, TOKENIZER, read_metrics, run_script
 from multirank import run_multirank
+from test_e2e_moe import _args as moe_args
 from test_glm4_moe import VOCAB, _forward, _reference_logprobs, _tokens
 
 RELATIVE = 1e-5
@@ -172,26 +173,14 @@ COMPARED = ("rewards/", "logps/", "loss", "kl", "grad_norm")
 UNEVEN = ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2"]
 
 
-def _args(hf: Path, log_dir: Path) -> list[str]:
+def _args(root: Path, log_dir: Path) -> list[str]:
+    """test_e2e_moe's 3-step run (fp32, global batch 8 in micro-batches of 2) from `root / "hf"`,
+    writing hf/ and keeping the step-2 checkpoint."""
     return [
-        *QUIET,
-        f"pretrained_checkpoint.restore_from_path={hf}",
-        f"model.data.data_prefix.train=[{TRAIN_DATA}]",
-        "model.tokenizer.library=sentencepiece",
-        f"model.tokenizer.model={TOKENIZER}",
-        "trainer.precision=32",
-        f"exp_manager.explicit_log_dir={log_dir}",
+        *moe_args(root, log_dir, "hf"),
         "exp_manager.save_hf=true",
-        "trainer.kto.max_steps=3",
         "trainer.kto.save_interval=2",
         "exp_manager.checkpoint_callback_params.save_top_k=-1",
-        "model.global_batch_size=8",
-        "model.micro_batch_size=2",
-        "model.data.shuffle=false",
-        "model.data.max_length=64",
-        "model.data.data_prefix.validation=[]",
-        "model.optim.sched.warmup_steps=0",
-        "model.attention_backend=sdpa",
     ]
 
 
@@ -206,13 +195,13 @@ def cli_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("uneven_cli")
     vocab = load_tokenizer("sentencepiece", str(TOKENIZER)).vocab_size
     _save(root / "hf", _deepseek_config(vocab))
-    run_script(KTO_SCRIPT, _args(root / "hf", root / "pp1"), timeout=600)
-    run_script(KTO_SCRIPT, [*_args(root / "hf", root / "pp2"), *UNEVEN], nproc=2, timeout=600)
+    run_script(KTO_SCRIPT, _args(root, root / "pp1"), timeout=600)
+    run_script(KTO_SCRIPT, [*_args(root, root / "pp2"), *UNEVEN], nproc=2, timeout=600)
     resumed = root / "resumed" / "checkpoints"
     resumed.mkdir(parents=True)
     shutil.copytree(root / "pp2" / "checkpoints" / "step_2", resumed / "step_2")
     (resumed / "latest").write_text("step_2\n")
-    run_script(KTO_SCRIPT, _args(root / "hf", root / "resumed"), timeout=600)
+    run_script(KTO_SCRIPT, _args(root, root / "resumed"), timeout=600)
     return {
         name: (
             read_metrics(root / name),  # PP=2 writes a shard per stage
@@ -293,3 +282,20 @@ def test_bad_splits_are_refused_in_one_line(extra, message):
             "gpt_kto", ["model.num_layers=5", *extra], "kto", world_size=2
         )
         validate(prepared.cfg, 2, "kto")
+
+
+def test_planner_splits_61_layers_as_megatron_lm():
+    """The layout planner's uneven split of DeepSeek-V3's 61 layers (PP16: 4 + 14 x 4 + 1, as
+    Megatron-LM's recipe) and megatron-core's stages for it: every layer once, in order."""
+    from megatron_kto.config.architecture import GPTArchitecture
+    from megatron_kto.planning.layout import uneven_split
+    from megatron_kto.planning.model_state import ParallelDims, chunk_layer_range
+
+    assert [uneven_split(61, pp) for pp in (2, 4, 8, 16, 32)] == [
+        (31, 30), (16, 13), (8, 5), (4, 1), None,
+    ]  # fmt: skip
+    dims = ParallelDims(pp=16, first=4, last=1)
+    arch = GPTArchitecture(num_layers=61)
+    stages = [chunk_layer_range(arch, dims, rank) for rank in range(16)]
+    assert [len(s) for s in stages] == [4] * 15 + [1]
+    assert [i for s in stages for i in s] == list(range(61))

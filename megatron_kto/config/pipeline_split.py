@@ -11,6 +11,8 @@ TransformerConfig, and weight addressing reads each built layer's global `layer_
 
 from __future__ import annotations
 
+import functools
+import warnings
 from types import SimpleNamespace
 
 from megatron_kto.config.errors import need
@@ -35,6 +37,7 @@ def _config(num_layers: int, pp: int, vpp: int | None, first: int | None, last: 
     )
 
 
+@functools.lru_cache(maxsize=4096)  # the layout planner asks for the same chunks many times
 def chunk_layers(
     num_layers: int,
     pp: int,
@@ -45,8 +48,10 @@ def chunk_layers(
     last: int | None = None,
 ) -> range:
     """Global indices (0-based) of the layers of pipeline rank `pp_rank`'s chunk `vp_stage`."""
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    with warnings.catch_warnings():  # its import notes (no Transformer Engine, ...): not ours
+        warnings.simplefilter("ignore")
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     config = _config(num_layers, pp, vpp, first, last)
     vp = vp_stage if vpp else None

@@ -122,7 +122,7 @@ def validate(
     _check_trainer(cfg.trainer, world_size)
     dp = _check_parallel_layout(cfg, world_size, architecture_file)
     _check_batches(m, dp)
-    _check_recompute(m, chunk_sizes(m.num_layers, *_split(m)))
+    _check_recompute(m)
     attention_choice(cfg)
     _check_data(m, architecture_file)
     _check_optimizer(m.optim)
@@ -362,9 +362,17 @@ def _check_hf_output(e: Any, m: Any) -> None:
     need(e.save_hf_max_shard_mb > 0, "exp_manager.save_hf_max_shard_mb", "must be > 0")
 
 
-def _check_recompute(m: Any, sizes: list[int]) -> None:
-    """Activation-recomputation keys (NeMo names) against megatron-core's rules; `sizes`: the
-    layers of every model chunk (`pipeline_split.chunk_sizes`)."""
+def _chunk_sizes(m: Any) -> list[int]:
+    """The layers of every model chunk: PP x VPP equal ones, or megatron-core's uneven split
+    (`pipeline_split.chunk_sizes`, which imports megatron-core: only then)."""
+    pp, vpp, first, last = _split(m)
+    if first is None and last is None:
+        return [m.num_layers // (pp * (vpp or 1))]
+    return chunk_sizes(m.num_layers, pp, vpp, first, last)
+
+
+def _check_recompute(m: Any) -> None:
+    """Activation-recomputation keys (NeMo names) against megatron-core's rules."""
     granularity = m.activations_checkpoint_granularity
     need_one_of(
         granularity, "model.activations_checkpoint_granularity", (None, "full", "selective")
@@ -385,6 +393,7 @@ def _check_recompute(m: Any, sizes: list[int]) -> None:
         return
     need_one_of(method, "model.activations_checkpoint_method", (None, "uniform", "block"))
     method, num_layers = method or "uniform", num_layers or 1
+    sizes = _chunk_sizes(m)
     layers_per_chunk = min(sizes)
     need(
         1 <= num_layers <= layers_per_chunk,
