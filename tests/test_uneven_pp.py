@@ -2,12 +2,13 @@
 PP does not divide (DeepSeek-V3's 61) train pipelined, with megatron-core's own layer offsets.
 
 Tiny random `transformers` models, loaded straight from their Hugging Face directories: a Llama
-of 3 layers (tied embeddings, shared between the stages) and a DeepSeek-V3 of 5 layers (MLA, a
-dense first layer, 4 sigmoid-routed experts). Shown here:
+of 3 layers (tied embeddings, shared between the stages), one of 6 and a DeepSeek-V3 of 5 layers
+(MLA, a dense first layer, 4 sigmoid-routed experts). Shown here:
 
-* log-probs at PP=2 with first=1 (Llama), first=2 and last=1 (DeepSeek-V3) equal PP=1's and
-  `transformers'` within 1e-5 relative; every stage holds the layers megatron-core's offsets
-  give it, and the memory plan's parameters of each stage are the built stage's, name by name;
+* log-probs at PP=2 with first=1 (Llama), PP=2 x VPP=2 with first=2 (the 6-layer Llama: chunks
+  [0] [3] | [1, 2] [4, 5]), first=2 and last=1 (DeepSeek-V3) equal PP=1's and `transformers'`
+  within 1e-5 relative; every chunk holds the layers megatron-core's offsets give it, and the
+  memory plan's parameters of each chunk are the built chunk's, name by name;
 * a 3-step KTO run of the DeepSeek-V3 from its Hugging Face directory at PP=2 (first=2) logs
   the PP=1 run's metrics and writes its hf/ weights (fp32 round-off); its step-2 checkpoint
   resumes at PP=1 (the even layout: distributed checkpoints are layout-free) to the same step 3;
@@ -24,16 +25,26 @@ import torch
 from e2e_cli import KTO_SCRIPT, TOKENIZER, read_metrics, run_script
 from multirank import run_multirank
 from test_e2e_moe import _args as moe_args
-from test_glm4_moe import VOCAB, _forward, _reference_logprobs, _tokens
+from test_glm4_moe import VOCAB, _reference_logprobs, _tokens
 
 RELATIVE = 1e-5
-#: model -> {layout: (PP, first, last)}
+#: model -> {layout: (PP, VPP, first, last)}
 LAYOUTS = {
-    "llama": {"pp1": (1, None, None), "first1": (2, 1, None)},
-    "deepseek": {"pp1": (1, None, None), "first2": (2, 2, None), "last1": (2, None, 1)},
+    "llama": {"pp1": (1, None, None, None), "first1": (2, None, 1, None)},
+    "llama6": {"pp1": (1, None, None, None), "vpp2_first2": (2, 2, 2, None)},
+    "deepseek": {
+        "pp1": (1, None, None, None),
+        "first2": (2, None, 2, None),
+        "last1": (2, None, None, 1),
+    },
 }
-#: (PP rank 0's layers, PP rank 1's), 0-based, as megatron-core's offsets place them.
-STAGES = {"first1": ([0], [1, 2]), "first2": ([0, 1], [2, 3, 4]), "last1": ([0, 1, 2, 3], [4])}
+#: Per PP rank, its model chunks' layers (0-based), as megatron-core's offsets place them.
+STAGES = {
+    "first1": ([[0]], [[1, 2]]),
+    "vpp2_first2": ([[0], [3]], [[1, 2], [4, 5]]),
+    "first2": ([[0, 1]], [[2, 3, 4]]),
+    "last1": ([[0, 1, 2, 3]], [[4]]),
+}
 
 
 def _deepseek_config(vocab: int):
@@ -83,9 +94,36 @@ def _save(directory: Path, config) -> torch.Tensor:
         return model(_tokens()).logits.float()
 
 
+def _logprobs(arch, chunks) -> torch.Tensor | None:
+    """The test rows' log-probs through megatron-core's schedule (two micro-batches of the same
+    rows: the interleaved schedule needs PP of them); None off the last stage."""
+    from megatron.core import parallel_state
+
+    from megatron_kto.models.forward import eval_mode, gpt_forward_step
+    from megatron_kto.models.logprobs import token_logprobs
+    from megatron_kto.models.schedule import run_schedule
+
+    tokens = _tokens()
+    rows, length = tokens.shape
+    batch = {
+        "tokens": tokens,
+        "labels": torch.cat([tokens[:, 1:], torch.full((rows, 1), -100)], dim=1),
+        "position_ids": torch.arange(length).expand(rows, length).clone(),
+    }
+    step = gpt_forward_step(
+        lambda b, logits: token_logprobs(logits, b["labels"], arch.vocab_size)[:, :-1]
+    )
+    with torch.no_grad(), eval_mode(chunks):
+        out = run_schedule(
+            chunks, [batch, batch], step, forward_only=True, collect_non_loss_data=True
+        )
+    return out[0] if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else None
+
+
 def _worker(rank: int, world_size: int, root: str) -> dict:
     """Every model at every layout of `LAYOUTS`, straight from its HF directory: the last
-    stage's log-probs, this stage's global layer numbers, and (planned, built) parameters."""
+    stage's log-probs, per model chunk its global layer numbers and (planned, built)
+    parameters."""
     from megatron.core import parallel_state
 
     from megatron_kto.checkpointing.model_io import read_architecture
@@ -98,25 +136,28 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
     for name, layouts in LAYOUTS.items():
         path = Path(root) / name
         arch = read_architecture(path)
-        for layout, (pp, first, last) in layouts.items():
-            rt = init_runtime(1, pp, seed=9)  # PP=1: two data-parallel ranks
+        for layout, (pp, vpp, first, last) in layouts.items():
+            rt = init_runtime(1, pp, vpp, seed=9)  # PP=1: two data-parallel ranks
             split = ParallelLayout(
                 pipeline_model_parallel_size=pp,
+                virtual_pipeline_model_parallel_size=vpp,
                 num_layers_in_first_pipeline_stage=first,
                 num_layers_in_last_pipeline_stage=last,
                 attention_backend="sdpa",
             )
             chunks = build_gpt_chunks(arch, split, rt.device)
             restore_pretrained(path, chunks)
-            logprobs, _ = _forward(arch, chunks)
             stage = parallel_state.get_pipeline_model_parallel_rank()
-            built = unwrap(chunks[0])
-            dims = ParallelDims(pp=pp, dp=2 // pp, first=first, last=last)
+            dims = ParallelDims(pp=pp, dp=2 // pp, vpp=vpp, first=first, last=last)
+            built = [unwrap(chunk) for chunk in chunks]
             out[name, layout] = {
-                "logprobs": logprobs,
-                "layers": [layer.layer_number - 1 for layer in built.decoder.layers],
-                "planned": [(p.name, p.numel) for p in chunk_parameters(arch, dims, stage)],
-                "built": [(n, p.numel()) for n, p in built.named_parameters()],
+                "logprobs": _logprobs(arch, chunks),
+                "layers": [[layer.layer_number - 1 for layer in c.decoder.layers] for c in built],
+                "planned": [
+                    [(p.name, p.numel) for p in chunk_parameters(arch, dims, stage, v)]
+                    for v in range(len(built))
+                ],
+                "built": [[(n, p.numel()) for n, p in c.named_parameters()] for c in built],
             }
     teardown()
     return out
@@ -140,6 +181,9 @@ def stages(tmp_path_factory):
     )
     logits = {
         "llama": _save(root / "llama", llama),
+        "llama6": _save(
+            root / "llama6", llama.__class__(**{**llama.to_dict(), "num_hidden_layers": 6})
+        ),
         "deepseek": _save(root / "deepseek", _deepseek_config(VOCAB)),
     }
     return logits, run_multirank(_worker, 2, str(root), timeout=300)
@@ -147,7 +191,12 @@ def stages(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("name", "layout"),
-    [("llama", "first1"), ("deepseek", "first2"), ("deepseek", "last1")],
+    [
+        ("llama", "first1"),
+        ("llama6", "vpp2_first2"),
+        ("deepseek", "first2"),
+        ("deepseek", "last1"),
+    ],
 )
 def test_uneven_stages_give_the_even_log_probs(stages, name, layout):
     """Each stage builds megatron-core's layers and the memory plan's parameters; the last
