@@ -69,6 +69,8 @@ def _layout(cfg: Any) -> ParallelLayout:
         tensor_model_parallel_size=m.tensor_model_parallel_size,
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=m.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=m.num_layers_in_last_pipeline_stage,
         expert_model_parallel_size=m.expert_model_parallel_size,
         expert_tensor_parallel_size=m.expert_tensor_parallel_size,
         context_parallel_size=m.context_parallel_size,

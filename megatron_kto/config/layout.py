@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_kto.config.errors import need
+from megatron_kto.config.pipeline_split import check_pipeline_split
 
 __all__ = ["check_expert_layout", "check_layout", "data_parallel_size"]
 
@@ -34,6 +35,8 @@ def check_layout(
     pp: int,
     vpp: int | None,
     *,
+    first: int | None = None,
+    last: int | None = None,
     architecture_file: str | None = None,
     keys: tuple[str, str, str] = (
         "model.tensor_model_parallel_size",
@@ -46,6 +49,7 @@ def check_layout(
     Args:
         arch: anything with the GPTArchitecture fields.
         tp, pp, vpp: the layout.
+        first, last: layers of the first / last pipeline stage (None: the even split).
         architecture_file: where `arch` was read from (a checkpoint's architecture.json), or
             None when it is the config's own: the message then names the layout key the user
             can change and the file that fixes the shape, instead of the model.* key.
@@ -74,10 +78,12 @@ def check_layout(
         )
         stages = pp * (vpp or 1)
         what = f"PP x VPP = {pp} x {vpp}" if vpp else str(pp)
+        check_pipeline_split(arch.num_layers, pp, vpp, first, last, where)
         need(
-            arch.num_layers % stages == 0,
+            first is not None or last is not None or arch.num_layers % stages == 0,
             vpp_key if vpp else pp_key,
-            f"{what} does not divide the {arch.num_layers} layers{where}",
+            f"{what} does not divide the {arch.num_layers} layers{where} (or set "
+            "model.num_layers_in_first_pipeline_stage / _last_ for an uneven split)",
         )
         return
     need(
@@ -90,7 +96,9 @@ def check_layout(
         "model.num_query_groups",
         f"{groups} query groups not divisible by TP={tp}",
     )
-    if vpp is not None:
+    if first is not None or last is not None:
+        check_pipeline_split(arch.num_layers, pp, vpp, first, last)
+    elif vpp is not None:
         need(
             arch.num_layers % (pp * vpp) == 0,
             "model.num_layers",
@@ -100,7 +108,8 @@ def check_layout(
         need(
             arch.num_layers % pp == 0,
             "model.num_layers",
-            f"{arch.num_layers} layers not divisible by PP={pp}",
+            f"{arch.num_layers} layers not divisible by PP={pp} (or set "
+            "model.num_layers_in_first_pipeline_stage / _last_ for an uneven split)",
         )
 
 

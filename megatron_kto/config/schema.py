@@ -385,6 +385,12 @@ class ModelConfig(ArchitectureFields):
     """PP degree."""
     virtual_pipeline_model_parallel_size: int | None = None
     """Model chunks per pipeline rank (interleaved schedule)."""
+    num_layers_in_first_pipeline_stage: int | None = None
+    """Layers of the first pipeline stage (megatron's key); None = the even split. With it (or
+    the last stage's count) the other stages share the remaining layers evenly, so layer
+    counts PP does not divide (DeepSeek-V3's 61) can be pipelined."""
+    num_layers_in_last_pipeline_stage: int | None = None
+    """Layers of the last pipeline stage (megatron's key); None = the even split."""
     context_parallel_size: int = 1
     """CP degree (NeMo's key): every row is split along the sequence over this many ranks
     (world = TP x PP x CP x DP); weights are not sharded by it, so checkpoints move freely

@@ -18,6 +18,7 @@ from megatron_kto.config.model_checks import (
     check_linear_attention,
     check_router_loss,
 )
+from megatron_kto.config.pipeline_split import chunk_sizes
 from megatron_kto.losses.dpo_types import (
     NO_REFERENCE,
     DPOLossConfigError,
@@ -121,7 +122,7 @@ def validate(
     _check_trainer(cfg.trainer, world_size)
     dp = _check_parallel_layout(cfg, world_size, architecture_file)
     _check_batches(m, dp)
-    _check_recompute(m, layers_per_chunk=m.num_layers // _model_chunks(m))
+    _check_recompute(m)
     attention_choice(cfg)
     _check_data(m, architecture_file)
     _check_optimizer(m.optim)
@@ -133,9 +134,14 @@ def validate(
     check_latent_attention(m)
 
 
-def _model_chunks(m: Any) -> int:
-    """Model chunks over the pipeline: PP x VPP."""
-    return m.pipeline_model_parallel_size * (m.virtual_pipeline_model_parallel_size or 1)
+def _split(m: Any) -> tuple[int, int | None, int | None, int | None]:
+    """PP, VPP and the first / last stages' layer counts."""
+    return (
+        m.pipeline_model_parallel_size,
+        m.virtual_pipeline_model_parallel_size,
+        m.num_layers_in_first_pipeline_stage,
+        m.num_layers_in_last_pipeline_stage,
+    )
 
 
 def _check_trainer(t: Any, world_size: int) -> None:
@@ -176,7 +182,8 @@ def _check_parallel_layout(cfg: Any, world_size: int, architecture_file: str | N
         need(value >= 1, f"model.{key}", f"must be >= 1, got {value}")
     dp = data_parallel_size(cfg, world_size)
     check_architecture(m)
-    check_layout(m, tp, pp, vpp, architecture_file=architecture_file)
+    _, _, first, last = _split(m)
+    check_layout(m, tp, pp, vpp, first=first, last=last, architecture_file=architecture_file)
     # megatron-core spreads experts over the data- and context-parallel ranks together.
     check_expert_layout(
         m,
@@ -355,7 +362,16 @@ def _check_hf_output(e: Any, m: Any) -> None:
     need(e.save_hf_max_shard_mb > 0, "exp_manager.save_hf_max_shard_mb", "must be > 0")
 
 
-def _check_recompute(m: Any, layers_per_chunk: int) -> None:
+def _chunk_sizes(m: Any) -> list[int]:
+    """The layers of every model chunk: PP x VPP equal ones, or megatron-core's uneven split
+    (`pipeline_split.chunk_sizes`, which imports megatron-core: only then)."""
+    pp, vpp, first, last = _split(m)
+    if first is None and last is None:
+        return [m.num_layers // (pp * (vpp or 1))]
+    return chunk_sizes(m.num_layers, pp, vpp, first, last)
+
+
+def _check_recompute(m: Any) -> None:
     """Activation-recomputation keys (NeMo names) against megatron-core's rules."""
     granularity = m.activations_checkpoint_granularity
     need_one_of(
@@ -377,15 +393,17 @@ def _check_recompute(m: Any, layers_per_chunk: int) -> None:
         return
     need_one_of(method, "model.activations_checkpoint_method", (None, "uniform", "block"))
     method, num_layers = method or "uniform", num_layers or 1
+    sizes = _chunk_sizes(m)
+    layers_per_chunk = min(sizes)
     need(
         1 <= num_layers <= layers_per_chunk,
         "model.activations_checkpoint_num_layers",
         f"must be between 1 and the {layers_per_chunk} layers of each model chunk "
-        f"(num_layers / (PP x VPP)), got {num_layers}",
+        f"(the smallest; num_layers / (PP x VPP) when even), got {num_layers}",
     )
     need(
-        method != "uniform" or layers_per_chunk % num_layers == 0,
+        method != "uniform" or all(n % num_layers == 0 for n in sizes),
         "model.activations_checkpoint_num_layers",
-        f"with method 'uniform' it must divide the {layers_per_chunk} layers of each model "
-        f"chunk, got {num_layers}",
+        f"with method 'uniform' it must divide the layers of each model chunk "
+        f"({', '.join(map(str, sorted(set(sizes))))}), got {num_layers}",
     )

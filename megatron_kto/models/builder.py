@@ -98,6 +98,10 @@ class ParallelLayout:
     expert_tensor_parallel_size: int | None = None
     """Ranks each routed expert's linears are split over; None = tensor_model_parallel_size."""
     virtual_pipeline_model_parallel_size: int | None = None
+    num_layers_in_first_pipeline_stage: int | None = None
+    """Layers of the first (last) pipeline stage; None = megatron-core's even split. The model's
+    layers and their global `layer_number`s follow megatron-core's own offsets either way."""
+    num_layers_in_last_pipeline_stage: int | None = None
     sequence_parallel: bool = False
     precision: str = "32"
     """'32' (fp32 params and compute), 'bf16' or '16' (half-precision params and compute, fp32
@@ -177,6 +181,8 @@ def make_transformer_config(arch: GPTArchitecture, layout: ParallelLayout) -> Tr
         tensor_model_parallel_size=layout.tensor_model_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=layout.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=layout.num_layers_in_last_pipeline_stage,
         sequence_parallel=layout.sequence_parallel,
         context_parallel_size=layout.context_parallel_size,
         # Transformer Engine's context parallelism takes packed (THD) input only with "p2p"

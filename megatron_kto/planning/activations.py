@@ -338,9 +338,10 @@ def _in_flight(dims: ParallelDims, pp_rank: int, micro_batches: int) -> int:
     return min(micro_batches * v, 2 * (pp - pp_rank - 1) + (v - 1) * pp + 1)
 
 
-def _kept_per_chunk(arch, dims, x: ActivationInputs, layer: int) -> tuple[int, int]:
-    """(bytes a chunk keeps per micro-batch, layers live again during a recomputed backward)."""
-    layers = layers_per_chunk(arch, dims)
+def _kept_per_chunk(arch, dims, x: ActivationInputs, layer: int, pp_rank: int) -> tuple[int, int]:
+    """(bytes a chunk of `pp_rank` keeps per micro-batch, layers live again during a recomputed
+    backward)."""
+    layers = layers_per_chunk(arch, dims, pp_rank)
     sp = dims.tp if dims.sequence_parallel else 1
     checkpoint_input = x.tokens // sp * arch.hidden_size * ACT_BYTES[dims.precision]
     if x.recompute != "full":
@@ -394,7 +395,7 @@ def activation_bytes(
         for moe in kinds
         for linear in _attention_kinds(arch)
     )
-    per_chunk, recomputed = _kept_per_chunk(arch, dims, x, layer)
+    per_chunk, recomputed = _kept_per_chunk(arch, dims, x, layer, pp_rank)
     in_flight = _in_flight(dims, pp_rank, x.micro_batches)
     saved = in_flight * per_chunk
     if x.keep_pipeline_outputs and not (last and vpp == 1):

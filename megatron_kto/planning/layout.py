@@ -3,7 +3,8 @@
 
 **Valid layouts.** TP divides the attention heads, the query groups and a fixed padded vocabulary
 (`padded_vocab_size`, as a run on a Hugging Face model or a converted one has), TP ≤ GPUs per node
-(tensor-parallel collectives need NVLink); PP divides the layers; DP = N / (TP·PP) and the global
+(tensor-parallel collectives need NVLink); PP divides the layers, or else the first and last
+stages hold fewer layers than the others (`uneven_split`, shown as `PP (first/../last)`); DP = N / (TP·PP) and the global
 batch divides into micro-batches × DP. Sequence parallelism is on whenever TP > 1 (same
 communication volume, less activation memory), the distributed optimizer whenever DP > 1 (the
 same bytes as an all-reduce: a reduce-scatter plus an all-gather). Micro-batch 1, 2, 4, 8;
@@ -64,6 +65,7 @@ from megatron_kto.planning.model_state import (
     LoRAShape,
     ModelState,
     ParallelDims,
+    chunk_layer_range,
     model_state,
     rank_chunks,
 )
@@ -107,8 +109,11 @@ class Candidate:
     mfu: float
 
 
-def valid_parallel(arch: GPTArchitecture, cluster: Cluster) -> list[tuple[int, int, int]]:
-    """(TP, PP, DP) triples that the model and the cluster allow."""
+def valid_parallel(
+    arch: GPTArchitecture, cluster: Cluster
+) -> list[tuple[int, int, int, tuple[int, int] | None]]:
+    """(TP, PP, DP, uneven split) layouts that the model and the cluster allow; the split is
+    None for an even one, else `uneven_split`'s (first, last) stage layer counts."""
     heads, groups = arch.num_attention_heads, arch.num_query_groups or arch.num_attention_heads
     out = []
     for tp in range(1, min(8, cluster.gpus_per_node, cluster.gpus) + 1):
@@ -117,10 +122,27 @@ def valid_parallel(arch: GPTArchitecture, cluster: Cluster) -> list[tuple[int, i
         if arch.padded_vocab_size is not None and arch.padded_vocab_size % tp:
             continue  # the embedding rows must split over TP (config.layout refuses the run)
         for pp in range(1, arch.num_layers + 1):
-            if arch.num_layers % pp or cluster.gpus % (tp * pp):
+            if cluster.gpus % (tp * pp):
                 continue
-            out.append((tp, pp, cluster.gpus // (tp * pp)))
+            split = None if arch.num_layers % pp == 0 else uneven_split(arch.num_layers, pp)
+            if arch.num_layers % pp == 0 or split is not None:
+                out.append((tp, pp, cluster.gpus // (tp * pp), split))
     return out
+
+
+def uneven_split(num_layers: int, pp: int) -> tuple[int, int] | None:
+    """(first, last) stage layer counts for `num_layers` that PP does not divide, or None when
+    there is none: every middle stage holds ceil(layers / PP), the first stage as many or what
+    is left but one, the last stage (which also holds the output layer and loss) the rest; e.g.
+    DeepSeek-V3's 61 layers at PP16: 4, 14 x 4, 1 (Megatron-LM's recipe)."""
+    if pp < 2:
+        return None
+    per_stage = -(-num_layers // pp)
+    ends = num_layers - per_stage * (pp - 2)
+    first = min(per_stage, ends - 1)
+    if first < 1:
+        return None
+    return first, ends - first
 
 
 def valid_expert_parallel(
@@ -188,7 +210,8 @@ def step_time(
     weights_io = passes * params_rank * e / hbm
     optim_io = 16 * trained / max(1, dims.dp if dims.distributed_optimizer else 1) / hbm
     memory = max(0.0, weights_io - compute) + optim_io
-    layers = arch.num_layers // dims.pp
+    stages = [chunk_layer_range(arch, dims, rank) for rank in range(dims.pp)]  # VPP: unplanned
+    layers = max(len(stage) for stage in stages)
     t_bytes = x.tokens * arch.hidden_size * e
     tp_comm = 0.0
     if dims.tp > 1:
@@ -200,7 +223,7 @@ def step_time(
         pp_comm = x.micro_batches * 4 * t_bytes / link
         bubble = (dims.pp - 1) / x.micro_batches * (compute + tp_comm)
     ep_comm = 0.0
-    moe_layers = sum(arch.is_moe_layer(i) for i in range(arch.num_layers)) // dims.pp
+    moe_layers = max(sum(arch.is_moe_layer(i) for i in stage) for stage in stages)
     if moe_layers and dims.ep * dims.expert_tp > 1:
         # Dispatch and combine all-to-alls over EP of the t/sp·k token copies, gathered and
         # reduce-scattered over ETP; forward passes and the backward (twice).
@@ -252,13 +275,13 @@ def candidates(
     references = REFERENCES if lora is None else LORA_REFERENCES
     out = []
     layouts = [
-        (tp, pp, dp, ep, etp)
-        for tp, pp, dp in valid_parallel(arch, cluster)
+        (tp, pp, dp, ep, etp, split)
+        for tp, pp, dp, split in valid_parallel(arch, cluster)
         for ep, etp in valid_expert_parallel(arch, cluster, tp, pp, dp)
     ]
     states: dict[ParallelDims, dict[tuple[int, int], ModelState]] = {}
     experts: dict[ParallelDims, int] = {}
-    for (tp, pp, dp, ep, etp), mbs, recompute, reference in itertools.product(
+    for (tp, pp, dp, ep, etp, split), mbs, recompute, reference in itertools.product(
         layouts, MICRO_BATCHES, RECOMPUTE, references
     ):
         if global_batch % (mbs * dp):
@@ -272,6 +295,8 @@ def candidates(
             distributed_optimizer=dp > 1 or dp * tp // ((etp or tp) * ep) > 1,
             ep=ep,
             etp=etp,
+            first=split and split[0],
+            last=split and split[1],
         )
         if dims not in states:  # the same for every micro-batch, recomputation and reference
             states[dims] = rank_states(arch, dims, lora=lora)
@@ -317,8 +342,9 @@ def format_candidates(
     fitting = [c for c in found if c.fits]
     for c in (fitting or sorted(found, key=lambda c: c.plan.peak))[:top]:
         d = c.dims
+        pp = f"{d.pp}" if d.first is None else f"{d.pp} ({d.first}/../{d.last})"
         lines.append(
-            f"| {d.tp} | {d.pp} | {d.dp} | {'on' if d.sequence_parallel else 'off'} | "
+            f"| {d.tp} | {pp} | {d.dp} | {'on' if d.sequence_parallel else 'off'} | "
             f"{c.micro_batch} | {c.recompute or 'none'} | {c.reference} | "
             f"{'on' if d.distributed_optimizer else 'off'} | {c.plan.peak / GiB:.1f} | "
             f"{c.step_time:.2f} | {c.mfu:.2f} |" + (f" {d.ep} | {d.expert_tp} |" if moe else "")

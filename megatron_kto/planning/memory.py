@@ -185,6 +185,8 @@ def run_inputs(
         else max(1, int(m.optim.bucket_cap_mb * 2**20 / 4)),
         ep=m.expert_model_parallel_size,
         etp=m.expert_tensor_parallel_size,
+        first=m.num_layers_in_first_pipeline_stage,
+        last=m.num_layers_in_last_pipeline_stage,
     )
     loss = m.kto if algorithm == "kto" else m.dpo
     max_length = m.data.max_length or arch.encoder_seq_length

@@ -58,6 +58,7 @@ import math
 from dataclasses import dataclass, replace
 
 from megatron_kto.config.architecture import GPTArchitecture
+from megatron_kto.config.pipeline_split import check_pipeline_split, chunk_layers
 from megatron_kto.peft.targets import (
     check_moe_targets,
     projection_shape,
@@ -91,6 +92,11 @@ class ParallelDims:
     experts are spread over."""
     etp: int | None = None
     """Expert tensor parallelism (`model.expert_tensor_parallel_size`); None: TP."""
+    first: int | None = None
+    """Layers of the first pipeline stage (`model.num_layers_in_first_pipeline_stage`);
+    None: megatron-core's even split."""
+    last: int | None = None
+    """Layers of the last pipeline stage (`model.num_layers_in_last_pipeline_stage`)."""
 
     @property
     def world(self) -> int:
@@ -204,19 +210,25 @@ def _layer_params(
     return out
 
 
-def layers_per_chunk(arch: GPTArchitecture, dims: ParallelDims) -> int:
-    """Transformer layers in each model chunk (PP × VPP chunks share them evenly)."""
-    chunks = dims.pp * (dims.vpp or 1)
-    if arch.num_layers % chunks:
-        raise ValueError(f"{arch.num_layers} layers do not split into {chunks} pipeline chunks")
-    return arch.num_layers // chunks
+def chunk_layer_range(
+    arch: GPTArchitecture, dims: ParallelDims, pp_rank: int = 0, vp_stage: int = 0
+) -> range:
+    """Global indices of the chunk's layers: megatron-core's own offsets (`pipeline_split`)."""
+    check_pipeline_split(arch.num_layers, dims.pp, dims.vpp, dims.first, dims.last)
+    if dims.first is None and dims.last is None and arch.num_layers % (dims.pp * (dims.vpp or 1)):
+        raise ValueError(
+            f"{arch.num_layers} layers do not split into {dims.pp * (dims.vpp or 1)} pipeline "
+            "chunks"
+        )
+    return chunk_layers(
+        arch.num_layers, dims.pp, dims.vpp, pp_rank, vp_stage, dims.first, dims.last
+    )
 
 
-def _layer_offset(arch: GPTArchitecture, dims: ParallelDims, pp_rank: int, vp_stage: int) -> int:
-    """Global index of the chunk's first layer (megatron's even split)."""
-    per_chunk = layers_per_chunk(arch, dims)
-    vpp = dims.vpp or 1
-    return vp_stage * per_chunk * dims.pp + pp_rank * per_chunk if vpp > 1 else pp_rank * per_chunk
+def layers_per_chunk(arch: GPTArchitecture, dims: ParallelDims, pp_rank: int = 0) -> int:
+    """Transformer layers in each model chunk of pipeline rank `pp_rank` (its VPP chunks share
+    them evenly, uneven first / last stages included)."""
+    return len(chunk_layer_range(arch, dims, pp_rank))
 
 
 def lora_parameters(
@@ -270,9 +282,9 @@ def chunk_parameters(
         out.append(Param("embedding.word_embeddings.weight", vocab * h, tied and dims.pp > 1))
         if arch.position_embedding_type == "learned_absolute":
             out.append(Param("embedding.position_embeddings.weight", arch.encoder_seq_length * h))
-    offset = _layer_offset(arch, dims, pp_rank, vp_stage)
-    for i in range(layers_per_chunk(arch, dims)):
-        out.extend(_layer_params(arch, dims, f"decoder.layers.{i}.", offset + i))
+    layers = chunk_layer_range(arch, dims, pp_rank, vp_stage)
+    for i, index in enumerate(layers):
+        out.extend(_layer_params(arch, dims, f"decoder.layers.{i}.", index))
     if last:
         out.append(Param("decoder.final_layernorm.weight", h))
         if arch.normalization == "LayerNorm":
@@ -282,7 +294,6 @@ def chunk_parameters(
     if lora is None:
         return out
     frozen = [replace(p, trainable=False) for p in out]
-    layers = range(offset, offset + layers_per_chunk(arch, dims))
     return frozen + lora_parameters(arch, dims, lora, layers)
 
 
