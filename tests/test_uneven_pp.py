@@ -20,14 +20,14 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import family_parity as fp
 import pytest
 import torch
 from e2e_cli import KTO_SCRIPT, TOKENIZER, read_metrics, run_script
+from family_parity import RELATIVE, VOCAB, reference_logprobs
 from multirank import run_multirank
 from test_e2e_moe import _args as moe_args
-from test_glm4_moe import VOCAB, _reference_logprobs, _tokens
 
-RELATIVE = 1e-5
 #: model -> {layout: (PP, VPP, first, last)}
 LAYOUTS = {
     "llama": {"pp1": (1, None, None, None), "first1": (2, None, 1, None)},
@@ -91,7 +91,7 @@ def _save(directory: Path, config) -> torch.Tensor:
     save_sigmoid_routed(model, directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
-        return model(_tokens()).logits.float()
+        return model(fp.tokens()).logits.float()
 
 
 def _logprobs(arch, chunks) -> torch.Tensor | None:
@@ -103,7 +103,7 @@ def _logprobs(arch, chunks) -> torch.Tensor | None:
     from megatron_kto.models.logprobs import token_logprobs
     from megatron_kto.models.schedule import run_schedule
 
-    tokens = _tokens()
+    tokens = fp.tokens()
     rows, length = tokens.shape
     batch = {
         "tokens": tokens,
@@ -208,7 +208,7 @@ def test_uneven_stages_give_the_even_log_probs(stages, name, layout):
         assert result["planned"] == result["built"]
     got, even = ranks[1][name, layout]["logprobs"], ranks[0][name, "pp1"]["logprobs"]
     assert ranks[0][name, layout]["logprobs"] is None  # first stage: no head
-    want = _reference_logprobs(logits[name])
+    want = reference_logprobs(logits[name])
     for ours in (got, even):
         error = ((ours - want).abs() / want.abs().clamp(min=1.0)).max().item()
         print(f"{name} {layout}: max relative |Δ logp| vs transformers {error:.2e}")
