@@ -56,6 +56,23 @@ def test_vpp_is_part_of_the_layout(tmp_path) -> None:
         _check_reference_reproducible(_cfg(["model.pipeline_model_parallel_size=2"]), "kto", ckpt)
 
 
+def test_the_uneven_pipeline_split_is_part_of_the_layout(tmp_path) -> None:
+    """An uneven split (model.num_layers_in_first/last_pipeline_stage, read from the saved
+    config.yaml) places layers on other stages: resuming it evenly at the same PP is refused,
+    and so is the reverse."""
+    ckpt = _checkpoint(tmp_path, pp=2, vpp=None)
+    uneven = ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=1"]
+    (ckpt / files.CONFIG).write_text("model:\n  num_layers_in_first_pipeline_stage: 1\n")
+    _check_reference_reproducible(_cfg(uneven), "kto", ckpt)  # the same split
+    with pytest.raises(CheckpointError) as e:
+        _check_reference_reproducible(_cfg(uneven[:1]), "kto", ckpt)
+    assert "first/last stage layers 1/None, resuming with PP=2;" in str(e.value)
+    assert str(e.value).endswith("model.num_layers_in_first_pipeline_stage=1")
+    (ckpt / files.CONFIG).unlink()  # saved evenly (or before the keys existed)
+    with pytest.raises(CheckpointError, match="num_layers_in_first_pipeline_stage=null$"):
+        _check_reference_reproducible(_cfg(uneven), "kto", ckpt)
+
+
 @pytest.mark.parametrize(
     "overrides",
     [

@@ -114,22 +114,59 @@ def check_initialisation_reproducible(cfg: Any, ckpt_dir: Path | None) -> None:
     from megatron_kto.checkpointing import files
 
     saved = files.read_json(ckpt_dir / files.CHECKPOINT_META).get("layout", {})
-    keys = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
-    now = (m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size)
-    then = tuple(saved.get(k) for k in keys)
+    first, last = _saved_pipeline_split(ckpt_dir)
+    now = (
+        m.pipeline_model_parallel_size,
+        m.virtual_pipeline_model_parallel_size,
+        m.num_layers_in_first_pipeline_stage,
+        m.num_layers_in_last_pipeline_stage,
+    )
+    then = (
+        saved.get("pipeline_model_parallel_size"),
+        saved.get("virtual_pipeline_model_parallel_size"),
+        first,
+        last,
+    )
     if then != now:
+        names = (
+            "model.pipeline_model_parallel_size",
+            "model.virtual_pipeline_model_parallel_size",
+            "model.num_layers_in_first_pipeline_stage",
+            "model.num_layers_in_last_pipeline_stage",
+        )
 
-        def describe(pp: int | None, vpp: int | None) -> str:
-            return f"PP={pp}" + (f" VPP={vpp}" if vpp else "")
+        def describe(values: tuple) -> str:
+            pp, vpp, head, tail = values
+            split = (
+                f" first/last stage layers {head}/{tail}" if (head, tail) != (None, None) else ""
+            )
+            return f"PP={pp}" + (f" VPP={vpp}" if vpp else "") + split
 
-        hint = f"model.pipeline_model_parallel_size={then[0]}" + (
-            f" model.virtual_pipeline_model_parallel_size={then[1]}" if then[1] else ""
+        hint = " ".join(
+            f"{k}={'null' if v is None else v}"
+            for k, v, n in zip(names, then, now, strict=True)
+            if v is not None or n is not None
         )
         raise CheckpointError(
-            f"{ckpt_dir}: saved with {describe(*then)}, resuming with {describe(*now)}; without "
+            f"{ckpt_dir}: saved with {describe(then)}, resuming with {describe(now)}; without "
             "pretrained_checkpoint.restore_from_path the reference policy is the random "
             f"initialisation, which depends on the pipeline layout: resume with {hint}"
         )
+
+
+def _saved_pipeline_split(ckpt_dir: Path) -> tuple[int | None, int | None]:
+    """The first / last pipeline stage layer counts of the run that saved `ckpt_dir`, from its
+    config.yaml (None where it had an even split or predates the keys)."""
+    from omegaconf import OmegaConf
+
+    from megatron_kto.checkpointing import files
+
+    path = ckpt_dir / files.CONFIG
+    model = OmegaConf.load(path).get("model", {}) if path.is_file() else {}
+    return (
+        model.get("num_layers_in_first_pipeline_stage"),
+        model.get("num_layers_in_last_pipeline_stage"),
+    )
 
 
 class _InitialWeightsReference:
