@@ -143,7 +143,7 @@ def test_packing_is_on_by_default():
             ],
             1,
             "model.activations_checkpoint_num_layers",
-            "must divide the 6 layers",
+            "must divide the layers of each model chunk (6)",
         ),
         (
             [
