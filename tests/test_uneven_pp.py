@@ -220,6 +220,15 @@ def test_uneven_stages_give_the_even_log_probs(stages, name, layout):
 METRIC_RTOL, METRIC_ATOL, WEIGHT_ATOL = 1e-5, 5e-6, 1e-6
 COMPARED = ("rewards/", "logps/", "loss", "kl", "grad_norm")
 UNEVEN = ["model.pipeline_model_parallel_size=2", "model.num_layers_in_first_pipeline_stage=2"]
+#: LoRA on every multi-latent attention projection of the tiny model (no query bottleneck),
+#: adapters found by each layer's global number on the uneven stages.
+LORA = [
+    "model.peft.peft_scheme=lora",
+    "model.peft.lora_tuning.adapter_dim=4",
+    "model.peft.lora_tuning.alpha=16",
+    "model.peft.lora_tuning.target_modules=[q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj]",
+    "model.optim.lr=1e-3",
+]
 
 
 def _args(root: Path, log_dir: Path) -> list[str]:
@@ -236,7 +245,8 @@ def _args(root: Path, log_dir: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
     """{name: (metrics, hf/ weights)}: PP=1 and PP=2 (first=2) for 3 steps from the Hugging
-    Face directory; `resumed`: PP=1 from the PP=2 run's step-2 checkpoint to step 3."""
+    Face directory; `resumed`: PP=1 from the PP=2 run's step-2 checkpoint to step 3; the same
+    two layouts with LoRA on the attention (`lora_*`: hf/ is the PEFT adapter)."""
     from safetensors.torch import load_file
 
     from megatron_kto.data.tokenizers import load_tokenizer
@@ -251,6 +261,8 @@ def cli_runs(tmp_path_factory):
     shutil.copytree(root / "pp2" / "checkpoints" / "step_2", resumed / "step_2")
     (resumed / "latest").write_text("step_2\n")
     run_script(KTO_SCRIPT, _args(root, root / "resumed"), timeout=600)
+    run_script(KTO_SCRIPT, [*_args(root, root / "lora_pp1"), *LORA], timeout=600)
+    run_script(KTO_SCRIPT, [*_args(root, root / "lora_pp2"), *LORA, *UNEVEN], nproc=2, timeout=600)
     return {
         name: (
             read_metrics(root / name),  # PP=2 writes a shard per stage
@@ -260,7 +272,7 @@ def cli_runs(tmp_path_factory):
                 for k, v in load_file(f).items()
             },
         )
-        for name in ("pp1", "pp2", "resumed")
+        for name in ("pp1", "pp2", "resumed", "lora_pp1", "lora_pp2")
     }
 
 
@@ -348,3 +360,19 @@ def test_planner_splits_61_layers_as_megatron_lm():
     stages = [chunk_layer_range(arch, dims, rank) for rank in range(16)]
     assert [len(s) for s in stages] == [4] * 15 + [1]
     assert [i for s in stages for i in s] == list(range(61))
+
+
+@pytest.mark.e2e
+def test_lora_at_uneven_pp2_equals_pp1(cli_runs):
+    """LoRA on the MLA projections at PP=2 (first=2): every logged metric and every adapter
+    tensor of hf/ (A and B of each adapted projection of all 5 layers) equal PP=1's, and the
+    adapters moved well beyond the tolerance."""
+    want, reference = cli_runs["lora_pp1"]
+    got, adapters = cli_runs["lora_pp2"]
+    _same_rows(want, got)
+    assert adapters.keys() == reference.keys()
+    assert {k.split(".layers.")[1].split(".")[0] for k in adapters} == {"0", "1", "2", "3", "4"}
+    b = [k for k in reference if "lora_B" in k]
+    assert len(b) == 5 * 4 and min(reference[k].abs().max().item() for k in b) > 1e-4
+    for key in reference:
+        assert (adapters[key] - reference[key]).abs().max().item() <= WEIGHT_ATOL, key
