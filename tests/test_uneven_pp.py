@@ -48,30 +48,21 @@ STAGES = {
 
 
 def _deepseek_config(vocab: int):
-    from transformers import DeepseekV3Config
+    """hf_tiny's tiny DeepSeek-V3 with 5 layers (a dense first one), no query bottleneck and
+    plain RoPE, small enough for the stage splits below."""
+    from hf_tiny import tiny_sigmoid_routed_config
 
-    return DeepseekV3Config(
+    return tiny_sigmoid_routed_config(
+        "deepseek_v3",
+        vocab,
         num_hidden_layers=5,
-        first_k_dense_replace=1,
         hidden_size=32,
         intermediate_size=48,
         moe_intermediate_size=16,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        n_shared_experts=1,
         q_lora_rank=None,
-        kv_lora_rank=16,
         qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
         v_head_dim=8,
-        vocab_size=vocab,
-        max_position_embeddings=128,
         tie_word_embeddings=False,
-        num_nextn_predict_layers=0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
 
